@@ -1,0 +1,1 @@
+"""bstrain.configs: see README."""

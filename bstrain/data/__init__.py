@@ -1,0 +1,1 @@
+"""bstrain.data: see README."""

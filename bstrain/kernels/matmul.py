@@ -1,0 +1,381 @@
+"""Triton kernels for block-sparse matmul (bsmm) and their launchers.
+
+Notation: bs is the block size, C and K the input and output feature sizes, Cb = C/bs and
+Kb = K/bs the layout's shape, nnz the number of live blocks, W the (nnz, bs, bs) live blocks
+(block i maps input features of block-row c_i to output features of block-column k_i).
+
+Two kernels cover the three products on both activation layouts:
+
+* ``_bsmm_ds_kernel``: dense x sparse -> dense, ``out[M, n_out*bs] = A[M, n_in*bs] @ Wsparse``.
+  One program owns a BLOCK_M x bs output tile of one output block and walks that block's list of
+  (input block, weight block) entries. Forward uses the column lists (out = Y, A = X); dX uses
+  the row lists with each W block read transposed (out = dX, A = dY). feature_axis=0 is the same
+  product on transposed views, so it is only a matter of strides.
+* ``_bsmm_dw_kernel``: dW = Xᵀ·dY sampled on live blocks only. One program owns G live blocks of
+  one output column (they share the dY tile) and reduces over the M rows.
+
+Small blocks are packed: a forward step gathers G = KC/bs blocks into one KC-wide reduction, and a
+dW program stacks G blocks into one (G*bs)-row tile, so tl.dot always sees tensor-core shapes.
+Block 8 pads the output width to 16 (masked).
+
+Load balance: output blocks are visited heaviest first (longest-processing-time order) inside
+groups of GROUP_M row tiles, which also keeps each row tile of A in L2 while the columns sweep.
+When M is small the reduction is split over a second grid axis into an fp32 workspace.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+import triton
+import triton.language as tl
+
+BLOCK_SIZES = (8, 16, 32, 64, 128)
+_INT32_MAX = 2**31 - 1
+
+
+@triton.jit
+def _bsmm_ds_kernel(
+    A, W, Y, seg_ptr, seg_blk, seg_idx, order,
+    M, n_out, n_split,
+    stride_am, stride_ak, stride_wr, stride_wc, stride_ys, stride_ym, stride_yn,
+    BS: tl.constexpr, BS_PAD: tl.constexpr, G: tl.constexpr, SUB: tl.constexpr, KC: tl.constexpr,
+    BLOCK_M: tl.constexpr, GROUP_M: tl.constexpr, PRECISION: tl.constexpr,
+):
+    """A: (M, n_in*bs) by strides; W: (nnz, bs, bs); Y: (n_split, M, n_out*bs) by strides."""
+    pid = tl.program_id(0)
+    split = tl.program_id(1)
+    num_m = tl.cdiv(M, BLOCK_M)
+    width = GROUP_M * n_out
+    first_m = (pid // width) * GROUP_M
+    group_rows = tl.minimum(num_m - first_m, GROUP_M)
+    m_tile = first_m + (pid % width) % group_rows
+    col = tl.load(order + (pid % width) // group_rows)  # heaviest output blocks first
+    start = tl.load(seg_ptr + col)
+    count = tl.load(seg_ptr + col + 1) - start
+    if G == 1:
+        n_iter = count * SUB
+    else:
+        n_iter = tl.cdiv(count, G)
+    per_split = tl.cdiv(n_iter, n_split)
+    it_lo = split * per_split
+    it_hi = tl.minimum(it_lo + per_split, n_iter)
+
+    offs_m = m_tile * BLOCK_M + tl.arange(0, BLOCK_M)
+    mask_m = offs_m < M
+    t = tl.arange(0, KC)
+    n = tl.arange(0, BS_PAD)
+    mask_n = n < BS
+    acc = tl.zeros((BLOCK_M, BS_PAD), dtype=tl.float32)
+    for it in range(it_lo, it_hi):
+        if G == 1:  # one block per step, SUB steps per block
+            entry = start + it // SUB
+            rows = (it % SUB) * KC + t                           # (KC,) rows inside the block
+            blk = tl.load(seg_blk + entry)
+            idx = tl.load(seg_idx + entry)
+            valid = t < KC
+            w_off = idx * (BS * BS) + rows[:, None] * stride_wr
+        else:  # G blocks packed into one KC-wide step
+            entry = start + it * G + t // BS
+            valid = entry < start + count
+            rows = t % BS
+            blk = tl.load(seg_blk + entry, mask=valid, other=0)
+            idx = tl.load(seg_idx + entry, mask=valid, other=0)
+            w_off = idx[:, None] * (BS * BS) + rows[:, None] * stride_wr
+        k_off = blk * BS + rows
+        k_off = tl.max_contiguous(tl.multiple_of(k_off, KC // G), KC // G)
+        a = tl.load(A + offs_m[:, None] * stride_am + k_off[None, :] * stride_ak,
+                    mask=mask_m[:, None] & valid[None, :], other=0.0)        # (BLOCK_M, KC)
+        w = tl.load(W + w_off + n[None, :] * stride_wc,
+                    mask=valid[:, None] & mask_n[None, :], other=0.0)        # (KC, BS_PAD)
+        acc = tl.dot(a, w, acc, input_precision=PRECISION)
+    y_ptr = Y + split * stride_ys + offs_m[:, None] * stride_ym + (col * BS + n)[None, :] * stride_yn
+    tl.store(y_ptr, acc.to(Y.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
+
+
+@triton.jit
+def _bsmm_dw_kernel(
+    X, DY, DW, item_col, item_start, item_count, seg_blk, seg_idx,
+    N, n_split,
+    stride_xn, stride_xc, stride_dn, stride_dk, stride_ws,
+    BS: tl.constexpr, BS_PAD: tl.constexpr, G: tl.constexpr, BLOCK_N: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
+    """X: (N, C) by strides; DY: (N, K) by strides; DW: (n_split, nnz, bs, bs)."""
+    item = tl.program_id(0)
+    split = tl.program_id(1)
+    col = tl.load(item_col + item)
+    start = tl.load(item_start + item)
+    count = tl.load(item_count + item)
+    t = tl.arange(0, G * BS)
+    valid = t // BS < count
+    r = t % BS
+    blk = tl.load(seg_blk + start + t // BS, mask=valid, other=0)
+    idx = tl.load(seg_idx + start + t // BS, mask=valid, other=0)
+    c_off = tl.max_contiguous(tl.multiple_of(blk * BS + r, BS), BS)    # (G*BS,) input features
+    q = tl.arange(0, BS_PAD)
+    mask_q = q < BS
+    k_off = col * BS + q                                                 # (BS_PAD,) output features
+    per_split = tl.cdiv(tl.cdiv(N, BLOCK_N), n_split) * BLOCK_N
+    lo = split * per_split
+    hi = tl.minimum(lo + per_split, N)
+    nn = tl.arange(0, BLOCK_N)
+    acc = tl.zeros((G * BS, BS_PAD), dtype=tl.float32)
+    for n0 in range(lo, hi, BLOCK_N):
+        offs_n = n0 + nn
+        mask_nn = offs_n < hi
+        xt = tl.load(X + offs_n[None, :] * stride_xn + c_off[:, None] * stride_xc,
+                     mask=valid[:, None] & mask_nn[None, :], other=0.0)     # (G*BS, BLOCK_N)
+        dy = tl.load(DY + offs_n[:, None] * stride_dn + k_off[None, :] * stride_dk,
+                     mask=mask_nn[:, None] & mask_q[None, :], other=0.0)    # (BLOCK_N, BS_PAD)
+        acc = tl.dot(xt, dy, acc, input_precision=PRECISION)
+    out = DW + split * stride_ws + idx[:, None] * (BS * BS) + r[:, None] * BS + q[None, :]
+    tl.store(out, acc.to(DW.dtype.element_ty), mask=valid[:, None] & mask_q[None, :])
+
+
+# ---------------------------------------------------------------------------------------------
+# Lookup tables
+# ---------------------------------------------------------------------------------------------
+@dataclass
+class SegmentLut:
+    """Entries grouped by output block: entries ptr[j]:ptr[j+1] feed output block j.
+
+    blk: input block of each entry; idx: weight block of each entry; order: output blocks,
+    heaviest first; max_count: the longest list.
+    """
+    ptr: torch.Tensor    # (n_out + 1,) int32
+    blk: torch.Tensor    # (nnz,) int32
+    idx: torch.Tensor    # (nnz,) int32
+    order: torch.Tensor  # (n_out,) int32
+    max_count: int
+
+    @property
+    def n_out(self) -> int:
+        return self.order.numel()
+
+
+@dataclass
+class BsmmLuts:
+    """All tables of one layout on one device. Built once per (layout, device)."""
+    block_size: int
+    C: int
+    K: int
+    nnz: int
+    fwd: SegmentLut      # per output block-column k: (c, weight idx); also dW's source
+    bwd: SegmentLut      # per input block-row c: (k, weight idx); dX
+    _dw_items: dict = field(default_factory=dict)
+
+    def dw_items(self, group: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(column, first entry, count) of runs of up to ``group`` entries of one column."""
+        if group not in self._dw_items:
+            ptr = self.fwd.ptr.cpu().numpy()
+            cols, starts, counts = [], [], []
+            for k in range(len(ptr) - 1):
+                for s in range(int(ptr[k]), int(ptr[k + 1]), group):
+                    cols.append(k)
+                    starts.append(s)
+                    counts.append(min(group, int(ptr[k + 1]) - s))
+            dev = self.fwd.ptr.device
+            self._dw_items[group] = tuple(
+                torch.tensor(v, dtype=torch.int32, device=dev) for v in (cols, starts, counts))
+        return self._dw_items[group]
+
+
+def _segment_lut(out_of_entry: np.ndarray, in_of_entry: np.ndarray, n_out: int,
+                 device: torch.device) -> SegmentLut:
+    weight_idx = np.arange(out_of_entry.size)
+    perm = np.lexsort((in_of_entry, out_of_entry))            # by output block, then input block
+    counts = np.bincount(out_of_entry, minlength=n_out)
+    ptr = np.concatenate([[0], np.cumsum(counts)])
+    order = np.argsort(-counts, kind="stable")
+
+    def as_t(v):
+        return torch.as_tensor(np.ascontiguousarray(v), dtype=torch.int32, device=device)
+    return SegmentLut(as_t(ptr), as_t(in_of_entry[perm]), as_t(weight_idx[perm]), as_t(order),
+                      int(counts.max(initial=0)))
+
+
+def make_luts(layout: np.ndarray, block_size: int, device: torch.device | str) -> BsmmLuts:
+    """Tables for a validated (Cb, Kb) bool layout; live blocks numbered row-major."""
+    c_idx, k_idx = np.nonzero(layout)
+    cb, kb = layout.shape
+    device = torch.device(device)
+    return BsmmLuts(block_size, cb * block_size, kb * block_size, int(c_idx.size),
+                    fwd=_segment_lut(k_idx, c_idx, kb, device),
+                    bwd=_segment_lut(c_idx, k_idx, cb, device))
+
+
+# ---------------------------------------------------------------------------------------------
+# Launch configurations
+# ---------------------------------------------------------------------------------------------
+# Chosen per block size from a sweep on an H200 (scripts/bench_matmul.py --sweep).
+# ds: (BLOCK_M, KC, num_warps, num_stages); dw: (BLOCK_N, G, num_warps, num_stages)
+_GPU_DS = {8: (128, 64, 4, 4), 16: (128, 64, 4, 4), 32: (128, 64, 4, 4),
+           64: (128, 64, 4, 4), 128: (128, 64, 8, 3)}
+_GPU_DS_SMALL_M = {bs: (64, cfg[1], 4, cfg[3]) for bs, cfg in _GPU_DS.items()}
+_GPU_DW = {8: (64, 16, 4, 3), 16: (64, 8, 4, 3), 32: (64, 4, 4, 3), 64: (64, 2, 8, 3),
+           128: (64, 1, 8, 3)}
+# Interpreter (CPU tensors): small tiles keep it quick; they still exercise packing and SUB > 1.
+_CPU_DS = {8: (32, 32, 4, 1), 16: (32, 32, 4, 1), 32: (32, 32, 4, 1), 64: (32, 64, 4, 1),
+           128: (32, 64, 4, 1)}
+_CPU_DW = {8: (16, 4, 4, 1), 16: (16, 2, 4, 1), 32: (16, 2, 4, 1), 64: (16, 1, 4, 1),
+           128: (16, 1, 4, 1)}
+GROUP_M = 8
+
+
+def ds_config(bs: int, M: int, device: torch.device) -> tuple[int, int, int, int]:
+    if device.type != "cuda":
+        return _CPU_DS[bs]
+    return _GPU_DS_SMALL_M[bs] if M <= 64 else _GPU_DS[bs]
+
+
+def dw_config(bs: int, device: torch.device) -> tuple[int, int, int, int]:
+    return _GPU_DW[bs] if device.type == "cuda" else _CPU_DW[bs]
+
+
+def _sm_count(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 1
+
+
+def _precision(dtype: torch.dtype) -> str:
+    if dtype == torch.float32 and not torch.backends.cuda.matmul.allow_tf32:
+        return "ieee"
+    return "tf32"  # ignored by tl.dot for 16-bit operands
+
+
+# ---------------------------------------------------------------------------------------------
+# Launchers
+# ---------------------------------------------------------------------------------------------
+_KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def _check_operands(name_a: str, a: torch.Tensor, w: torch.Tensor, luts: BsmmLuts) -> None:
+    if a.dtype not in _KERNEL_DTYPES:
+        raise TypeError(f"{name_a}: expected float32, float16 or bfloat16, got {a.dtype}")
+    if w.dtype != a.dtype:
+        raise TypeError(f"w: expected dtype {a.dtype} (same as {name_a}), got {w.dtype}")
+    if a.dim() != 2:
+        raise ValueError(f"{name_a}: expected a 2-D tensor, got shape {tuple(a.shape)}")
+    expect_w = (luts.nnz, luts.block_size, luts.block_size)
+    if tuple(w.shape) != expect_w:
+        raise ValueError(f"w: expected shape {expect_w}, got {tuple(w.shape)}")
+    if a.device != w.device or luts.fwd.ptr.device != a.device:
+        raise ValueError(f"{name_a}, w and the lookup tables must share one device, got "
+                         f"{a.device}, {w.device} and {luts.fwd.ptr.device}")
+    if a.numel() > _INT32_MAX or w.numel() > _INT32_MAX:
+        raise ValueError(f"{name_a}: tensors over 2**31 elements are not supported")
+
+
+def _rows_view(t: torch.Tensor, feature_axis: int) -> torch.Tensor:
+    """(N, F) view of an activation whatever its feature axis."""
+    return t if feature_axis == 1 else t.t()
+
+
+def _launch_ds(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, lut: SegmentLut, bs: int,
+               transpose_w: bool, split: int | None) -> None:
+    """out (M, n_out*bs) = a (M, n_in*bs) @ sparse; both given as (rows, features) views."""
+    M = a.shape[0]
+    if M == 0:
+        return
+    block_m, kc, warps, stages = ds_config(bs, M, a.device)
+    group = max(1, kc // bs)
+    sub = max(1, bs // kc)
+    num_m = triton.cdiv(M, block_m)
+    n_prog = num_m * lut.n_out
+    max_iter = lut.max_count * sub if group == 1 else triton.cdiv(lut.max_count, group)
+    if split is None:
+        split = max(1, min(triton.cdiv(2 * _sm_count(a.device), n_prog), max_iter)) if max_iter else 1
+    target = out if split == 1 else torch.empty((split,) + tuple(out.shape), device=a.device,
+                                                dtype=torch.float32)
+    ys = target.stride(0) if split > 1 else 0
+    ym, yn = (target.stride(1), target.stride(2)) if split > 1 else (out.stride(0), out.stride(1))
+    wr, wc = (1, bs) if transpose_w else (bs, 1)
+    _bsmm_ds_kernel[(n_prog, split)](
+        a, w, target, lut.ptr, lut.blk, lut.idx, lut.order,
+        M, lut.n_out, split,
+        a.stride(0), a.stride(1), wr, wc, ys, ym, yn,
+        BS=bs, BS_PAD=max(bs, 16), G=group, SUB=sub, KC=kc, BLOCK_M=block_m, GROUP_M=GROUP_M,
+        PRECISION=_precision(a.dtype), num_warps=warps, num_stages=stages)
+    if split > 1:
+        torch.sum(target, dim=0, out=out) if out.dtype == torch.float32 else out.copy_(target.sum(0))
+
+
+def _alloc_out(out: torch.Tensor | None, shape: tuple[int, int], like: torch.Tensor,
+               dtype: torch.dtype | None = None) -> torch.Tensor:
+    dtype = dtype or like.dtype
+    if out is None:
+        return torch.empty(shape, device=like.device, dtype=dtype)
+    if tuple(out.shape) != shape or out.dtype != dtype or out.device != like.device:
+        raise ValueError(f"out: expected {shape} {dtype} on {like.device}, got "
+                         f"{tuple(out.shape)} {out.dtype} on {out.device}")
+    return out
+
+
+def bsmm_forward(x: torch.Tensor, w: torch.Tensor, luts: BsmmLuts, feature_axis: int = 1,
+                 out: torch.Tensor | None = None, split: int | None = None) -> torch.Tensor:
+    """Y = X·W. x: (N, C) if feature_axis == 1 else (C, N); w: (nnz, bs, bs); returns (N, K) or (K, N)."""
+    _check_operands("x", x, w, luts)
+    xr = _rows_view(x, feature_axis)                                   # (N, C)
+    if xr.shape[1] != luts.C:
+        raise ValueError(f"x: expected {luts.C} features on axis {feature_axis}, got shape {tuple(x.shape)}")
+    n = xr.shape[0]
+    y = _alloc_out(out, (n, luts.K) if feature_axis == 1 else (luts.K, n), x)
+    _launch_ds(xr, w, _rows_view(y, feature_axis), luts.fwd, luts.block_size, False, split)
+    return y
+
+
+def bsmm_dx(dy: torch.Tensor, w: torch.Tensor, luts: BsmmLuts, feature_axis: int = 1,
+            out: torch.Tensor | None = None, split: int | None = None) -> torch.Tensor:
+    """dX = dY·Wᵀ: the same product over the transposed layout. dy: (N, K) or (K, N)."""
+    _check_operands("dy", dy, w, luts)
+    dyr = _rows_view(dy, feature_axis)                                 # (N, K)
+    if dyr.shape[1] != luts.K:
+        raise ValueError(f"dy: expected {luts.K} features on axis {feature_axis}, got shape {tuple(dy.shape)}")
+    n = dyr.shape[0]
+    dx = _alloc_out(out, (n, luts.C) if feature_axis == 1 else (luts.C, n), dy)
+    _launch_ds(dyr, w, _rows_view(dx, feature_axis), luts.bwd, luts.block_size, True, split)
+    return dx
+
+
+def bsmm_dw(x: torch.Tensor, dy: torch.Tensor, luts: BsmmLuts, feature_axis: int = 1,
+            dw_dtype: torch.dtype = torch.float32, out: torch.Tensor | None = None,
+            split: int | None = None) -> torch.Tensor:
+    """dW = Xᵀ·dY on live blocks only; returns (nnz, bs, bs) in dw_dtype (fp32 accumulation)."""
+    bs = luts.block_size
+    _check_operands("x", x, _shape_only_w(luts, x), luts)
+    if dy.dtype != x.dtype or dy.device != x.device:
+        raise TypeError(f"dy: expected {x.dtype} on {x.device} (like x), got {dy.dtype} on {dy.device}")
+    xr, dyr = _rows_view(x, feature_axis), _rows_view(dy, feature_axis)   # (N, C), (N, K)
+    if xr.shape[1] != luts.C or dyr.shape != (xr.shape[0], luts.K):
+        raise ValueError(f"x, dy: expected (N, {luts.C}) and (N, {luts.K}) on feature axis "
+                         f"{feature_axis}, got {tuple(x.shape)} and {tuple(dy.shape)}")
+    if dw_dtype not in _KERNEL_DTYPES:
+        raise TypeError(f"dw_dtype: expected float32, float16 or bfloat16, got {dw_dtype}")
+    dw = _alloc_out(out, (luts.nnz, bs, bs), x, dw_dtype)
+    n = xr.shape[0]
+    block_n, group, warps, stages = dw_config(bs, x.device)
+    cols, starts, counts = luts.dw_items(group)
+    if split is None:
+        split = max(1, min(triton.cdiv(2 * _sm_count(x.device), cols.numel()), triton.cdiv(n, 4 * block_n)))
+    target = dw if split == 1 else torch.empty((split, luts.nnz, bs, bs), device=x.device,
+                                               dtype=torch.float32)
+    if n == 0 or cols.numel() == 0:
+        dw.zero_()
+        return dw
+    _bsmm_dw_kernel[(cols.numel(), split)](
+        xr, dyr, target, cols, starts, counts, luts.fwd.blk, luts.fwd.idx,
+        n, split, xr.stride(0), xr.stride(1), dyr.stride(0), dyr.stride(1),
+        target.stride(0) if split > 1 else 0,
+        BS=bs, BS_PAD=max(bs, 16), G=group, BLOCK_N=block_n, PRECISION=_precision(x.dtype),
+        num_warps=warps, num_stages=stages)
+    if split > 1:
+        torch.sum(target, dim=0, out=dw) if dw.dtype == torch.float32 else dw.copy_(target.sum(0))
+    return dw
+
+
+def _shape_only_w(luts: BsmmLuts, like: torch.Tensor) -> torch.Tensor:
+    """A zero-stride stand-in with W's shape, dtype and device, for the shared operand checks."""
+    return like.new_empty(()).expand(luts.nnz, luts.block_size, luts.block_size)

@@ -1,0 +1,229 @@
+"""Block-sparse matmul: the seed's ``BlocksparseMatMul`` on torch tensors, with autograd.
+
+``Y = X·W`` where W is a (C, K) matrix of which only the blocks named by a (C/bs, K/bs) layout are
+stored, as a (nnz, bs, bs) tensor in row-major layout order (see :mod:`bstrain.layout`).
+With ``feature_axis=1`` activations are (N, C) -> (N, K); with ``feature_axis=0`` they are
+(C, N) -> (K, N). The weight's meaning is the same on both axes: block i maps input features
+``c_i*bs:(c_i+1)*bs`` to output features ``k_i*bs:(k_i+1)*bs``.
+
+CUDA tensors run the Triton kernels of :mod:`bstrain.kernels.matmul`; CPU tensors run
+:func:`bsmm_ref`, a pure-PyTorch path that never forms the dense C x K matrix and supports
+float64 (so ``torch.autograd.gradcheck`` works). ``backend="triton"`` forces the kernels, which
+on CPU tensors needs ``TRITON_INTERPRET=1`` set before triton is imported.
+"""
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import torch
+
+from bstrain.layout import as_layout
+
+BLOCK_SIZES = (8, 16, 32, 64, 128)
+_FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
+_BACKENDS = ("auto", "triton", "torch")
+
+__all__ = ["BlocksparseMatMul", "bsmm_ref", "check_block_size", "BLOCK_SIZES"]
+
+
+def check_block_size(block_size) -> int:
+    if isinstance(block_size, bool) or not isinstance(block_size, (int, np.integer)) \
+            or int(block_size) not in BLOCK_SIZES:
+        raise ValueError(f"block_size: expected one of {BLOCK_SIZES}, got {block_size!r}")
+    return int(block_size)
+
+
+def bsmm_ref(x: torch.Tensor, w: torch.Tensor, c_idx: torch.Tensor, k_idx: torch.Tensor,
+             K: int, feature_axis: int = 1) -> torch.Tensor:
+    """Pure-PyTorch block-sparse matmul, differentiable, on live blocks only.
+
+    Args:
+        x: (N, C) if feature_axis == 1 else (C, N).
+        w: (nnz, bs, bs) live blocks, in x's dtype.
+        c_idx, k_idx: (nnz,) int64 layout coordinates of each block.
+        K: output features.
+    Returns (N, K) or (K, N). Works in chunks of blocks so no (N, nnz, bs) buffer grows past
+    about 16M elements, and no dense (C, K) matrix is formed.
+    """
+    bs = w.shape[-1]
+    xr = x if feature_axis == 1 else x.t()
+    n = xr.shape[0]
+    xb = xr.reshape(n, -1, bs)                                    # (N, Cb, bs)
+    y = xr.new_zeros(n, K // bs, bs)                              # (N, Kb, bs)
+    chunk = max(1, (1 << 24) // max(1, n * bs))
+    for s in range(0, w.shape[0], chunk):
+        part = torch.einsum("nbi,bij->nbj", xb[:, c_idx[s:s + chunk]], w[s:s + chunk])
+        y = y.index_add(1, k_idx[s:s + chunk], part)              # (N, Kb, bs)
+    y = y.reshape(n, K)
+    return y if feature_axis == 1 else y.t().contiguous()
+
+
+class _BlocksparseMatMulFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, w, op, dw_dtype):
+        from bstrain.kernels import matmul as kernels
+        luts = op.luts(x.device)
+        wk = w.to(x.dtype)                        # fp32 master weights meet 16-bit activations
+        ctx.save_for_backward(x, wk)
+        ctx.op, ctx.dw_dtype = op, dw_dtype
+        return kernels.bsmm_forward(x, wk, luts, op.feature_axis)
+
+    @staticmethod
+    def backward(ctx, dy):
+        from bstrain.kernels import matmul as kernels
+        x, wk = ctx.saved_tensors
+        op = ctx.op
+        luts = op.luts(x.device)
+        dy = dy.to(x.dtype)
+        dx = kernels.bsmm_dx(dy, wk, luts, op.feature_axis) if ctx.needs_input_grad[0] else None
+        dw = kernels.bsmm_dw(x, dy, luts, op.feature_axis, ctx.dw_dtype) if ctx.needs_input_grad[1] else None
+        return dx, dw, None, None
+
+
+class BlocksparseMatMul:
+    """The seed's block-sparse matmul op.
+
+    Args:
+        layout: (C/bs, K/bs) 0/1 array (numpy, torch or nested lists).
+        block_size: bs, one of 8, 16, 32, 64, 128.
+        feature_axis: 1 for (N, C) activations, 0 for (C, N).
+        backend: "auto" (Triton on CUDA, PyTorch on CPU), "triton" or "torch".
+
+    The weight is not owned by the op: several weights of ``w_shape`` may share one layout.
+    """
+
+    def __init__(self, layout, block_size: int = 32, feature_axis: int = 1, backend: str = "auto"):
+        self.layout = as_layout(layout)                          # (Cb, Kb) bool
+        self.block_size = check_block_size(block_size)
+        if feature_axis not in (0, 1) or isinstance(feature_axis, bool):
+            raise ValueError(f"feature_axis: expected 0 or 1, got {feature_axis!r}")
+        if backend not in _BACKENDS:
+            raise ValueError(f"backend: expected one of {_BACKENDS}, got {backend!r}")
+        self.feature_axis = feature_axis
+        self.backend = backend
+        cb, kb = self.layout.shape
+        self.C, self.K = cb * self.block_size, kb * self.block_size
+        c_idx, k_idx = np.nonzero(self.layout)                   # row-major block order
+        self.blocks = int(c_idx.size)
+        self._coords = torch.as_tensor(np.stack([c_idx, k_idx]), dtype=torch.int64)  # (2, nnz)
+        self._luts: dict = {}                                     # device -> BsmmLuts
+        self._ref_idx: dict = {}                                  # device -> (c_idx, k_idx)
+
+    # --- shapes ---------------------------------------------------------------------------
+    @property
+    def w_shape(self) -> tuple[int, int, int]:
+        return (self.blocks, self.block_size, self.block_size)
+
+    def i_shape(self, N: int) -> tuple[int, int]:
+        return (N, self.C) if self.feature_axis == 1 else (self.C, N)
+
+    def o_shape(self, N: int) -> tuple[int, int]:
+        return (N, self.K) if self.feature_axis == 1 else (self.K, N)
+
+    def block_coord(self, i: int) -> tuple[int, int]:
+        """(c, k) layout coordinates of weight block i."""
+        if not -self.blocks <= i < self.blocks:
+            raise IndexError(f"i: expected a block index in [0, {self.blocks}), got {i}")
+        return int(self._coords[0, i]), int(self._coords[1, i])
+
+    @property
+    def density(self) -> float:
+        return float(self.layout.mean())
+
+    # --- initialisers ----------------------------------------------------------------------
+    def identity_init(self, gpu: bool = False) -> torch.Tensor:
+        """float32 (nnz, bs, bs): eye on diagonal blocks, zeros elsewhere (the dense identity's blocks)."""
+        device = "cuda" if gpu else "cpu"
+        w = torch.zeros(self.w_shape, dtype=torch.float32, device=device)
+        diag = (self._coords[0] == self._coords[1]).to(device)
+        w[diag] = torch.eye(self.block_size, device=device)
+        return w
+
+    def ortho_init(self, gpu: bool = False, generator: torch.Generator | None = None) -> torch.Tensor:
+        """float32 (nnz, bs, bs): an independent random orthogonal matrix in each block."""
+        g = torch.randn(self.w_shape, dtype=torch.float64, generator=generator)
+        q, r = torch.linalg.qr(g)
+        q = q * torch.sign(torch.diagonal(r, dim1=-2, dim2=-1)).unsqueeze(-2)  # Haar-uniform
+        return q.float().to("cuda" if gpu else "cpu")
+
+    def l2_normalize(self, W: torch.Tensor, gain: torch.Tensor | None = None,
+                     epsilon: float = 1e-6) -> torch.Tensor:
+        """Scales each output unit's incoming weights (dense column k) to unit L2 norm, or gain[k].
+
+        W: (nnz, bs, bs); gain: (K,) or None. Differentiable; returns W's dtype.
+        """
+        self._check_w(W)
+        k_idx = self._coords[1].to(W.device)
+        sq = W.float().square().sum(dim=1)                                   # (nnz, bs)
+        col_sq = sq.new_zeros(self.K // self.block_size, self.block_size).index_add(0, k_idx, sq)
+        scale = torch.rsqrt(col_sq.clamp_min(epsilon))                       # (Kb, bs)
+        if gain is not None:
+            if tuple(gain.shape) != (self.K,):
+                raise ValueError(f"gain: expected shape ({self.K},), got {tuple(gain.shape)}")
+            scale = scale * gain.float().reshape(-1, self.block_size)
+        return (W.float() * scale[k_idx].unsqueeze(1)).to(W.dtype)
+
+    # --- apply -----------------------------------------------------------------------------
+    def luts(self, device: torch.device | str):
+        """Kernel lookup tables on ``device``, built on first use and cached."""
+        from bstrain.kernels.matmul import make_luts
+        device = torch.device(device)
+        if device not in self._luts:
+            self._luts[device] = make_luts(self.layout, self.block_size, device)
+        return self._luts[device]
+
+    def _check_w(self, W) -> None:
+        if not isinstance(W, torch.Tensor):
+            raise TypeError(f"W: expected a torch.Tensor, got {type(W).__name__}")
+        if tuple(W.shape) != self.w_shape:
+            raise ValueError(f"W: expected shape w_shape={self.w_shape}, got {tuple(W.shape)}")
+
+    def _check_call(self, I, W, dw_dtype) -> None:
+        if not isinstance(I, torch.Tensor):
+            raise TypeError(f"I: expected a torch.Tensor, got {type(I).__name__}")
+        self._check_w(W)
+        if I.dim() != 2 or I.shape[self.feature_axis] != self.C:
+            want = "(N, C)" if self.feature_axis == 1 else "(C, N)"
+            raise ValueError(f"I: expected shape {want} with C={self.C} (feature_axis="
+                             f"{self.feature_axis}), got {tuple(I.shape)}")
+        if I.dtype not in _FLOAT_DTYPES:
+            raise TypeError(f"I: expected float32, float16, bfloat16 or float64, got {I.dtype}")
+        if W.dtype != I.dtype and W.dtype != torch.float32:
+            raise TypeError(f"W: expected dtype {I.dtype} (as I) or float32 master weights, got {W.dtype}")
+        if I.device != W.device:
+            raise ValueError(f"W: expected device {I.device} (as I), got {W.device}")
+        if dw_dtype not in _FLOAT_DTYPES:
+            raise TypeError(f"dw_dtype: expected a floating torch.dtype, got {dw_dtype!r}")
+
+    def _use_kernels(self, I: torch.Tensor) -> bool:
+        if self.backend == "torch" or I.dtype == torch.float64:
+            if self.backend == "triton":
+                raise TypeError("I: the Triton backend supports float32, float16 and bfloat16, got float64")
+            return False
+        if self.backend == "triton":
+            if not I.is_cuda and os.environ.get("TRITON_INTERPRET") != "1":
+                raise ValueError(f"I: backend='triton' needs a CUDA tensor or TRITON_INTERPRET=1, "
+                                 f"got a tensor on {I.device}")
+            return True
+        return I.is_cuda
+
+    def __call__(self, I: torch.Tensor, W: torch.Tensor, dw_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """Y = I·W with autograd. I: i_shape(N); W: w_shape; returns o_shape(N) in I's dtype.
+
+        W may be I's dtype or float32 (master weights; cast on the fly). dw_dtype is the dtype the
+        kernel writes dW in (accumulation is fp32); autograd hands it on in W's dtype.
+        """
+        self._check_call(I, W, dw_dtype)
+        if self._use_kernels(I):
+            if dw_dtype == torch.float64:
+                raise TypeError("dw_dtype: the Triton backend writes float32, float16 or bfloat16, got float64")
+            return _BlocksparseMatMulFn.apply(I, W, self, dw_dtype)
+        if I.device not in self._ref_idx:
+            self._ref_idx[I.device] = (self._coords[0].to(I.device), self._coords[1].to(I.device))
+        c_idx, k_idx = self._ref_idx[I.device]
+        return bsmm_ref(I, W.to(I.dtype), c_idx, k_idx, self.K, self.feature_axis)
+
+    def __repr__(self) -> str:
+        return (f"BlocksparseMatMul(C={self.C}, K={self.K}, block_size={self.block_size}, "
+                f"blocks={self.blocks}, density={self.density:.3f}, feature_axis={self.feature_axis})")

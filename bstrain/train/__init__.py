@@ -1,0 +1,1 @@
+"""bstrain.train: see README."""
