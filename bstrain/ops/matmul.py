@@ -155,14 +155,15 @@ class BlocksparseMatMul:
         """
         self._check_w(W)
         k_idx = self._coords[1].to(W.device)
-        sq = W.float().square().sum(dim=1)                                   # (nnz, bs)
+        wf = W.to(torch.promote_types(W.dtype, torch.float32))               # fp32 math for 16-bit W
+        sq = wf.square().sum(dim=1)                                          # (nnz, bs)
         col_sq = sq.new_zeros(self.K // self.block_size, self.block_size).index_add(0, k_idx, sq)
         scale = torch.rsqrt(col_sq.clamp_min(epsilon))                       # (Kb, bs)
         if gain is not None:
             if tuple(gain.shape) != (self.K,):
                 raise ValueError(f"gain: expected shape ({self.K},), got {tuple(gain.shape)}")
-            scale = scale * gain.float().reshape(-1, self.block_size)
-        return (W.float() * scale[k_idx].unsqueeze(1)).to(W.dtype)
+            scale = scale * gain.to(wf.dtype).reshape(-1, self.block_size)
+        return (wf * scale[k_idx].unsqueeze(1)).to(W.dtype)
 
     # --- apply -----------------------------------------------------------------------------
     def luts(self, device: torch.device | str):

@@ -1,0 +1,67 @@
+"""nn.Modules that research code composes."""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import torch
+from torch import nn
+
+from bstrain import layout as layouts
+from bstrain.ops.matmul import BlocksparseMatMul, check_block_size
+
+__all__ = ["BlockSparseLinear"]
+
+
+class BlockSparseLinear(nn.Module):
+    """Linear layer with a block-sparse weight: y = x·W (+ b).
+
+    Args:
+        in_features, out_features: C and K, multiples of block_size.
+        layout: (C/bs, K/bs) 0/1 array; or None to draw a random layout of ``density``.
+        density: fraction of live blocks for the random layout (used only when layout is None).
+        block_size: 8, 16, 32, 64 or 128.
+        bias: add a learned (K,) bias.
+        feature_axis: 1 for (N, C) inputs, 0 for (C, N).
+        seed: seed of the random layout.
+    """
+
+    def __init__(self, in_features: int, out_features: int, layout=None, density: float | None = None,
+                 block_size: int = 32, bias: bool = True, feature_axis: int = 1, seed: int | None = None):
+        super().__init__()
+        bs = check_block_size(block_size)
+        for name, feat in (("in_features", in_features), ("out_features", out_features)):
+            if not isinstance(feat, int) or feat <= 0 or feat % bs:
+                raise ValueError(f"{name}: expected a positive multiple of block_size={bs}, got {feat!r}")
+        if layout is None:
+            if density is None:
+                raise ValueError("layout: expected a layout or a density, got neither")
+            layout = layouts.random((in_features // bs, out_features // bs), density, seed=seed)
+        lay = layouts.validate(layout, in_features, out_features, bs)
+        self.in_features, self.out_features = in_features, out_features
+        self.op = BlocksparseMatMul(lay, bs, feature_axis)
+        self.weight = nn.Parameter(torch.empty(self.op.w_shape))
+        self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
+        self.register_buffer("layout", torch.as_tensor(lay), persistent=True)
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        """Uniform(-1/sqrt(fan_in), 1/sqrt(fan_in)) with fan_in the mean live inputs per output."""
+        fan_in = max(1.0, float(np.asarray(self.op.layout).sum(0).mean()) * self.op.block_size)
+        bound = 1.0 / math.sqrt(fan_in)
+        nn.init.uniform_(self.weight, -bound, bound)
+        if self.bias is not None:
+            nn.init.uniform_(self.bias, -bound, bound)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x: (N, C) or (C, N); returns (N, K) or (K, N)."""
+        y = self.op(x, self.weight)
+        if self.bias is not None:
+            b = self.bias.to(y.dtype)
+            y = y + (b if self.op.feature_axis == 1 else b[:, None])
+        return y
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, "
+                f"block_size={self.op.block_size}, density={self.op.density:.3f}, "
+                f"feature_axis={self.op.feature_axis}, bias={self.bias is not None}")

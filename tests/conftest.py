@@ -1,0 +1,62 @@
+"""Shared test helpers: markers, device choice, the tolerance table and the closeness check.
+
+On a machine without CUDA the Triton kernels run in the interpreter on CPU tensors: set
+TRITON_INTERPRET=1 before anything imports triton.
+"""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+# Error floor per dtype, relative to the reference's largest magnitude. The kernel's error may be
+# at most 2x the error of the same product done by PyTorch in that dtype, plus this floor.
+TOL_FLOOR = {torch.float64: 1e-12, torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
+DTYPE_IDS = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16", torch.float64: "fp64"}
+
+
+def kernel_device() -> str:
+    """Where kernel tests run: the GPU when there is one, else the interpreter on CPU."""
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def kernel_dtypes() -> list:
+    """bf16 tl.dot is wrong in the interpreter, so bf16 kernel checks run on the GPU only."""
+    dts = [torch.float32, torch.float16]
+    return dts + [torch.bfloat16] if torch.cuda.is_available() else dts
+
+
+def assert_close(out: torch.Tensor, ref: torch.Tensor, base: torch.Tensor | None, dtype: torch.dtype,
+                 name: str = "out") -> None:
+    """out vs float64 ref; base is PyTorch's own result in ``dtype`` (None: floor only)."""
+    assert out.shape == ref.shape, f"{name}: shape {tuple(out.shape)} != {tuple(ref.shape)}"
+    out64, ref64 = out.detach().double().cpu(), ref.detach().double().cpu()
+    assert torch.isfinite(out64).all(), f"{name}: non-finite value at {_worst(~torch.isfinite(out64))}"
+    err = (out64 - ref64).abs()
+    scale = ref64.abs().max().item() or 1.0
+    allowed = TOL_FLOOR[dtype] * scale
+    if base is not None:
+        allowed += 2.0 * (base.detach().double().cpu() - ref64).abs().max().item()
+    worst = err.max().item() if err.numel() else 0.0
+    if worst > allowed:
+        i = _worst(err)
+        raise AssertionError(f"{name}: max error {worst:.3g} > allowed {allowed:.3g} at index {i}: "
+                             f"got {out64[i].item():.6g}, expected {ref64[i].item():.6g}")
+
+
+def _worst(t: torch.Tensor) -> tuple:
+    flat = int(t.double().flatten().argmax())
+    return tuple(int(v) for v in torch.unravel_index(torch.tensor(flat), t.shape))
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA device")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)

@@ -1,0 +1,170 @@
+"""Triton bsmm kernels against a float64 dense reference (interpreter on CPU, compiled on GPU)."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from tests.conftest import DTYPE_IDS, assert_close, kernel_device, kernel_dtypes
+
+kernels = pytest.importorskip("bstrain.kernels.matmul")
+
+BLOCK_SIZES = (8, 16, 32, 64, 128)
+
+
+def ragged_layout(cb: int, kb: int, seed: int) -> np.ndarray:
+    """Random layout with one empty block-row and one empty block-column."""
+    rng = np.random.default_rng(seed)
+    lay = rng.random((cb, kb)) < 0.6
+    lay[1, :] = False
+    lay[:, 2] = False
+    lay[0, 0] = lay[2, 1] = True
+    return lay
+
+
+def dense_weight(lay: np.ndarray, w: torch.Tensor) -> torch.Tensor:
+    """(C, K) float64 dense equivalent of the (nnz, bs, bs) live blocks."""
+    bs = w.shape[-1]
+    cb, kb = lay.shape
+    dense = torch.zeros(cb, bs, kb, bs, dtype=torch.float64)
+    c_idx, k_idx = np.nonzero(lay)
+    dense[c_idx, :, k_idx, :] = w.detach().double().cpu()
+    return dense.reshape(cb * bs, kb * bs)
+
+
+def torch_mm(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """PyTorch's own product in ``dtype``: the error baseline of the tolerance rule."""
+    return (a.to(dtype) @ b.to(dtype)).double()
+
+
+def make_case(bs, axis, dtype, n=37, cb=3, kb=5, seed=None):
+    seed = int(np.random.default_rng().integers(1 << 30)) if seed is None else seed
+    lay = ragged_layout(cb, kb, seed)
+    dev = kernel_device()
+    luts = kernels.make_luts(lay, bs, dev)
+    c, k = cb * bs, kb * bs
+    x = torch.randn((n, c) if axis == 1 else (c, n), device=dev).to(dtype)
+    dy = torch.randn((n, k) if axis == 1 else (k, n), device=dev).to(dtype)
+    w = (torch.randn(luts.nnz, bs, bs, device=dev) / bs**0.5).to(dtype)
+    return lay, luts, x, dy, w
+
+
+def rows(t, axis):
+    return (t if axis == 1 else t.t()).double().cpu()
+
+
+params = pytest.mark.parametrize
+DT = params("dtype", kernel_dtypes(), ids=lambda d: DTYPE_IDS[d])
+BS = params("bs", BLOCK_SIZES, ids=lambda b: f"bs{b}")
+AX = params("axis", (0, 1), ids=lambda a: f"axis{a}")
+
+
+@DT
+@BS
+@AX
+def test_forward(dtype, bs, axis):
+    lay, luts, x, _, w = make_case(bs, axis, dtype)
+    out = torch.full((x.shape[0], luts.K) if axis == 1 else (luts.K, x.shape[1]), float("nan"),
+                     device=x.device, dtype=dtype)                                  # poisoned
+    y = kernels.bsmm_forward(x, w, luts, axis, out=out)
+    wd = dense_weight(lay, w)
+    ref = rows(x, axis) @ wd
+    assert_close(rows(y, axis), ref, torch_mm(rows(x, axis), wd, dtype), dtype, "y")
+    assert (rows(y, axis)[:, 2 * bs:3 * bs] == 0).all(), "empty layout column must give zeros"
+
+
+@DT
+@BS
+@AX
+def test_dx(dtype, bs, axis):
+    lay, luts, _, dy, w = make_case(bs, axis, dtype)
+    out = torch.full((dy.shape[0], luts.C) if axis == 1 else (luts.C, dy.shape[1]), float("nan"),
+                     device=dy.device, dtype=dtype)
+    dx = kernels.bsmm_dx(dy, w, luts, axis, out=out)
+    wd = dense_weight(lay, w)
+    ref = rows(dy, axis) @ wd.t()
+    assert_close(rows(dx, axis), ref, torch_mm(rows(dy, axis), wd.t(), dtype), dtype, "dx")
+    assert (rows(dx, axis)[:, bs:2 * bs] == 0).all(), "empty layout row must give zero dx"
+
+
+@DT
+@BS
+@AX
+def test_dw(dtype, bs, axis):
+    lay, luts, x, dy, _ = make_case(bs, axis, dtype)
+    out = torch.full((luts.nnz, bs, bs), float("nan"), device=x.device)
+    dw = kernels.bsmm_dw(x, dy, luts, axis, torch.float32, out=out)
+    full = rows(x, axis).t() @ rows(dy, axis)                                        # (C, K)
+    base = torch_mm(rows(x, axis).t(), rows(dy, axis), dtype)
+    c_idx, k_idx = np.nonzero(lay)
+
+    def blocks(d):
+        return d.reshape(lay.shape[0], bs, lay.shape[1], bs)[c_idx, :, k_idx, :]
+    assert_close(dw, blocks(full), blocks(base), dtype, "dw")
+
+
+@params("split", (2, 3, 7), ids=lambda s: f"split{s}")
+@params("bs", (16, 128), ids=lambda b: f"bs{b}")
+@AX
+def test_split_reduction(split, bs, axis):
+    """The small-M path: the reduction split over a second grid axis into an fp32 workspace."""
+    dtype = torch.float16
+    lay, luts, x, dy, w = make_case(bs, axis, dtype, n=45)
+    wd = dense_weight(lay, w)
+    y = kernels.bsmm_forward(x, w, luts, axis, split=split)
+    assert_close(rows(y, axis), rows(x, axis) @ wd, torch_mm(rows(x, axis), wd, dtype), dtype, "y")
+    dx = kernels.bsmm_dx(dy, w, luts, axis, split=split)
+    assert_close(rows(dx, axis), rows(dy, axis) @ wd.t(), torch_mm(rows(dy, axis), wd.t(), dtype), dtype, "dx")
+    dw = kernels.bsmm_dw(x, dy, luts, axis, torch.float16, split=split)
+    c_idx, k_idx = np.nonzero(lay)
+    full = (rows(x, axis).t() @ rows(dy, axis)).reshape(lay.shape[0], bs, lay.shape[1], bs)
+    base = torch_mm(rows(x, axis).t(), rows(dy, axis), dtype).reshape(full.shape)
+    assert dw.dtype == torch.float16
+    assert_close(dw, full[c_idx, :, k_idx, :], base[c_idx, :, k_idx, :], dtype, "dw")
+
+
+def test_lut_orders_heaviest_first():
+    lay = np.zeros((4, 3), dtype=bool)
+    lay[:, 1] = True
+    lay[0, 0] = True
+    luts = kernels.make_luts(lay, 16, "cpu")
+    assert luts.fwd.order.tolist() == [1, 0, 2]
+    assert luts.fwd.ptr.tolist() == [0, 1, 5, 5]
+    assert luts.fwd.max_count == 4
+    cols, starts, counts = luts.dw_items(3)
+    assert list(zip(cols.tolist(), starts.tolist(), counts.tolist())) == [(0, 0, 1), (1, 1, 3), (1, 4, 1)]
+
+
+def test_launcher_rejects_bad_operands():
+    lay, luts, x, dy, w = make_case(16, 1, torch.float32, n=8)
+    with pytest.raises(TypeError, match="w: expected dtype"):
+        kernels.bsmm_forward(x, w.half(), luts)
+    with pytest.raises(ValueError, match="x: expected 48 features"):
+        kernels.bsmm_forward(x[:, :32], w, luts)
+    with pytest.raises(ValueError, match="w: expected shape"):
+        kernels.bsmm_forward(x, w[:-1], luts)
+    with pytest.raises(ValueError, match="out: expected"):
+        kernels.bsmm_forward(x, w, luts, out=torch.empty(3, 3, device=x.device))
+    with pytest.raises(TypeError, match="dy: expected"):
+        kernels.bsmm_dw(x, dy.half(), luts)
+
+
+@pytest.mark.gpu
+@params("dtype", (torch.float16, torch.bfloat16), ids=lambda d: DTYPE_IDS[d])
+@BS
+@AX
+@params("n", (64, 1000), ids=lambda n: f"n{n}")
+def test_gpu_sizes(dtype, bs, axis, n):
+    """Production tile configs (and the split path at n=64) on larger random layouts."""
+    cb = kb = 1024 // bs
+    lay, luts, x, dy, w = make_case(bs, axis, dtype, n=n, cb=cb, kb=kb)
+    wd = dense_weight(lay, w)
+    y = kernels.bsmm_forward(x, w, luts, axis)
+    assert_close(rows(y, axis), rows(x, axis) @ wd, torch_mm(rows(x, axis), wd, dtype), dtype, "y")
+    dx = kernels.bsmm_dx(dy, w, luts, axis)
+    assert_close(rows(dx, axis), rows(dy, axis) @ wd.t(), torch_mm(rows(dy, axis), wd.t(), dtype), dtype, "dx")
+    dw = kernels.bsmm_dw(x, dy, luts, axis)
+    c_idx, k_idx = np.nonzero(lay)
+    full = (rows(x, axis).t() @ rows(dy, axis)).reshape(cb, bs, kb, bs)[c_idx, :, k_idx, :]
+    base = torch_mm(rows(x, axis).t(), rows(dy, axis), dtype).reshape(cb, bs, kb, bs)[c_idx, :, k_idx, :]
+    assert_close(dw, full, base, dtype, "dw")

@@ -1,0 +1,205 @@
+"""BlocksparseMatMul: the seed API, autograd on both backends, initialisers and input checks."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from bstrain import layout as layouts
+from bstrain.ops.matmul import BlocksparseMatMul, bsmm_ref
+from tests.conftest import DTYPE_IDS, assert_close, kernel_device, kernel_dtypes
+from tests.kernels.test_matmul import dense_weight, ragged_layout, torch_mm
+
+
+def rows(t, axis):
+    return (t if axis == 1 else t.t()).double().cpu()
+
+
+def reference_grads(op, x, w, dy):
+    """float64 dense y, dx and per-block dw."""
+    wd = dense_weight(op.layout, w)
+    xr, dyr = rows(x, op.feature_axis), rows(dy, op.feature_axis)
+    full = xr.t() @ dyr
+    c_idx, k_idx = np.nonzero(op.layout)
+    cb, kb = op.layout.shape
+    bs = op.block_size
+    return xr @ wd, dyr @ wd.t(), full.reshape(cb, bs, kb, bs)[c_idx, :, k_idx, :], wd
+
+
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+@pytest.mark.parametrize("dtype", kernel_dtypes(), ids=lambda d: DTYPE_IDS[d])
+@pytest.mark.parametrize("bs", (8, 32, 64), ids=lambda b: f"bs{b}")
+@pytest.mark.parametrize("axis", (0, 1), ids=lambda a: f"axis{a}")
+def test_autograd_matches_reference(backend, dtype, bs, axis):
+    op = BlocksparseMatMul(ragged_layout(3, 5, seed=int(np.random.default_rng().integers(1 << 30))),
+                           bs, axis, backend=backend)
+    dev = kernel_device()
+    x = torch.randn(op.i_shape(29), device=dev).to(dtype).requires_grad_()
+    w = (torch.randn(op.w_shape, device=dev) / bs**0.5).to(dtype).requires_grad_()
+    y = op(x, w)
+    assert y.shape == op.o_shape(29) and y.dtype == dtype
+    dy = torch.randn_like(y)
+    y.backward(dy)
+    ref_y, ref_dx, ref_dw, wd = reference_grads(op, x, w, dy)
+    xr, dyr = rows(x, axis), rows(dy, axis)
+    assert_close(rows(y, axis), ref_y, torch_mm(xr, wd, dtype), dtype, "y")
+    assert_close(rows(x.grad, axis), ref_dx, torch_mm(dyr, wd.t(), dtype), dtype, "dx")
+    cb, kb = op.layout.shape
+    c_idx, k_idx = np.nonzero(op.layout)
+    base_dw = torch_mm(xr.t(), dyr, dtype).reshape(cb, bs, kb, bs)[c_idx, :, k_idx, :]
+    assert_close(w.grad, ref_dw, base_dw, dtype, "dw")
+
+
+@pytest.mark.parametrize("axis", (0, 1), ids=lambda a: f"axis{a}")
+def test_gradcheck_cpu_float64(axis):
+    op = BlocksparseMatMul(ragged_layout(3, 4, seed=3), 8, axis, backend="torch")
+    x = torch.randn(op.i_shape(5), dtype=torch.float64, requires_grad=True)
+    w = torch.randn(op.w_shape, dtype=torch.float64, requires_grad=True)
+    assert torch.autograd.gradcheck(op, (x, w))
+
+
+def test_two_weights_share_one_layout():
+    backend = "triton"
+    op = BlocksparseMatMul(layouts.random((4, 4), 0.5, seed=0), 16, backend=backend)
+    dev = kernel_device()
+    x = torch.randn(op.i_shape(20), device=dev)
+    w1, w2 = torch.randn(op.w_shape, device=dev), torch.randn(op.w_shape, device=dev)
+    y1, y2 = op(x, w1), op(x, w2)
+    for w, y in ((w1, y1), (w2, y2)):
+        wd = dense_weight(op.layout, w)
+        assert_close(y, x.double().cpu() @ wd, torch_mm(x.double().cpu(), wd, torch.float32), torch.float32)
+    assert len(op._luts) == 1, "lookup tables must be built once per device"
+
+
+def test_master_weights_fp32_with_fp16_activations():
+    op = BlocksparseMatMul(layouts.random((3, 3), 0.7, seed=1), 16, backend="triton")
+    dev = kernel_device()
+    x = torch.randn(op.i_shape(17), device=dev).half().requires_grad_()
+    w = torch.randn(op.w_shape, device=dev, requires_grad=True)               # fp32 master
+    y = op(x, w, dw_dtype=torch.float32)
+    assert y.dtype == torch.float16
+    y.float().sum().backward()
+    assert w.grad.dtype == torch.float32 and x.grad.dtype == torch.float16
+    _, _, ref_dw, _ = reference_grads(op, x, w.half(), torch.ones_like(y))
+    assert_close(w.grad, ref_dw, None, torch.float16, "dw")
+
+
+def test_cpu_fallback_never_builds_dense():
+    """A 65536 x 65536 weight at 1e-4 density: a dense path would need 17 GB."""
+    lay = np.zeros((2048, 2048), dtype=bool)
+    rng = np.random.default_rng(0)
+    lay[rng.integers(0, 2048, 400), rng.integers(0, 2048, 400)] = True
+    op = BlocksparseMatMul(lay, 32, backend="torch")
+    x = torch.randn(op.i_shape(3), requires_grad=True)
+    w = torch.randn(op.w_shape, requires_grad=True)
+    y = op(x, w)
+    y.sum().backward()
+    c, k = op.block_coord(0)
+    expect = x[:, c * 32:(c + 1) * 32] @ w[0] if op.layout[:, k].sum() == 1 else None
+    if expect is not None:
+        torch.testing.assert_close(y[:, k * 32:(k + 1) * 32], expect)
+    assert w.grad.shape == op.w_shape
+
+
+def test_shapes_and_block_coord():
+    lay = np.array([[1, 0, 1], [0, 1, 0]])
+    op = BlocksparseMatMul(lay, 8, feature_axis=0)
+    assert op.w_shape == (3, 8, 8)
+    assert op.i_shape(5) == (16, 5) and op.o_shape(5) == (24, 5)
+    assert [op.block_coord(i) for i in range(3)] == [(0, 0), (0, 2), (1, 1)]
+    op1 = BlocksparseMatMul(lay, 8, feature_axis=1)
+    assert op1.i_shape(5) == (5, 16) and op1.o_shape(5) == (5, 24)
+
+
+@pytest.mark.parametrize("axis", (0, 1))
+def test_identity_init_is_identity(axis):
+    lay = layouts.random((4, 4), 0.4, seed=2) | np.eye(4, dtype=bool)
+    op = BlocksparseMatMul(lay, 16, feature_axis=axis)
+    w = op.identity_init()
+    assert w.dtype == torch.float32 and w.device.type == "cpu"
+    x = torch.randn(op.i_shape(6))
+    torch.testing.assert_close(op(x, w), x)
+
+
+def test_ortho_init_blocks_are_orthogonal():
+    op = BlocksparseMatMul(layouts.random((3, 3), 0.6, seed=0), 32)
+    w = op.ortho_init()
+    eye = torch.eye(32).expand_as(w)
+    torch.testing.assert_close(w.transpose(1, 2) @ w, eye, atol=1e-5, rtol=0)
+
+
+def test_l2_normalize_columns_and_gain():
+    lay = layouts.random((4, 3), 0.6, seed=4)
+    op = BlocksparseMatMul(lay, 8)
+    w = torch.randn(op.w_shape, dtype=torch.float64, requires_grad=True)
+    gain = torch.rand(op.K, dtype=torch.float64) + 0.5
+    wn = op.l2_normalize(w, gain=gain)
+    norms = dense_weight(lay, wn).norm(dim=0)                                 # (K,)
+    live = torch.as_tensor(lay.any(0)).repeat_interleave(8)
+    torch.testing.assert_close(norms[live], gain[live])
+    torch.autograd.gradcheck(lambda t: op.l2_normalize(t, gain=gain), (w,))
+
+
+def test_bsmm_ref_axis0_matches_axis1():
+    lay = ragged_layout(3, 5, seed=7)
+    c_idx, k_idx = (torch.as_tensor(v) for v in np.nonzero(lay))
+    x = torch.randn(11, 48, dtype=torch.float64)
+    w = torch.randn(len(c_idx), 16, 16, dtype=torch.float64)
+    torch.testing.assert_close(bsmm_ref(x.t(), w, c_idx, k_idx, 80, 0), bsmm_ref(x, w, c_idx, k_idx, 80, 1).t())
+
+
+# --- bad input: a clear error naming the argument, before any kernel runs ---------------------
+LAY = np.array([[1, 0], [1, 1]])
+
+
+@pytest.mark.parametrize("kwargs, exc, match", [
+    (dict(layout=LAY, block_size=48), ValueError, "block_size: expected one of"),
+    (dict(layout=LAY, block_size=True), ValueError, "block_size"),
+    (dict(layout=[[0, 2], [1, 1]]), ValueError, "layout: expected only 0/1"),
+    (dict(layout=np.zeros((2, 2))), ValueError, "layout: expected at least one live block"),
+    (dict(layout=np.ones((2, 2, 2))), ValueError, "layout: expected a 2-D"),
+    (dict(layout=[["a", "b"]]), TypeError, "layout: expected a numeric"),
+    (dict(layout=LAY, feature_axis=2), ValueError, "feature_axis"),
+    (dict(layout=LAY, backend="cuda"), ValueError, "backend"),
+])
+def test_constructor_rejects(kwargs, exc, match):
+    with pytest.raises(exc, match=match):
+        BlocksparseMatMul(**kwargs)
+
+
+def _call(op, x, w, **kw):
+    return lambda: op(x, w, **kw)
+
+
+@pytest.mark.parametrize("case, exc, match", [
+    ("wrong_i_shape", ValueError, r"I: expected shape \(N, C\) with C=32"),
+    ("i_3d", ValueError, "I: expected shape"),
+    ("wrong_w_shape", ValueError, r"W: expected shape w_shape=\(3, 16, 16\)"),
+    ("dtype_mismatch", TypeError, "W: expected dtype torch.float16"),
+    ("int_input", TypeError, "I: expected float32"),
+    ("device_mismatch", ValueError, "W: expected device cpu"),
+    ("not_tensor", TypeError, "I: expected a torch.Tensor"),
+    ("bad_dw_dtype", TypeError, "dw_dtype"),
+])
+def test_call_rejects(case, exc, match):
+    op = BlocksparseMatMul(LAY, 16)
+    x, w = torch.randn(4, 32), torch.randn(op.w_shape)
+    call = {
+        "wrong_i_shape": _call(op, torch.randn(4, 48), w),
+        "i_3d": _call(op, torch.randn(4, 32, 1), w),
+        "wrong_w_shape": _call(op, x, torch.randn(2, 16, 16)),
+        "dtype_mismatch": _call(op, x.half(), w.bfloat16()),
+        "int_input": _call(op, x.int(), w),
+        "device_mismatch": _call(op, x, w.to("meta")),
+        "not_tensor": _call(op, x.numpy(), w),
+        "bad_dw_dtype": _call(op, x, w, dw_dtype=torch.int32),
+    }[case]
+    with pytest.raises(exc, match=match):
+        call()
+
+
+def test_triton_backend_on_cpu_without_interpreter(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    op = BlocksparseMatMul(LAY, 16, backend="triton")
+    with pytest.raises(ValueError, match="TRITON_INTERPRET"):
+        op(torch.randn(4, 32), torch.randn(op.w_shape))
