@@ -97,7 +97,7 @@ def bsr_times(lay, bs, M, dtype, w):
         return {"fwd": float("nan"), "dx": float("nan")}
 
 
-def ours_times(lay, bs, M, dtype, axis=1):
+def ours_times(lay, bs, M, dtype, axis=1, ops=("fwd", "dx", "dw")):
     luts = K.make_luts(lay, bs, "cuda")
     C, Kf = luts.C, luts.K
     shape_x = (M, C) if axis == 1 else (C, M)
@@ -109,52 +109,62 @@ def ours_times(lay, bs, M, dtype, axis=1):
     outs = {"y": torch.empty(shape_y, device="cuda", dtype=dtype),
             "dx": torch.empty(shape_x, device="cuda", dtype=dtype),
             "dw": torch.empty(luts.nnz, bs, bs, device="cuda", dtype=torch.float32)}
-    t = {"fwd": time_calls([lambda s=s: K.bsmm_forward(s[0], s[1], luts, axis, out=outs["y"]) for s in sets]),
-         "dx": time_calls([lambda s=s: K.bsmm_dx(s[2], s[1], luts, axis, out=outs["dx"]) for s in sets]),
-         "dw": time_calls([lambda s=s: K.bsmm_dw(s[0], s[2], luts, axis, out=outs["dw"]) for s in sets])}
+    fns = {"fwd": lambda s: K.bsmm_forward(s[0], s[1], luts, axis, out=outs["y"]),
+           "dx": lambda s: K.bsmm_dx(s[2], s[1], luts, axis, out=outs["dx"]),
+           "dw": lambda s: K.bsmm_dw(s[0], s[2], luts, axis, out=outs["dw"])}
+    t = {op: time_calls([lambda s=s, f=fns[op]: f(s) for s in sets]) for op in ops}
     return t, luts.nnz, sets[0][1]
 
 
+def _sweep_table(table, bs, cands, measure, label):
+    """Times each candidate config of ``table[bs]``, keeps the fastest there, returns it."""
+    results = []
+    for cfg in cands:
+        table[bs] = cfg
+        try:
+            results.append((measure(), cfg))
+        except Exception as exc:
+            print(f"  {label} bs={bs} {cfg} failed: {type(exc).__name__}: {str(exc)[:160]}")
+    results.sort(key=lambda r: r[0])
+    for t, cfg in results:
+        print(f"sweep {label} bs={bs} {tuple(cfg)} {t*1e3:.1f}us")
+    table[bs] = results[0][1]
+    return results[0][1]
+
+
 def sweep(out_dir):
-    """Tile configs per block size at M=8192, density 0.2, bf16; prints and saves the best."""
-    ds_cands = [(128, 64, 4, 4), (128, 64, 8, 3), (256, 64, 8, 3), (128, 32, 4, 4), (128, 128, 8, 3),
-                (64, 64, 4, 4), (256, 128, 8, 2), (256, 32, 8, 4)]
-    dw_cands = {128: [(64, 1, 8, 3), (32, 1, 8, 4), (128, 1, 8, 2), (64, 1, 4, 4)],
-                64: [(64, 2, 8, 3), (64, 1, 4, 4), (32, 2, 8, 4), (128, 2, 8, 2), (64, 4, 8, 3)],
-                32: [(64, 4, 4, 3), (64, 4, 8, 3), (64, 2, 4, 4), (32, 4, 4, 4), (128, 4, 8, 3), (64, 8, 8, 3)],
-                16: [(64, 8, 4, 3), (64, 8, 8, 3), (64, 4, 4, 4), (128, 8, 8, 3), (64, 16, 8, 3)],
-                8: [(64, 16, 4, 3), (64, 16, 8, 3), (64, 8, 4, 4), (128, 16, 8, 3)]}
+    """Tile configs per block size at density 0.2, bf16: M=8192 (fwd+dx, dw) and M=64 (fwd+dx)."""
+    D, W = K.DsConfig, K.DwConfig
+    big = {bs: [D(128, min(64, bs), 8, 3, True), D(128, min(64, bs), 4, 4, True), D(128, 32, 4, 4, True),
+                D(256, min(64, bs), 8, 3, True), D(128, min(128, bs), 8, 3, True), D(128, 32, 8, 5, True),
+                D(256, 32, 8, 4, True), D(128, 64, 8, 3, False)] for bs in (32, 64, 128)}
+    for bs in (8, 16):
+        big[bs] = [D(256, 64, 8, 3, False), D(128, 64, 4, 4, False), D(256, 128, 8, 3, False),
+                   D(128, 128, 8, 3, False)]
+    small = {bs: [D(64, min(64, bs), 4, 4, True), D(64, min(64, bs), 4, 6, True), D(64, 32, 4, 6, True),
+                  D(64, min(128, bs), 4, 3, True), D(64, 64, 4, 4, False)] for bs in (32, 64, 128)}
+    dw = {128: [W(64, 1, 8, 3, True), W(32, 1, 8, 4, True), W(128, 1, 8, 3, True), W(64, 1, 4, 4, True)],
+          64: [W(64, 1, 8, 3, True), W(64, 1, 4, 4, True), W(128, 1, 4, 3, True), W(32, 2, 8, 4, False),
+               W(128, 1, 8, 3, True)],
+          32: [W(64, 8, 8, 3, False), W(64, 4, 4, 3, False), W(128, 1, 4, 3, True), W(64, 1, 4, 4, True),
+               W(128, 4, 8, 3, False)],
+          16: [W(64, 8, 4, 3, False), W(64, 16, 8, 3, False), W(128, 8, 8, 3, False)],
+          8: [W(64, 16, 4, 3, False), W(64, 32, 8, 3, False), W(128, 16, 8, 3, False)]}
     best = {}
-    M, dtype = 8192, torch.bfloat16
     for bs in (128, 64, 32, 16, 8):
         lay = layouts.random((4096 // bs, 4096 // bs), 0.2, seed=0)
-        res = {"ds": [], "dw": []}
-        for cfg in ds_cands:
-            if cfg[1] > 128 or (cfg[1] < bs and bs % cfg[1]):
-                continue
-            K._GPU_DS[bs] = cfg
-            try:
-                t, _, _ = ours_times(lay, bs, M, dtype)
-                res["ds"].append((t["fwd"], t["dx"], cfg))
-            except Exception as exc:
-                print(f"  ds {bs} {cfg} failed: {type(exc).__name__}: {str(exc)[:100]}")
-        for cfg in dw_cands[bs]:
-            K._GPU_DW[bs] = cfg
-            try:
-                t, _, _ = ours_times(lay, bs, M, dtype)
-                res["dw"].append((t["dw"], cfg))
-            except Exception as exc:
-                print(f"  dw {bs} {cfg} failed: {type(exc).__name__}: {str(exc)[:100]}")
-        res["ds"].sort(key=lambda r: r[0] + r[1])
-        res["dw"].sort()
-        best[bs] = {"ds": res["ds"][0][2] if res["ds"] else None, "dw": res["dw"][0][1] if res["dw"] else None}
-        K._GPU_DS[bs], K._GPU_DW[bs] = best[bs]["ds"], best[bs]["dw"]
-        for r in res["ds"]:
-            print(f"sweep bs={bs} ds {r[2]} fwd {r[0]*1e3:.1f}us dx {r[1]*1e3:.1f}us")
-        for r in res["dw"]:
-            print(f"sweep bs={bs} dw {r[1]} {r[0]*1e3:.1f}us")
+        dtype = torch.bfloat16
+
+        def fwd_dx(M):
+            t, _, _ = ours_times(lay, bs, M, dtype, ops=("fwd", "dx"))
+            return t["fwd"] + t["dx"]
+        best[bs] = {"ds": _sweep_table(K.GPU_DS, bs, big[bs], lambda: fwd_dx(8192), "ds"),
+                    "dw": _sweep_table(K.GPU_DW, bs, dw[bs],
+                                       lambda: ours_times(lay, bs, 8192, dtype, ops=("dw",))[0]["dw"], "dw")}
+        if bs in small:
+            best[bs]["ds_small"] = _sweep_table(K.GPU_DS_SMALL_M, bs, small[bs], lambda: fwd_dx(64), "ds_small")
     with open(os.path.join(out_dir, "sweep.json"), "w") as f:
-        json.dump({str(k): v for k, v in best.items()}, f)
+        json.dump({str(k): {n: list(c) for n, c in v.items()} for k, v in best.items()}, f)
     print("best:", best)
 
 

@@ -25,11 +25,13 @@ When M is small the reduction is split over a second grid axis into an fp32 work
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import numpy as np
 import torch
 import triton
 import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 BLOCK_SIZES = (8, 16, 32, 64, 128)
 _INT32_MAX = 2**31 - 1
@@ -134,6 +136,88 @@ def _bsmm_dw_kernel(
     tl.store(out, acc.to(DW.dtype.element_ty), mask=valid[:, None] & mask_q[None, :])
 
 
+@triton.jit
+def _bsmm_ds_tma_kernel(
+    a_desc, w_desc, y_desc, seg_ptr, seg_blk, seg_idx, order,
+    M, n_out,
+    BS: tl.constexpr, BN: tl.constexpr, KC: tl.constexpr, BLOCK_M: tl.constexpr,
+    GROUP_M: tl.constexpr, TRANS_A: tl.constexpr, TRANS_W: tl.constexpr, PRECISION: tl.constexpr,
+):
+    """The ds product with tensor-memory-accelerator (TMA) loads, for blocks of 32 and up.
+
+    a_desc: A as (M, F_in), or (F_in, M) when TRANS_A; w_desc: W as (nnz*bs, bs); y_desc: Y as
+    (M, F_out), or (F_out, M) when TRANS_A. One program owns a BLOCK_M x BN slice of one output
+    block (BN < bs splits a block across programs when M is small). Out-of-range rows of M are
+    zero-filled on load and clipped on store, so no masks are needed.
+    """
+    SUB: tl.constexpr = BS // KC
+    NSUB: tl.constexpr = BS // BN
+    pid = tl.program_id(0)
+    num_m = tl.cdiv(M, BLOCK_M)
+    width = GROUP_M * n_out * NSUB
+    first_m = (pid // width) * GROUP_M
+    group_rows = tl.minimum(num_m - first_m, GROUP_M)
+    m0 = (first_m + (pid % width) % group_rows) * BLOCK_M
+    unit = (pid % width) // group_rows
+    col = tl.load(order + unit // NSUB)                      # heaviest output blocks first
+    n0 = (unit % NSUB) * BN
+    start = tl.load(seg_ptr + col)
+    n_iter = (tl.load(seg_ptr + col + 1) - start) * SUB
+    acc = tl.zeros((BLOCK_M, BN), dtype=tl.float32)
+    for it in range(0, n_iter):
+        entry = start + it // SUB
+        r0 = (it % SUB) * KC
+        blk = tl.load(seg_blk + entry)
+        idx = tl.load(seg_idx + entry)
+        if TRANS_A:
+            a = a_desc.load([blk * BS + r0, m0]).T            # (BLOCK_M, KC)
+        else:
+            a = a_desc.load([m0, blk * BS + r0])
+        if TRANS_W:
+            w = w_desc.load([idx * BS + n0, r0]).T            # (KC, BN)
+        else:
+            w = w_desc.load([idx * BS + r0, n0])
+        acc = tl.dot(a, w, acc, input_precision=PRECISION)
+    out = acc.to(y_desc.dtype)
+    if TRANS_A:
+        y_desc.store([col * BS + n0, m0], out.T)
+    else:
+        y_desc.store([m0, col * BS + n0], out)
+
+
+@triton.jit
+def _bsmm_dw_tma_kernel(
+    x_desc, dy_desc, dw_desc, item_col, item_start, seg_blk, seg_idx,
+    N, nnz, n_split,
+    BS: tl.constexpr, BLOCK_N: tl.constexpr, TRANS: tl.constexpr, PRECISION: tl.constexpr,
+):
+    """dW for one live block per program with TMA loads (G == 1).
+
+    x_desc, dy_desc: X (N, C) and dY (N, K), or (C, N) and (K, N) when TRANS; dw_desc: DW as
+    (n_split*nnz*bs, bs).
+    """
+    item = tl.program_id(0)
+    split = tl.program_id(1)
+    col = tl.load(item_col + item)
+    entry = tl.load(item_start + item)
+    blk = tl.load(seg_blk + entry)
+    idx = tl.load(seg_idx + entry)
+    # split ranges are whole multiples of BLOCK_N, so only the last tile crosses N: TMA zero-fills it
+    per_split = tl.cdiv(tl.cdiv(N, BLOCK_N), n_split) * BLOCK_N
+    lo = split * per_split
+    hi = tl.minimum(lo + per_split, N)
+    acc = tl.zeros((BS, BS), dtype=tl.float32)
+    for n0 in range(lo, hi, BLOCK_N):
+        if TRANS:
+            xt = x_desc.load([blk * BS, n0])                   # (BS, BLOCK_N)
+            dy = dy_desc.load([col * BS, n0]).T                # (BLOCK_N, BS)
+        else:
+            xt = x_desc.load([n0, blk * BS]).T
+            dy = dy_desc.load([n0, col * BS])
+        acc = tl.dot(xt, dy, acc, input_precision=PRECISION)
+    dw_desc.store([(split * nnz + idx) * BS, 0], acc.to(dw_desc.dtype))
+
+
 # ---------------------------------------------------------------------------------------------
 # Lookup tables
 # ---------------------------------------------------------------------------------------------
@@ -209,29 +293,49 @@ def make_luts(layout: np.ndarray, block_size: int, device: torch.device | str) -
 # ---------------------------------------------------------------------------------------------
 # Launch configurations
 # ---------------------------------------------------------------------------------------------
+class DsConfig(NamedTuple):
+    block_m: int   # rows of A per program
+    kc: int        # reduction width per step: part of a block (kc < bs) or kc/bs packed blocks
+    warps: int
+    stages: int
+    tma: bool      # TMA loads (needs kc <= bs); else pointer loads
+
+
+class DwConfig(NamedTuple):
+    block_n: int   # rows of the M reduction per step
+    group: int     # live blocks of one column stacked in one program
+    warps: int
+    stages: int
+    tma: bool      # TMA loads (needs group == 1)
+
+
 # Chosen per block size from a sweep on an H200 (scripts/bench_matmul.py --sweep).
-# ds: (BLOCK_M, KC, num_warps, num_stages); dw: (BLOCK_N, G, num_warps, num_stages)
-_GPU_DS = {8: (128, 64, 4, 4), 16: (128, 64, 4, 4), 32: (128, 64, 4, 4),
-           64: (128, 64, 4, 4), 128: (128, 64, 8, 3)}
-_GPU_DS_SMALL_M = {bs: (64, cfg[1], 4, cfg[3]) for bs, cfg in _GPU_DS.items()}
-_GPU_DW = {8: (64, 16, 4, 3), 16: (64, 8, 4, 3), 32: (64, 4, 4, 3), 64: (64, 2, 8, 3),
-           128: (64, 1, 8, 3)}
-# Interpreter (CPU tensors): small tiles keep it quick; they still exercise packing and SUB > 1.
-_CPU_DS = {8: (32, 32, 4, 1), 16: (32, 32, 4, 1), 32: (32, 32, 4, 1), 64: (32, 64, 4, 1),
-           128: (32, 64, 4, 1)}
-_CPU_DW = {8: (16, 4, 4, 1), 16: (16, 2, 4, 1), 32: (16, 2, 4, 1), 64: (16, 1, 4, 1),
-           128: (16, 1, 4, 1)}
+GPU_DS = {8: DsConfig(256, 64, 8, 3, False), 16: DsConfig(256, 64, 8, 3, False),
+          32: DsConfig(128, 32, 4, 4, True), 64: DsConfig(128, 64, 8, 3, True),
+          128: DsConfig(128, 64, 8, 3, True)}
+GPU_DS_SMALL_M = {bs: cfg._replace(block_m=64, warps=4) for bs, cfg in GPU_DS.items()}
+GPU_DW = {8: DwConfig(64, 16, 4, 3, False), 16: DwConfig(64, 8, 4, 3, False),
+          32: DwConfig(64, 8, 8, 3, False), 64: DwConfig(64, 1, 8, 3, True),
+          128: DwConfig(64, 1, 8, 3, True)}
+# Interpreter (CPU tensors): small tiles keep it quick; they cover packing, kc < bs and both load paths.
+CPU_DS = {8: DsConfig(32, 32, 4, 1, False), 16: DsConfig(32, 32, 4, 1, False),
+          32: DsConfig(32, 32, 4, 1, True), 64: DsConfig(32, 64, 4, 1, True),
+          128: DsConfig(32, 64, 4, 1, True)}
+CPU_DW = {8: DwConfig(16, 4, 4, 1, False), 16: DwConfig(16, 2, 4, 1, False),
+          32: DwConfig(16, 2, 4, 1, False), 64: DwConfig(16, 1, 4, 1, True),
+          128: DwConfig(16, 1, 4, 1, True)}
 GROUP_M = 8
+SMALL_M = 256  # at or below this many rows, tiles shrink to keep every multiprocessor busy
 
 
-def ds_config(bs: int, M: int, device: torch.device) -> tuple[int, int, int, int]:
+def ds_config(bs: int, M: int, device: torch.device) -> DsConfig:
     if device.type != "cuda":
-        return _CPU_DS[bs]
-    return _GPU_DS_SMALL_M[bs] if M <= 64 else _GPU_DS[bs]
+        return CPU_DS[bs]
+    return GPU_DS_SMALL_M[bs] if M <= SMALL_M else GPU_DS[bs]
 
 
-def dw_config(bs: int, device: torch.device) -> tuple[int, int, int, int]:
-    return _GPU_DW[bs] if device.type == "cuda" else _CPU_DW[bs]
+def dw_config(bs: int, device: torch.device) -> DwConfig:
+    return GPU_DW[bs] if device.type == "cuda" else CPU_DW[bs]
 
 
 def _sm_count(device: torch.device) -> int:
@@ -244,6 +348,19 @@ def _precision(dtype: torch.dtype) -> str:
     if dtype == torch.float32 and not torch.backends.cuda.matmul.allow_tf32:
         return "ieee"
     return "tf32"  # ignored by tl.dot for 16-bit operands
+
+
+def _tma_ok(*tensors: torch.Tensor) -> bool:
+    """TMA needs a unit last stride and 16-byte aligned base and row strides."""
+    for t in tensors:
+        size = t.element_size()
+        if t.stride(-1) != 1 or t.data_ptr() % 16 or any((st * size) % 16 for st in t.stride()[:-1]):
+            return False
+    return True
+
+
+def _desc(t: torch.Tensor, block: list[int]) -> TensorDescriptor:
+    return TensorDescriptor(t, list(t.shape), list(t.stride()), block)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -274,16 +391,38 @@ def _rows_view(t: torch.Tensor, feature_axis: int) -> torch.Tensor:
     return t if feature_axis == 1 else t.t()
 
 
+def _launch_ds_tma(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, lut: SegmentLut, bs: int,
+                   transpose_w: bool, cfg: DsConfig) -> None:
+    """TMA path: a, out are (rows, features) views; their transposes are read when they are t() views."""
+    M = a.shape[0]
+    trans = a.stride(0) == 1 and a.stride(1) != 1                # axis-0 activations
+    num_m = triton.cdiv(M, cfg.block_m)
+    bn = bs
+    while bn > 32 and num_m * lut.n_out * (bs // bn) < _sm_count(a.device):
+        bn //= 2                                                  # small M: split blocks across programs
+    a_src, y_src = (a.t(), out.t()) if trans else (a, out)
+    a_desc = _desc(a_src, [cfg.kc, cfg.block_m] if trans else [cfg.block_m, cfg.kc])
+    y_desc = _desc(y_src, [bn, cfg.block_m] if trans else [cfg.block_m, bn])
+    w_desc = _desc(w.view(-1, bs), [bn, cfg.kc] if transpose_w else [cfg.kc, bn])
+    _bsmm_ds_tma_kernel[(num_m * lut.n_out * (bs // bn),)](
+        a_desc, w_desc, y_desc, lut.ptr, lut.blk, lut.idx, lut.order, M, lut.n_out,
+        BS=bs, BN=bn, KC=cfg.kc, BLOCK_M=cfg.block_m, GROUP_M=GROUP_M, TRANS_A=trans,
+        TRANS_W=transpose_w, PRECISION=_precision(a.dtype), num_warps=cfg.warps, num_stages=cfg.stages)
+
+
 def _launch_ds(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, lut: SegmentLut, bs: int,
                transpose_w: bool, split: int | None) -> None:
     """out (M, n_out*bs) = a (M, n_in*bs) @ sparse; both given as (rows, features) views."""
     M = a.shape[0]
     if M == 0:
         return
-    block_m, kc, warps, stages = ds_config(bs, M, a.device)
-    group = max(1, kc // bs)
-    sub = max(1, bs // kc)
-    num_m = triton.cdiv(M, block_m)
+    cfg = ds_config(bs, M, a.device)
+    a_src, y_src = (a.t(), out.t()) if a.stride(0) == 1 and a.stride(1) != 1 else (a, out)
+    if cfg.tma and cfg.kc <= bs and split in (None, 1) and _tma_ok(a_src, y_src, w):
+        return _launch_ds_tma(a, w, out, lut, bs, transpose_w, cfg)
+    group = max(1, cfg.kc // bs)
+    sub = max(1, bs // cfg.kc)
+    num_m = triton.cdiv(M, cfg.block_m)
     n_prog = num_m * lut.n_out
     max_iter = lut.max_count * sub if group == 1 else triton.cdiv(lut.max_count, group)
     if split is None:
@@ -297,8 +436,8 @@ def _launch_ds(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, lut: Segment
         a, w, target, lut.ptr, lut.blk, lut.idx, lut.order,
         M, lut.n_out, split,
         a.stride(0), a.stride(1), wr, wc, ys, ym, yn,
-        BS=bs, BS_PAD=max(bs, 16), G=group, SUB=sub, KC=kc, BLOCK_M=block_m, GROUP_M=GROUP_M,
-        PRECISION=_precision(a.dtype), num_warps=warps, num_stages=stages)
+        BS=bs, BS_PAD=max(bs, 16), G=group, SUB=sub, KC=cfg.kc, BLOCK_M=cfg.block_m, GROUP_M=GROUP_M,
+        PRECISION=_precision(a.dtype), num_warps=cfg.warps, num_stages=cfg.stages)
     if split > 1:
         torch.sum(target, dim=0, out=out) if out.dtype == torch.float32 else out.copy_(target.sum(0))
 
@@ -316,7 +455,10 @@ def _alloc_out(out: torch.Tensor | None, shape: tuple[int, int], like: torch.Ten
 
 def bsmm_forward(x: torch.Tensor, w: torch.Tensor, luts: BsmmLuts, feature_axis: int = 1,
                  out: torch.Tensor | None = None, split: int | None = None) -> torch.Tensor:
-    """Y = X·W. x: (N, C) if feature_axis == 1 else (C, N); w: (nnz, bs, bs); returns (N, K) or (K, N)."""
+    """Y = X·W. x: (N, C) if feature_axis == 1 else (C, N); w: (nnz, bs, bs); returns (N, K) or (K, N).
+
+    split forces the pointer kernel with its reduction split that many ways (tests use it).
+    """
     _check_operands("x", x, w, luts)
     xr = _rows_view(x, feature_axis)                                   # (N, C)
     if xr.shape[1] != luts.C:
@@ -340,42 +482,56 @@ def bsmm_dx(dy: torch.Tensor, w: torch.Tensor, luts: BsmmLuts, feature_axis: int
     return dx
 
 
-def bsmm_dw(x: torch.Tensor, dy: torch.Tensor, luts: BsmmLuts, feature_axis: int = 1,
-            dw_dtype: torch.dtype = torch.float32, out: torch.Tensor | None = None,
-            split: int | None = None) -> torch.Tensor:
-    """dW = Xᵀ·dY on live blocks only; returns (nnz, bs, bs) in dw_dtype (fp32 accumulation)."""
+def _check_dw(x: torch.Tensor, dy: torch.Tensor, luts: BsmmLuts, feature_axis: int,
+              dw_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     bs = luts.block_size
-    _check_operands("x", x, _shape_only_w(luts, x), luts)
+    _check_operands("x", x, x.new_empty(()).expand(luts.nnz, bs, bs), luts)
     if dy.dtype != x.dtype or dy.device != x.device:
         raise TypeError(f"dy: expected {x.dtype} on {x.device} (like x), got {dy.dtype} on {dy.device}")
     xr, dyr = _rows_view(x, feature_axis), _rows_view(dy, feature_axis)   # (N, C), (N, K)
-    if xr.shape[1] != luts.C or dyr.shape != (xr.shape[0], luts.K):
+    if dy.dim() != 2 or xr.shape[1] != luts.C or dyr.shape != (xr.shape[0], luts.K):
         raise ValueError(f"x, dy: expected (N, {luts.C}) and (N, {luts.K}) on feature axis "
                          f"{feature_axis}, got {tuple(x.shape)} and {tuple(dy.shape)}")
     if dw_dtype not in _KERNEL_DTYPES:
         raise TypeError(f"dw_dtype: expected float32, float16 or bfloat16, got {dw_dtype}")
+    return xr, dyr
+
+
+def bsmm_dw(x: torch.Tensor, dy: torch.Tensor, luts: BsmmLuts, feature_axis: int = 1,
+            dw_dtype: torch.dtype = torch.float32, out: torch.Tensor | None = None,
+            split: int | None = None) -> torch.Tensor:
+    """dW = Xᵀ·dY on live blocks only; returns (nnz, bs, bs) in dw_dtype (fp32 accumulation).
+
+    x: (N, C) or (C, N); dy: (N, K) or (K, N). split sets how many ways the N reduction is split.
+    """
+    xr, dyr = _check_dw(x, dy, luts, feature_axis, dw_dtype)
+    bs, n = luts.block_size, xr.shape[0]
     dw = _alloc_out(out, (luts.nnz, bs, bs), x, dw_dtype)
-    n = xr.shape[0]
-    block_n, group, warps, stages = dw_config(bs, x.device)
-    cols, starts, counts = luts.dw_items(group)
+    if n == 0:
+        return dw.zero_()
+    cfg = dw_config(bs, x.device)
+    trans = feature_axis == 0
+    x_src, dy_src = (x, dy) if trans else (xr, dyr)
+    use_tma = cfg.tma and cfg.group == 1 and _tma_ok(x_src, dy_src)
+    cols, starts, counts = luts.dw_items(1 if use_tma else cfg.group)
     if split is None:
-        split = max(1, min(triton.cdiv(2 * _sm_count(x.device), cols.numel()), triton.cdiv(n, 4 * block_n)))
-    target = dw if split == 1 else torch.empty((split, luts.nnz, bs, bs), device=x.device,
-                                               dtype=torch.float32)
-    if n == 0 or cols.numel() == 0:
-        dw.zero_()
-        return dw
-    _bsmm_dw_kernel[(cols.numel(), split)](
-        xr, dyr, target, cols, starts, counts, luts.fwd.blk, luts.fwd.idx,
-        n, split, xr.stride(0), xr.stride(1), dyr.stride(0), dyr.stride(1),
-        target.stride(0) if split > 1 else 0,
-        BS=bs, BS_PAD=max(bs, 16), G=group, BLOCK_N=block_n, PRECISION=_precision(x.dtype),
-        num_warps=warps, num_stages=stages)
+        split = max(1, min(triton.cdiv(2 * _sm_count(x.device), cols.numel()), triton.cdiv(n, 4 * cfg.block_n)))
+    target = dw if split == 1 else torch.empty((split, luts.nnz, bs, bs), device=x.device, dtype=torch.float32)
+    prec = _precision(x.dtype)
+    if use_tma:
+        blk = [bs, cfg.block_n] if trans else [cfg.block_n, bs]
+        _bsmm_dw_tma_kernel[(cols.numel(), split)](
+            _desc(x_src, blk), _desc(dy_src, blk), _desc(target.view(-1, bs), [bs, bs]),
+            cols, starts, luts.fwd.blk, luts.fwd.idx, n, luts.nnz, split,
+            BS=bs, BLOCK_N=cfg.block_n, TRANS=trans, PRECISION=prec, num_warps=cfg.warps,
+            num_stages=cfg.stages)
+    else:
+        _bsmm_dw_kernel[(cols.numel(), split)](
+            xr, dyr, target, cols, starts, counts, luts.fwd.blk, luts.fwd.idx,
+            n, split, xr.stride(0), xr.stride(1), dyr.stride(0), dyr.stride(1),
+            target.stride(0) if split > 1 else 0,
+            BS=bs, BS_PAD=max(bs, 16), G=cfg.group, BLOCK_N=cfg.block_n, PRECISION=prec,
+            num_warps=cfg.warps, num_stages=cfg.stages)
     if split > 1:
         torch.sum(target, dim=0, out=dw) if dw.dtype == torch.float32 else dw.copy_(target.sum(0))
     return dw
-
-
-def _shape_only_w(luts: BsmmLuts, like: torch.Tensor) -> torch.Tensor:
-    """A zero-stride stand-in with W's shape, dtype and device, for the shared operand checks."""
-    return like.new_empty(()).expand(luts.nnz, luts.block_size, luts.block_size)

@@ -57,13 +57,17 @@ params = pytest.mark.parametrize
 DT = params("dtype", kernel_dtypes(), ids=lambda d: DTYPE_IDS[d])
 BS = params("bs", BLOCK_SIZES, ids=lambda b: f"bs{b}")
 AX = params("axis", (0, 1), ids=lambda a: f"axis{a}")
+# 37 rows: ragged, and (on axis 0) rows not 16-byte aligned, so the pointer kernel runs;
+# 48 rows: the TMA kernels run on both axes for blocks of 32 and up.
+NR = params("n", (37, 48), ids=lambda n: f"n{n}")
 
 
 @DT
 @BS
 @AX
-def test_forward(dtype, bs, axis):
-    lay, luts, x, _, w = make_case(bs, axis, dtype)
+@NR
+def test_forward(dtype, bs, axis, n):
+    lay, luts, x, _, w = make_case(bs, axis, dtype, n=n)
     out = torch.full((x.shape[0], luts.K) if axis == 1 else (luts.K, x.shape[1]), float("nan"),
                      device=x.device, dtype=dtype)                                  # poisoned
     y = kernels.bsmm_forward(x, w, luts, axis, out=out)
@@ -76,8 +80,9 @@ def test_forward(dtype, bs, axis):
 @DT
 @BS
 @AX
-def test_dx(dtype, bs, axis):
-    lay, luts, _, dy, w = make_case(bs, axis, dtype)
+@NR
+def test_dx(dtype, bs, axis, n):
+    lay, luts, _, dy, w = make_case(bs, axis, dtype, n=n)
     out = torch.full((dy.shape[0], luts.C) if axis == 1 else (luts.C, dy.shape[1]), float("nan"),
                      device=dy.device, dtype=dtype)
     dx = kernels.bsmm_dx(dy, w, luts, axis, out=out)
@@ -90,8 +95,9 @@ def test_dx(dtype, bs, axis):
 @DT
 @BS
 @AX
-def test_dw(dtype, bs, axis):
-    lay, luts, x, dy, _ = make_case(bs, axis, dtype)
+@NR
+def test_dw(dtype, bs, axis, n):
+    lay, luts, x, dy, _ = make_case(bs, axis, dtype, n=n)
     out = torch.full((luts.nnz, bs, bs), float("nan"), device=x.device)
     dw = kernels.bsmm_dw(x, dy, luts, axis, torch.float32, out=out)
     full = rows(x, axis).t() @ rows(dy, axis)                                        # (C, K)
@@ -121,6 +127,20 @@ def test_split_reduction(split, bs, axis):
     base = torch_mm(rows(x, axis).t(), rows(dy, axis), dtype).reshape(full.shape)
     assert dw.dtype == torch.float16
     assert_close(dw, full[c_idx, :, k_idx, :], base[c_idx, :, k_idx, :], dtype, "dw")
+
+
+@params("bs", (64, 128), ids=lambda b: f"bs{b}")
+@AX
+def test_small_m_splits_blocks_across_programs(bs, axis, monkeypatch):
+    """With few row tiles the TMA kernel gives each program a 32-wide slice of an output block."""
+    monkeypatch.setattr(kernels, "_sm_count", lambda device: 10_000)
+    dtype = torch.float16
+    lay, luts, x, dy, w = make_case(bs, axis, dtype, n=16)
+    wd = dense_weight(lay, w)
+    y = kernels.bsmm_forward(x, w, luts, axis)
+    assert_close(rows(y, axis), rows(x, axis) @ wd, torch_mm(rows(x, axis), wd, dtype), dtype, "y")
+    dx = kernels.bsmm_dx(dy, w, luts, axis)
+    assert_close(rows(dx, axis), rows(dy, axis) @ wd.t(), torch_mm(rows(dy, axis), wd.t(), dtype), dtype, "dx")
 
 
 def test_lut_orders_heaviest_first():
