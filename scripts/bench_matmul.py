@@ -132,17 +132,17 @@ def _sweep_table(table, bs, cands, measure, label):
     return results[0][1]
 
 
-def sweep(out_dir):
+def sweep(out_dir, sizes=(128, 64, 32, 16, 8)):
     """Tile configs per block size at density 0.2, bf16: M=8192 (fwd+dx, dw) and M=64 (fwd+dx)."""
     D, W = K.DsConfig, K.DwConfig
-    big = {bs: [D(128, min(64, bs), 8, 3, True), D(128, min(64, bs), 4, 4, True), D(128, 32, 4, 4, True),
-                D(256, min(64, bs), 8, 3, True), D(128, min(128, bs), 8, 3, True), D(128, 32, 8, 5, True),
-                D(256, 32, 8, 4, True), D(128, 64, 8, 3, False)] for bs in (32, 64, 128)}
+    big = {bs: [D(128, min(64, bs), 4, 4, True), D(128, min(64, bs), 8, 3, True), D(128, 32, 4, 5, True),
+                D(256, min(64, bs), 8, 3, True), D(128, min(128, bs), 8, 3, True), D(128, min(64, bs), 4, 3, True),
+                D(256, 32, 8, 4, True), D(64, min(64, bs), 4, 4, True)] for bs in (32, 64, 128)}
     for bs in (8, 16):
         big[bs] = [D(256, 64, 8, 3, False), D(128, 64, 4, 4, False), D(256, 128, 8, 3, False),
                    D(128, 128, 8, 3, False)]
-    small = {bs: [D(64, min(64, bs), 4, 4, True), D(64, min(64, bs), 4, 6, True), D(64, 32, 4, 6, True),
-                  D(64, min(128, bs), 4, 3, True), D(64, 64, 4, 4, False)] for bs in (32, 64, 128)}
+    small = {bs: [D(64, min(64, bs), 4, 4, True), D(64, min(64, bs), 4, 6, True), D(64, 32, 4, 8, True),
+                  D(64, min(128, bs), 4, 4, True), D(64, 64, 4, 4, False)] for bs in (32, 64, 128)}
     dw = {128: [W(64, 1, 8, 3, True), W(32, 1, 8, 4, True), W(128, 1, 8, 3, True), W(64, 1, 4, 4, True)],
           64: [W(64, 1, 8, 3, True), W(64, 1, 4, 4, True), W(128, 1, 4, 3, True), W(32, 2, 8, 4, False),
                W(128, 1, 8, 3, True)],
@@ -151,7 +151,7 @@ def sweep(out_dir):
           16: [W(64, 8, 4, 3, False), W(64, 16, 8, 3, False), W(128, 8, 8, 3, False)],
           8: [W(64, 16, 4, 3, False), W(64, 32, 8, 3, False), W(128, 16, 8, 3, False)]}
     best = {}
-    for bs in (128, 64, 32, 16, 8):
+    for bs in sizes:
         lay = layouts.random((4096 // bs, 4096 // bs), 0.2, seed=0)
         dtype = torch.bfloat16
 
@@ -172,12 +172,13 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="benchmarks")
     ap.add_argument("--sweep", action="store_true", help="tune tile configs first")
+    ap.add_argument("--sweep-bs", default="128,64,32,16,8", help="block sizes to sweep")
     ap.add_argument("--quick", action="store_true", help="bf16 only, densities 0.2")
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
     torch.manual_seed(0)
     if args.sweep:
-        sweep(args.out)
+        sweep(args.out, tuple(int(b) for b in args.sweep_bs.split(",")))
     C = Kf = 4096
     bw = copy_bandwidth()
     dtypes = [torch.bfloat16] if args.quick else [torch.bfloat16, torch.float16]

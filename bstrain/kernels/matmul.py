@@ -138,9 +138,9 @@ def _bsmm_dw_kernel(
 
 @triton.jit
 def _bsmm_ds_tma_kernel(
-    a_desc, w_desc, y_desc, seg_ptr, seg_blk, seg_idx, order,
-    M, n_out,
-    BS: tl.constexpr, BN: tl.constexpr, KC: tl.constexpr, BLOCK_M: tl.constexpr,
+    a_desc, w_desc, y_desc, seg_ptr, seg_packed, order,
+    M, n_out, n_in,
+    BS: tl.constexpr, BN: tl.constexpr, KC: tl.constexpr, BLOCK_M: tl.constexpr, MAXC: tl.constexpr,
     GROUP_M: tl.constexpr, TRANS_A: tl.constexpr, TRANS_W: tl.constexpr, PRECISION: tl.constexpr,
 ):
     """The ds product with tensor-memory-accelerator (TMA) loads, for blocks of 32 and up.
@@ -162,13 +162,18 @@ def _bsmm_ds_tma_kernel(
     col = tl.load(order + unit // NSUB)                      # heaviest output blocks first
     n0 = (unit % NSUB) * BN
     start = tl.load(seg_ptr + col)
-    n_iter = (tl.load(seg_ptr + col + 1) - start) * SUB
+    count = tl.load(seg_ptr + col + 1) - start
+    # The block's whole entry list is loaded once, up front, as packed (weight idx, input block)
+    # pairs: the loop then computes its TMA coordinates from registers instead of waiting on a
+    # dependent global load every step.
+    slots = tl.arange(0, MAXC)
+    packed = tl.load(seg_packed + start + slots, mask=slots < count, other=0)
     acc = tl.zeros((BLOCK_M, BN), dtype=tl.float32)
-    for it in range(0, n_iter):
-        entry = start + it // SUB
+    for it in range(0, count * SUB):
         r0 = (it % SUB) * KC
-        blk = tl.load(seg_blk + entry)
-        idx = tl.load(seg_idx + entry)
+        cur = tl.sum(tl.where(slots == it // SUB, packed, 0), axis=0)
+        blk = cur % n_in
+        idx = cur // n_in
         if TRANS_A:
             a = a_desc.load([blk * BS + r0, m0]).T            # (BLOCK_M, KC)
         else:
@@ -233,6 +238,8 @@ class SegmentLut:
     idx: torch.Tensor    # (nnz,) int32
     order: torch.Tensor  # (n_out,) int32
     max_count: int
+    packed: torch.Tensor  # (nnz,) int32: idx * n_in + blk, one load per entry
+    n_in: int
 
     @property
     def n_out(self) -> int:
@@ -276,8 +283,12 @@ def _segment_lut(out_of_entry: np.ndarray, in_of_entry: np.ndarray, n_out: int,
 
     def as_t(v):
         return torch.as_tensor(np.ascontiguousarray(v), dtype=torch.int32, device=device)
+    n_in = int(in_of_entry.max(initial=0)) + 1
+    packed = weight_idx[perm].astype(np.int64) * n_in + in_of_entry[perm]
+    if packed.size and packed.max() > _INT32_MAX:
+        raise ValueError("layout: too many blocks for 32-bit lookup tables")
     return SegmentLut(as_t(ptr), as_t(in_of_entry[perm]), as_t(weight_idx[perm]), as_t(order),
-                      int(counts.max(initial=0)))
+                      int(counts.max(initial=0)), as_t(packed), n_in)
 
 
 def make_luts(layout: np.ndarray, block_size: int, device: torch.device | str) -> BsmmLuts:
@@ -311,12 +322,14 @@ class DwConfig(NamedTuple):
 
 # Chosen per block size from a sweep on an H200 (scripts/bench_matmul.py --sweep).
 GPU_DS = {8: DsConfig(256, 64, 8, 3, False), 16: DsConfig(256, 64, 8, 3, False),
-          32: DsConfig(128, 32, 4, 4, True), 64: DsConfig(128, 64, 8, 3, True),
-          128: DsConfig(128, 64, 8, 3, True)}
-GPU_DS_SMALL_M = {bs: cfg._replace(block_m=64, warps=4) for bs, cfg in GPU_DS.items()}
+          32: DsConfig(256, 32, 8, 3, True), 64: DsConfig(128, 64, 4, 4, True),
+          128: DsConfig(128, 64, 4, 4, True)}
+GPU_DS_SMALL_M = {8: DsConfig(64, 64, 4, 4, False), 16: DsConfig(64, 64, 4, 4, False),
+                  32: DsConfig(64, 32, 4, 6, True), 64: DsConfig(64, 64, 4, 6, True),
+                  128: DsConfig(64, 64, 4, 6, True)}
 GPU_DW = {8: DwConfig(64, 16, 4, 3, False), 16: DwConfig(64, 8, 4, 3, False),
-          32: DwConfig(64, 8, 8, 3, False), 64: DwConfig(64, 1, 8, 3, True),
-          128: DwConfig(64, 1, 8, 3, True)}
+          32: DwConfig(64, 8, 8, 3, False), 64: DwConfig(32, 2, 8, 4, False),
+          128: DwConfig(64, 1, 4, 4, True)}
 # Interpreter (CPU tensors): small tiles keep it quick; they cover packing, kc < bs and both load paths.
 CPU_DS = {8: DsConfig(32, 32, 4, 1, False), 16: DsConfig(32, 32, 4, 1, False),
           32: DsConfig(32, 32, 4, 1, True), 64: DsConfig(32, 64, 4, 1, True),
@@ -325,6 +338,7 @@ CPU_DW = {8: DwConfig(16, 4, 4, 1, False), 16: DwConfig(16, 2, 4, 1, False),
           32: DwConfig(16, 2, 4, 1, False), 64: DwConfig(16, 1, 4, 1, True),
           128: DwConfig(16, 1, 4, 1, True)}
 GROUP_M = 8
+MAX_REGISTER_LUT = 1024  # longest entry list the TMA kernel holds in registers
 SMALL_M = 256  # at or below this many rows, tiles shrink to keep every multiprocessor busy
 
 
@@ -405,8 +419,9 @@ def _launch_ds_tma(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, lut: Seg
     y_desc = _desc(y_src, [bn, cfg.block_m] if trans else [cfg.block_m, bn])
     w_desc = _desc(w.view(-1, bs), [bn, cfg.kc] if transpose_w else [cfg.kc, bn])
     _bsmm_ds_tma_kernel[(num_m * lut.n_out * (bs // bn),)](
-        a_desc, w_desc, y_desc, lut.ptr, lut.blk, lut.idx, lut.order, M, lut.n_out,
-        BS=bs, BN=bn, KC=cfg.kc, BLOCK_M=cfg.block_m, GROUP_M=GROUP_M, TRANS_A=trans,
+        a_desc, w_desc, y_desc, lut.ptr, lut.packed, lut.order, M, lut.n_out, lut.n_in,
+        BS=bs, BN=bn, KC=cfg.kc, BLOCK_M=cfg.block_m, MAXC=max(16, triton.next_power_of_2(lut.max_count)),
+        GROUP_M=GROUP_M, TRANS_A=trans,
         TRANS_W=transpose_w, PRECISION=_precision(a.dtype), num_warps=cfg.warps, num_stages=cfg.stages)
 
 
@@ -418,7 +433,8 @@ def _launch_ds(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, lut: Segment
         return
     cfg = ds_config(bs, M, a.device)
     a_src, y_src = (a.t(), out.t()) if a.stride(0) == 1 and a.stride(1) != 1 else (a, out)
-    if cfg.tma and cfg.kc <= bs and split in (None, 1) and _tma_ok(a_src, y_src, w):
+    if cfg.tma and cfg.kc <= bs and split in (None, 1) and lut.max_count <= MAX_REGISTER_LUT \
+            and _tma_ok(a_src, y_src, w):
         return _launch_ds_tma(a, w, out, lut, bs, transpose_w, cfg)
     group = max(1, cfg.kc // bs)
     sub = max(1, bs // cfg.kc)
