@@ -135,11 +135,9 @@ def _sweep_table(table, bs, cands, measure, label):
 def sweep(out_dir, sizes=(128, 64, 32, 16, 8)):
     """Tile configs per block size at density 0.2, bf16: M=8192 (fwd+dx, dw) and M=64 (fwd+dx)."""
     D, W = K.DsConfig, K.DwConfig
-    big = {bs: [D(128, min(64, bs), 4, 3, True), D(128, min(64, bs), 4, 3, True, 1),
-                D(128, min(64, bs), 4, 4, True, 1), D(128, min(64, bs), 8, 3, True, 1),
-                D(128, min(64, bs), 4, 2, True, 2), D(128, 32, 4, 4, True, 2), D(256, 32, 8, 3, True),
-                D(256, 32, 8, 3, True, 1), D(256, min(64, bs), 8, 3, True, 1), D(128, min(64, bs), 8, 4, True, 1)]
-           for bs in (32, 64, 128)}
+    big = {bs: [D(128, min(64, bs), 4, 4, True), D(128, min(64, bs), 8, 3, True), D(128, 32, 4, 5, True),
+                D(256, min(64, bs), 8, 3, True), D(128, min(128, bs), 8, 3, True), D(128, min(64, bs), 4, 3, True),
+                D(256, 32, 8, 4, True), D(64, min(64, bs), 4, 4, True)] for bs in (32, 64, 128)}
     for bs in (8, 16):
         big[bs] = [D(256, 64, 8, 3, False), D(128, 64, 4, 4, False), D(256, 128, 8, 3, False),
                    D(128, 128, 8, 3, False)]

@@ -137,20 +137,6 @@ def _bsmm_dw_kernel(
 
 
 @triton.jit
-def _tile_coords(tile, num_m, n_out, order, NSUB: tl.constexpr, BN: tl.constexpr,
-                 BLOCK_M: tl.constexpr, GROUP_M: tl.constexpr):
-    """Row offset, output block and column offset of a tile; tiles go in groups of GROUP_M row
-    tiles (A stays in L2 while the columns sweep), heaviest output blocks first in each group."""
-    width = GROUP_M * n_out * NSUB
-    first_m = (tile // width) * GROUP_M
-    group_rows = tl.minimum(num_m - first_m, GROUP_M)
-    m0 = (first_m + (tile % width) % group_rows) * BLOCK_M
-    unit = (tile % width) // group_rows
-    col = tl.load(order + unit // NSUB)
-    return m0, col, (unit % NSUB) * BN
-
-
-@triton.jit
 def _bsmm_ds_tma_kernel(
     a_desc, w_desc, y_desc, seg_ptr, seg_packed, order,
     M, n_out, n_in,
@@ -166,8 +152,15 @@ def _bsmm_ds_tma_kernel(
     """
     SUB: tl.constexpr = BS // KC
     NSUB: tl.constexpr = BS // BN
-    m0, col, n0 = _tile_coords(tl.program_id(0), tl.cdiv(M, BLOCK_M), n_out, order, NSUB, BN,
-                               BLOCK_M, GROUP_M)
+    pid = tl.program_id(0)
+    num_m = tl.cdiv(M, BLOCK_M)
+    width = GROUP_M * n_out * NSUB
+    first_m = (pid // width) * GROUP_M
+    group_rows = tl.minimum(num_m - first_m, GROUP_M)
+    m0 = (first_m + (pid % width) % group_rows) * BLOCK_M
+    unit = (pid % width) // group_rows
+    col = tl.load(order + unit // NSUB)                      # heaviest output blocks first
+    n0 = (unit % NSUB) * BN
     start = tl.load(seg_ptr + col)
     count = tl.load(seg_ptr + col + 1) - start
     # The block's whole entry list is loaded once, up front, as packed (weight idx, input block)
@@ -195,65 +188,6 @@ def _bsmm_ds_tma_kernel(
         y_desc.store([col * BS + n0, m0], out.T)
     else:
         y_desc.store([m0, col * BS + n0], out)
-
-
-
-@triton.jit
-def _bsmm_ds_persistent_kernel(
-    a_desc, w_desc, y_desc, seg_ptr, seg_packed, order, prog_steps,
-    M, n_out, n_in,
-    BS: tl.constexpr, BN: tl.constexpr, KC: tl.constexpr, BLOCK_M: tl.constexpr, MAXC: tl.constexpr,
-    GROUP_M: tl.constexpr, TRANS_A: tl.constexpr, TRANS_W: tl.constexpr, PRECISION: tl.constexpr,
-):
-    """Persistent form of _bsmm_ds_tma_kernel: program p owns tiles p, p+P, p+2P, ... and walks
-    all their steps in one flat loop (prog_steps[p] steps, an empty tile counting one), so the
-    software pipeline keeps loading the next tile's blocks while the current tile finishes."""
-    SUB: tl.constexpr = BS // KC
-    NSUB: tl.constexpr = BS // BN
-    pid = tl.program_id(0)
-    n_progs = tl.num_programs(0)
-    num_m = tl.cdiv(M, BLOCK_M)
-    total = tl.load(prog_steps + pid)
-    slots = tl.arange(0, MAXC)
-    tile = pid - n_progs
-    it = -1
-    n_cur = 0
-    count = 0
-    m0 = 0
-    col = 0
-    n0 = 0
-    packed = tl.zeros((MAXC,), dtype=tl.int32)
-    acc = tl.zeros((BLOCK_M, BN), dtype=tl.float32)
-    for _ in range(0, total):
-        it += 1
-        if it >= n_cur:  # next tile
-            it = 0
-            tile += n_progs
-            m0, col, n0 = _tile_coords(tile, num_m, n_out, order, NSUB, BN, BLOCK_M, GROUP_M)
-            start = tl.load(seg_ptr + col)
-            count = tl.load(seg_ptr + col + 1) - start
-            packed = tl.load(seg_packed + start + slots, mask=slots < count, other=0)
-            n_cur = tl.maximum(count * SUB, 1)
-        cur = tl.sum(tl.where(slots == it // SUB, packed, 0), axis=0)
-        blk = cur % n_in
-        idx = cur // n_in
-        r0 = (it % SUB) * KC
-        if TRANS_A:
-            a = a_desc.load([blk * BS + r0, m0]).T            # (BLOCK_M, KC)
-        else:
-            a = a_desc.load([m0, blk * BS + r0])
-        if TRANS_W:
-            w = w_desc.load([idx * BS + n0, r0]).T            # (KC, BN)
-        else:
-            w = w_desc.load([idx * BS + r0, n0])
-        acc = tl.dot(a, w, acc, input_precision=PRECISION)
-        if it == n_cur - 1:
-            out = tl.where(count > 0, acc, 0.0).to(y_desc.dtype)   # an empty block gets zeros
-            if TRANS_A:
-                y_desc.store([col * BS + n0, m0], out.T)
-            else:
-                y_desc.store([m0, col * BS + n0], out)
-            acc = tl.zeros((BLOCK_M, BN), dtype=tl.float32)
 
 
 @triton.jit
@@ -306,32 +240,10 @@ class SegmentLut:
     max_count: int
     packed: torch.Tensor  # (nnz,) int32: idx * n_in + blk, one load per entry
     n_in: int
-    _steps: dict = field(default_factory=dict)
-
-    def steps(self, num_m: int, nsub: int, sub: int, n_progs: int) -> torch.Tensor:
-        """Cached :func:`persistent_steps`: built once per problem shape."""
-        key = (num_m, nsub, sub, n_progs)
-        if key not in self._steps:
-            self._steps[key] = persistent_steps(self, num_m, nsub, sub, n_progs)
-        return self._steps[key]
 
     @property
     def n_out(self) -> int:
         return self.order.numel()
-
-
-def persistent_steps(lut: SegmentLut, num_m: int, nsub: int, sub: int, n_progs: int) -> torch.Tensor:
-    """Steps of each persistent program: tiles t = p, p+P, ... in the kernel's grouped order."""
-    counts = np.diff(lut.ptr.cpu().numpy())[lut.order.cpu().numpy()]       # per unit slot
-    n_units = lut.n_out * nsub
-    t = np.arange(num_m * n_units)
-    width = GROUP_M * n_units
-    first_m = (t // width) * GROUP_M
-    rows = np.minimum(num_m - first_m, GROUP_M)
-    unit = (t % width) // rows
-    iters = np.maximum(counts[unit // nsub] * sub, 1)
-    steps = np.bincount(t % n_progs, weights=iters, minlength=n_progs).astype(np.int32)
-    return torch.as_tensor(steps, device=lut.ptr.device)
 
 
 @dataclass
@@ -398,7 +310,6 @@ class DsConfig(NamedTuple):
     warps: int
     stages: int
     tma: bool      # TMA loads (needs kc <= bs); else pointer loads
-    persist: int = 0  # TMA only: 0 = one program per tile, k = persistent, k programs per SM
 
 
 class DwConfig(NamedTuple):
@@ -421,8 +332,8 @@ GPU_DW = {8: DwConfig(64, 16, 4, 3, False), 16: DwConfig(64, 8, 4, 3, False),
           128: DwConfig(64, 1, 4, 4, True)}
 # Interpreter (CPU tensors): small tiles keep it quick; they cover packing, kc < bs and both load paths.
 CPU_DS = {8: DsConfig(32, 32, 4, 1, False), 16: DsConfig(32, 32, 4, 1, False),
-          32: DsConfig(32, 32, 4, 1, True, 1), 64: DsConfig(32, 64, 4, 1, True),
-          128: DsConfig(32, 64, 4, 1, True, 1)}
+          32: DsConfig(32, 32, 4, 1, True), 64: DsConfig(32, 64, 4, 1, True),
+          128: DsConfig(32, 64, 4, 1, True)}
 CPU_DW = {8: DwConfig(16, 4, 4, 1, False), 16: DwConfig(16, 2, 4, 1, False),
           32: DwConfig(16, 2, 4, 1, False), 64: DwConfig(16, 1, 4, 1, True),
           128: DwConfig(16, 1, 4, 1, True)}
@@ -500,27 +411,18 @@ def _launch_ds_tma(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, lut: Seg
     M = a.shape[0]
     trans = a.stride(0) == 1 and a.stride(1) != 1                # axis-0 activations
     num_m = triton.cdiv(M, cfg.block_m)
-    sms = _sm_count(a.device)
     bn = bs
-    while bn > 32 and num_m * lut.n_out * (bs // bn) < sms:
+    while bn > 32 and num_m * lut.n_out * (bs // bn) < _sm_count(a.device):
         bn //= 2                                                  # small M: split blocks across programs
     a_src, y_src = (a.t(), out.t()) if trans else (a, out)
     a_desc = _desc(a_src, [cfg.kc, cfg.block_m] if trans else [cfg.block_m, cfg.kc])
     y_desc = _desc(y_src, [bn, cfg.block_m] if trans else [cfg.block_m, bn])
     w_desc = _desc(w.view(-1, bs), [bn, cfg.kc] if transpose_w else [cfg.kc, bn])
-    n_tiles = num_m * lut.n_out * (bs // bn)
-    common = dict(BS=bs, BN=bn, KC=cfg.kc, BLOCK_M=cfg.block_m,
-                  MAXC=max(16, triton.next_power_of_2(lut.max_count)), GROUP_M=GROUP_M, TRANS_A=trans,
-                  TRANS_W=transpose_w, PRECISION=_precision(a.dtype), num_warps=cfg.warps,
-                  num_stages=cfg.stages)
-    if cfg.persist and n_tiles > sms * cfg.persist:
-        n_progs = sms * cfg.persist
-        steps = lut.steps(num_m, bs // bn, bs // cfg.kc, n_progs)
-        _bsmm_ds_persistent_kernel[(n_progs,)](
-            a_desc, w_desc, y_desc, lut.ptr, lut.packed, lut.order, steps, M, lut.n_out, lut.n_in, **common)
-    else:
-        _bsmm_ds_tma_kernel[(n_tiles,)](
-            a_desc, w_desc, y_desc, lut.ptr, lut.packed, lut.order, M, lut.n_out, lut.n_in, **common)
+    _bsmm_ds_tma_kernel[(num_m * lut.n_out * (bs // bn),)](
+        a_desc, w_desc, y_desc, lut.ptr, lut.packed, lut.order, M, lut.n_out, lut.n_in,
+        BS=bs, BN=bn, KC=cfg.kc, BLOCK_M=cfg.block_m, MAXC=max(16, triton.next_power_of_2(lut.max_count)),
+        GROUP_M=GROUP_M, TRANS_A=trans,
+        TRANS_W=transpose_w, PRECISION=_precision(a.dtype), num_warps=cfg.warps, num_stages=cfg.stages)
 
 
 def _launch_ds(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, lut: SegmentLut, bs: int,
