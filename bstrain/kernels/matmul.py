@@ -322,11 +322,11 @@ class DwConfig(NamedTuple):
 
 # Chosen per block size from a sweep on an H200 (scripts/bench_matmul.py --sweep).
 GPU_DS = {8: DsConfig(256, 64, 8, 3, False), 16: DsConfig(256, 64, 8, 3, False),
-          32: DsConfig(256, 32, 8, 3, True), 64: DsConfig(128, 64, 4, 4, True),
-          128: DsConfig(128, 64, 4, 4, True)}
+          32: DsConfig(256, 32, 8, 3, True), 64: DsConfig(128, 64, 4, 3, True),
+          128: DsConfig(128, 64, 4, 3, True)}
 GPU_DS_SMALL_M = {8: DsConfig(64, 64, 4, 4, False), 16: DsConfig(64, 64, 4, 4, False),
-                  32: DsConfig(64, 32, 4, 6, True), 64: DsConfig(64, 64, 4, 6, True),
-                  128: DsConfig(64, 64, 4, 6, True)}
+                  32: DsConfig(64, 32, 4, 4, True), 64: DsConfig(64, 64, 4, 6, True),
+                  128: DsConfig(64, 128, 4, 4, True)}
 GPU_DW = {8: DwConfig(64, 16, 4, 3, False), 16: DwConfig(64, 8, 4, 3, False),
           32: DwConfig(64, 8, 8, 3, False), 64: DwConfig(32, 2, 8, 4, False),
           128: DwConfig(64, 1, 4, 4, True)}
