@@ -132,6 +132,21 @@ def _sweep_table(table, bs, cands, measure, label):
     return results[0][1]
 
 
+def sweep_low_density(density, sizes):
+    """ds configs for layouts with few blocks per output block (GPU_DS_FEW), at M=8192, bf16."""
+    D = K.DsConfig
+    cands = {bs: [K.GPU_DS[bs], D(128, min(64, bs), 4, 2, True), D(64, min(64, bs), 4, 3, True),
+                  D(64, min(64, bs), 4, 2, True), D(128, 32, 4, 3, True), D(64, 32, 4, 4, True),
+                  D(128, min(64, bs), 8, 2, True)] for bs in sizes}
+    for bs in sizes:
+        lay = layouts.random((4096 // bs, 4096 // bs), density, seed=0)
+
+        def fwd_dx():
+            t, _, _ = ours_times(lay, bs, 8192, torch.bfloat16, ops=("fwd", "dx"))
+            return t["fwd"] + t["dx"]
+        _sweep_table(K.GPU_DS_FEW, bs, cands[bs], fwd_dx, f"ds_few(d={density})")
+
+
 def sweep(out_dir, sizes=(128, 64, 32, 16, 8)):
     """Tile configs per block size at density 0.2, bf16: M=8192 (fwd+dx, dw) and M=64 (fwd+dx)."""
     D, W = K.DsConfig, K.DwConfig
@@ -173,12 +188,16 @@ def main():
     ap.add_argument("--out", default="benchmarks")
     ap.add_argument("--sweep", action="store_true", help="tune tile configs first")
     ap.add_argument("--sweep-bs", default="128,64,32,16,8", help="block sizes to sweep")
+    ap.add_argument("--sweep-density", type=float, default=None, help="sweep GPU_DS_FEW at this density")
     ap.add_argument("--quick", action="store_true", help="bf16 only, densities 0.2")
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
     torch.manual_seed(0)
     if args.sweep:
         sweep(args.out, tuple(int(b) for b in args.sweep_bs.split(",")))
+    if args.sweep_density:
+        sweep_low_density(args.sweep_density, tuple(int(b) for b in args.sweep_bs.split(",")))
+        return
     C = Kf = 4096
     bw = copy_bandwidth()
     dtypes = [torch.bfloat16] if args.quick else [torch.bfloat16, torch.float16]

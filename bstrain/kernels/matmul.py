@@ -327,6 +327,10 @@ GPU_DS = {8: DsConfig(256, 64, 8, 3, False), 16: DsConfig(256, 64, 8, 3, False),
 GPU_DS_SMALL_M = {8: DsConfig(64, 64, 4, 4, False), 16: DsConfig(64, 64, 4, 4, False),
                   32: DsConfig(64, 32, 4, 4, True), 64: DsConfig(64, 64, 4, 6, True),
                   128: DsConfig(64, 128, 4, 4, True)}
+# For layouts whose output blocks average fewer than FEW_STEPS reduction steps (low density):
+# pipeline fill dominates each tile there, so smaller tiles / shallower pipelines can win.
+GPU_DS_FEW = dict(GPU_DS)
+FEW_STEPS = 6
 GPU_DW = {8: DwConfig(64, 16, 4, 3, False), 16: DwConfig(64, 8, 4, 3, False),
           32: DwConfig(64, 8, 8, 3, False), 64: DwConfig(32, 2, 8, 4, False),
           128: DwConfig(64, 1, 4, 4, True)}
@@ -342,14 +346,25 @@ MAX_REGISTER_LUT = 1024  # longest entry list the TMA kernel holds in registers
 SMALL_M = 256  # at or below this many rows, tiles shrink to keep every multiprocessor busy
 
 
-def ds_config(bs: int, M: int, device: torch.device) -> DsConfig:
+def ds_config(bs: int, M: int, device: torch.device, mean_steps: float = float("inf")) -> DsConfig:
+    """Tile config for the ds kernels; mean_steps: average reduction steps per output block."""
     if device.type != "cuda":
         return CPU_DS[bs]
-    return GPU_DS_SMALL_M[bs] if M <= SMALL_M else GPU_DS[bs]
+    if M <= SMALL_M:
+        return GPU_DS_SMALL_M[bs]
+    return GPU_DS_FEW[bs] if mean_steps < FEW_STEPS else GPU_DS[bs]
 
 
 def dw_config(bs: int, device: torch.device) -> DwConfig:
     return GPU_DW[bs] if device.type == "cuda" else CPU_DW[bs]
+
+
+_PIPELINE_SMEM = 160 * 1024  # bytes of shared memory the software pipeline may use per program
+
+
+def _fit_stages(stages: int, bytes_per_stage: int) -> int:
+    """Fewer pipeline stages when a config's tiles are too big for shared memory (e.g. fp32)."""
+    return max(1, min(stages, _PIPELINE_SMEM // max(1, bytes_per_stage)))
 
 
 def _sm_count(device: torch.device) -> int:
@@ -422,7 +437,8 @@ def _launch_ds_tma(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, lut: Seg
         a_desc, w_desc, y_desc, lut.ptr, lut.packed, lut.order, M, lut.n_out, lut.n_in,
         BS=bs, BN=bn, KC=cfg.kc, BLOCK_M=cfg.block_m, MAXC=max(16, triton.next_power_of_2(lut.max_count)),
         GROUP_M=GROUP_M, TRANS_A=trans,
-        TRANS_W=transpose_w, PRECISION=_precision(a.dtype), num_warps=cfg.warps, num_stages=cfg.stages)
+        TRANS_W=transpose_w, PRECISION=_precision(a.dtype), num_warps=cfg.warps,
+        num_stages=_fit_stages(cfg.stages, (cfg.block_m + bn) * cfg.kc * a.element_size()))
 
 
 def _launch_ds(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, lut: SegmentLut, bs: int,
@@ -431,7 +447,8 @@ def _launch_ds(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, lut: Segment
     M = a.shape[0]
     if M == 0:
         return
-    cfg = ds_config(bs, M, a.device)
+    mean_steps = lut.blk.numel() / max(1, lut.n_out) * max(1, bs // GPU_DS[bs].kc)
+    cfg = ds_config(bs, M, a.device, mean_steps)
     a_src, y_src = (a.t(), out.t()) if a.stride(0) == 1 and a.stride(1) != 1 else (a, out)
     if cfg.tma and cfg.kc <= bs and split in (None, 1) and lut.max_count <= MAX_REGISTER_LUT \
             and _tma_ok(a_src, y_src, w):
@@ -453,7 +470,8 @@ def _launch_ds(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, lut: Segment
         M, lut.n_out, split,
         a.stride(0), a.stride(1), wr, wc, ys, ym, yn,
         BS=bs, BS_PAD=max(bs, 16), G=group, SUB=sub, KC=cfg.kc, BLOCK_M=cfg.block_m, GROUP_M=GROUP_M,
-        PRECISION=_precision(a.dtype), num_warps=cfg.warps, num_stages=cfg.stages)
+        PRECISION=_precision(a.dtype), num_warps=cfg.warps,
+        num_stages=_fit_stages(cfg.stages, (cfg.block_m + max(bs, 16)) * cfg.kc * a.element_size()))
     if split > 1:
         torch.sum(target, dim=0, out=out) if out.dtype == torch.float32 else out.copy_(target.sum(0))
 
@@ -540,14 +558,14 @@ def bsmm_dw(x: torch.Tensor, dy: torch.Tensor, luts: BsmmLuts, feature_axis: int
             _desc(x_src, blk), _desc(dy_src, blk), _desc(target.view(-1, bs), [bs, bs]),
             cols, starts, luts.fwd.blk, luts.fwd.idx, n, luts.nnz, split,
             BS=bs, BLOCK_N=cfg.block_n, TRANS=trans, PRECISION=prec, num_warps=cfg.warps,
-            num_stages=cfg.stages)
+            num_stages=_fit_stages(cfg.stages, 2 * bs * cfg.block_n * x.element_size()))
     else:
         _bsmm_dw_kernel[(cols.numel(), split)](
             xr, dyr, target, cols, starts, counts, luts.fwd.blk, luts.fwd.idx,
             n, split, xr.stride(0), xr.stride(1), dyr.stride(0), dyr.stride(1),
             target.stride(0) if split > 1 else 0,
-            BS=bs, BS_PAD=max(bs, 16), G=cfg.group, BLOCK_N=cfg.block_n, PRECISION=prec,
-            num_warps=cfg.warps, num_stages=cfg.stages)
+            BS=bs, BS_PAD=max(bs, 16), G=cfg.group, BLOCK_N=cfg.block_n, PRECISION=prec, num_warps=cfg.warps,
+            num_stages=_fit_stages(cfg.stages, (cfg.group * bs + max(bs, 16)) * cfg.block_n * x.element_size()))
     if split > 1:
         torch.sum(target, dim=0, out=dw) if dw.dtype == torch.float32 else dw.copy_(target.sum(0))
     return dw
