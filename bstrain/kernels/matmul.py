@@ -330,7 +330,7 @@ GPU_DS_SMALL_M = {8: DsConfig(64, 64, 4, 4, False), 16: DsConfig(64, 64, 4, 4, F
 # For layouts whose output blocks average fewer than FEW_STEPS reduction steps (low density):
 # pipeline fill dominates each tile there, so smaller tiles / shallower pipelines can win.
 GPU_DS_FEW = dict(GPU_DS)
-FEW_STEPS = 6
+FEW_STEPS = 8
 GPU_DW = {8: DwConfig(64, 16, 4, 3, False), 16: DwConfig(64, 8, 4, 3, False),
           32: DwConfig(64, 8, 8, 3, False), 64: DwConfig(32, 2, 8, 4, False),
           128: DwConfig(64, 1, 4, 4, True)}
