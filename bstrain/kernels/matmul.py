@@ -329,7 +329,7 @@ GPU_DS_SMALL_M = {8: DsConfig(64, 64, 4, 4, False), 16: DsConfig(64, 64, 4, 4, F
                   128: DsConfig(64, 128, 4, 4, True)}
 # For layouts whose output blocks average fewer than FEW_STEPS reduction steps (low density):
 # pipeline fill dominates each tile there; a shallower pipeline won 8% at bs=64 and 5% density.
-GPU_DS_FEW = dict(GPU_DS, **{64: DsConfig(128, 64, 4, 2, True)})
+GPU_DS_FEW = {**GPU_DS, 64: DsConfig(128, 64, 4, 2, True)}
 FEW_STEPS = 8
 GPU_DW = {8: DwConfig(64, 16, 4, 3, False), 16: DwConfig(64, 8, 4, 3, False),
           32: DwConfig(64, 8, 8, 3, False), 64: DwConfig(32, 2, 8, 4, False),
