@@ -8,4 +8,5 @@ python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', tr
 if [ -z "$SKIP_TESTS" ]; then
   python3 -m pytest tests -q -n 8 -p no:cacheprovider 2>&1 | tee "$OUT/pytest.log" | tail -25
 fi
+python3 examples/seed_readme.py | tail -1
 python3 scripts/bench_matmul.py --out "$OUT" "$@" 2>&1 | tee "$OUT/bench.log" | grep -v "^sweep"
