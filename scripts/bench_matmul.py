@@ -189,9 +189,18 @@ def main():
     ap.add_argument("--sweep", action="store_true", help="tune tile configs first")
     ap.add_argument("--sweep-bs", default="128,64,32,16,8", help="block sizes to sweep")
     ap.add_argument("--sweep-density", type=float, default=None, help="sweep GPU_DS_FEW at this density")
+    ap.add_argument("--from-csv", help="rebuild matmul.md/png from a saved matmul.csv (adds roofline)")
+    ap.add_argument("--device-name", default="NVIDIA H200", help="with --from-csv")
+    ap.add_argument("--date", default=None, help="with --from-csv")
+    ap.add_argument("--software", default=None, help="with --from-csv: versions the run used")
     ap.add_argument("--quick", action="store_true", help="bf16 only, densities 0.2")
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
+    if args.from_csv:
+        rows = [{k: _number(v) for k, v in r.items()} for r in csv.DictReader(open(args.from_csv))]
+        write_outputs(rows, args.out, float(rows[0]["copy_bw_tbs"]), args.device_name, args.date,
+                      args.software)
+        return
     torch.manual_seed(0)
     if args.sweep:
         sweep(args.out, tuple(int(b) for b in args.sweep_bs.split(",")))
@@ -224,7 +233,8 @@ def main():
                             speedup_vs_dense=round(dense[op] / t[op], 2),
                             speedup_vs_bsr=round(bsr.get(op, float("nan")) / t[op], 2),
                             vs_fwd_time=round(t[op] / t["fwd"], 2),
-                            weight_stream_frac=round(nnz * bs * bs * 2 / (t[op] * 1e-3) / 1e12 / bw, 3)))
+                            weight_stream_frac=round(nnz * bs * bs * 2 / (t[op] * 1e-3) / 1e12 / bw, 3),
+                            copy_bw_tbs=round(bw, 3), nnz=nnz))
                     r = rows[-3]
                     print(f"{r['dtype']} M={M} bs={bs} d={dens}: fwd {r['ours_tflops']} TF/s "
                           f"({r['frac_dense_rate']} of dense), vs BSR {r['speedup_vs_bsr']}x, "
@@ -232,19 +242,54 @@ def main():
     write_outputs(rows, args.out, bw)
 
 
-def write_outputs(rows, out, bw):
-    dev = torch.cuda.get_device_name()
-    stamp = datetime.date.today().isoformat()
+def _triton_version() -> str:
+    import triton
+    return triton.__version__
+
+
+def _number(v: str):
+    for cast in (int, float):
+        try:
+            return cast(v)
+        except ValueError:
+            pass
+    return v
+
+
+def add_roofline(rows):
+    """roofline_frac: the time floor over our time. The floor is the larger of useful FLOPs at the
+    dense cuBLAS rate measured in the same run and the bytes that must move (each operand read
+    once, the output written once) at the measured copy bandwidth."""
+    C = Kf = 4096
+    for r in rows:
+        M, bs, nnz, op = int(r["M"]), int(r["bs"]), int(r["nnz"]), r["op"]
+        w_bytes = nnz * bs * bs * (4 if op == "dw" else 2)
+        act_bytes = M * (C + Kf) * 2
+        dense_rate = 2 * M * C * Kf / float(r["dense_us"])
+        floor = max(2 * M * nnz * bs * bs / dense_rate, (act_bytes + w_bytes) / (float(r["copy_bw_tbs"]) * 1e6))
+        r["floor_us"] = round(floor, 2)
+        r["roofline_frac"] = round(floor / float(r["ours_us"]), 3)
+    return rows
+
+
+def write_outputs(rows, out, bw, dev=None, stamp=None, software=None):
+    rows = add_roofline(rows)
+    dev = dev or torch.cuda.get_device_name()
+    stamp = stamp or datetime.date.today().isoformat()
+    software = software or f"torch {torch.__version__}, triton {_triton_version()}"
     with open(os.path.join(out, "matmul.csv"), "w", newline="") as f:
         wr = csv.DictWriter(f, fieldnames=list(rows[0]))
         wr.writeheader()
         wr.writerows(rows)
     cols = ["dtype", "M", "bs", "density", "op", "ours_us", "dense_us", "bsr_us", "ours_tflops",
-            "frac_dense_rate", "speedup_vs_dense", "speedup_vs_bsr", "vs_fwd_time", "weight_stream_frac"]
+            "frac_dense_rate", "speedup_vs_dense", "speedup_vs_bsr", "vs_fwd_time", "weight_stream_frac",
+            "floor_us", "roofline_frac"]
     with open(os.path.join(out, "matmul.md"), "w") as f:
-        f.write(f"# bsmm benchmark: {dev}, {stamp}, torch {torch.__version__}\n\n"
+        f.write(f"# bsmm benchmark: {dev}, {stamp}, {software}\n\n"
                 f"4096x4096 weight, random layouts. Copy bandwidth (read+write) measured in the same run: "
-                f"{bw:.2f} TB/s. Times: median of CUDA-graph replays, inputs rotated past L2.\n\n")
+                f"{bw:.2f} TB/s. Times: median of CUDA-graph replays, inputs rotated past L2. "
+                f"floor_us: max(useful FLOPs at the dense cuBLAS rate, bytes moved at copy bandwidth); "
+                f"roofline_frac = floor_us / ours_us.\n\n")
         f.write("| " + " | ".join(cols) + " |\n|" + "---|" * len(cols) + "\n")
         for r in rows:
             f.write("| " + " | ".join(str(r[c]) for c in cols) + " |\n")
