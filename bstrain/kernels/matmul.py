@@ -24,6 +24,7 @@ When M is small the reduction is split over a second grid axis into an fp32 work
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -367,6 +368,7 @@ def _fit_stages(stages: int, bytes_per_stage: int) -> int:
     return max(1, min(stages, _PIPELINE_SMEM // max(1, bytes_per_stage)))
 
 
+@functools.lru_cache(maxsize=None)
 def _sm_count(device: torch.device) -> int:
     if device.type == "cuda":
         return torch.cuda.get_device_properties(device).multi_processor_count

@@ -62,34 +62,24 @@ AX = params("axis", (0, 1), ids=lambda a: f"axis{a}")
 NR = params("n", (37, 48), ids=lambda n: f"n{n}")
 
 
+@params("product", ("fwd", "dx"))
 @DT
 @BS
 @AX
 @NR
-def test_forward(dtype, bs, axis, n):
-    lay, luts, x, _, w = make_case(bs, axis, dtype, n=n)
-    out = torch.full((x.shape[0], luts.K) if axis == 1 else (luts.K, x.shape[1]), float("nan"),
-                     device=x.device, dtype=dtype)                                  # poisoned
-    y = kernels.bsmm_forward(x, w, luts, axis, out=out)
+def test_ds_products(product, dtype, bs, axis, n):
+    """Y = X·W (fwd) and dX = dY·Wᵀ (dx): the dense x sparse kernel on both layouts."""
+    lay, luts, x, dy, w = make_case(bs, axis, dtype, n=n)
     wd = dense_weight(lay, w)
-    ref = rows(x, axis) @ wd
-    assert_close(rows(y, axis), ref, torch_mm(rows(x, axis), wd, dtype), dtype, "y")
-    assert (rows(y, axis)[:, 2 * bs:3 * bs] == 0).all(), "empty layout column must give zeros"
-
-
-@DT
-@BS
-@AX
-@NR
-def test_dx(dtype, bs, axis, n):
-    lay, luts, _, dy, w = make_case(bs, axis, dtype, n=n)
-    out = torch.full((dy.shape[0], luts.C) if axis == 1 else (luts.C, dy.shape[1]), float("nan"),
-                     device=dy.device, dtype=dtype)
-    dx = kernels.bsmm_dx(dy, w, luts, axis, out=out)
-    wd = dense_weight(lay, w)
-    ref = rows(dy, axis) @ wd.t()
-    assert_close(rows(dx, axis), ref, torch_mm(rows(dy, axis), wd.t(), dtype), dtype, "dx")
-    assert (rows(dx, axis)[:, bs:2 * bs] == 0).all(), "empty layout row must give zero dx"
+    src, launch, dense = (x, kernels.bsmm_forward, wd) if product == "fwd" else (dy, kernels.bsmm_dx, wd.t())
+    feats = dense.shape[1]
+    out = torch.full((src.shape[0], feats) if axis == 1 else (feats, src.shape[1]), float("nan"),
+                     device=src.device, dtype=dtype)                                # poisoned
+    got = launch(src, w, luts, axis, out=out)
+    assert_close(rows(got, axis), rows(src, axis) @ dense, torch_mm(rows(src, axis), dense, dtype), dtype,
+                 product)
+    empty = slice(2 * bs, 3 * bs) if product == "fwd" else slice(bs, 2 * bs)   # empty column / row
+    assert (rows(got, axis)[:, empty] == 0).all(), "an empty layout column (row for dx) must give zeros"
 
 
 @DT
