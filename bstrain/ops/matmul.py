@@ -19,12 +19,13 @@ import numpy as np
 import torch
 
 from bstrain.layout import as_layout
+from bstrain.ops.proj import SparseProj  # noqa: F401  (the seed exports it from matmul)
 
 BLOCK_SIZES = (8, 16, 32, 64, 128)
 _FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 _BACKENDS = ("auto", "triton", "torch")
 
-__all__ = ["BlocksparseMatMul", "bsmm_ref", "check_block_size", "BLOCK_SIZES"]
+__all__ = ["BlocksparseMatMul", "SparseProj", "bsmm_ref", "check_block_size", "BLOCK_SIZES"]
 
 
 def check_block_size(block_size) -> int:

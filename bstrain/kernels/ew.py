@@ -1,0 +1,194 @@
+"""Triton kernels for fused LSTM gates and softmax cross-entropy, and their launchers.
+
+LSTM gate order is the seed's: i, u, f, o (input, update, forget, output). The gates arrive as
+four (N, K) views with their own row strides, so one fused (N, 4K) tensor and four separate
+tensors take the same path. The backward recomputes the gate activations from the
+pre-activations instead of saving them.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+@triton.jit
+def _sigmoid(x):
+    return 1.0 / (1.0 + tl.exp(-x))
+
+
+@triton.jit
+def _tanh(x):
+    return 2.0 * _sigmoid(2.0 * x) - 1.0
+
+
+@triton.jit
+def _lstm_gates_fwd_kernel(C, I, U, F, O, BIAS, CN, HN, numel, K,
+                           stride_c, stride_i, stride_u, stride_f, stride_o, forget_bias,
+                           HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr):
+    """new_c = σ(f + fb)·c + σ(i)·tanh(u); new_h = σ(o)·tanh(new_c). Outputs are (N, K) contiguous."""
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < numel
+    row = offs // K
+    col = offs % K
+    c = tl.load(C + row * stride_c + col, mask=mask, other=0.0).to(tl.float32)
+    i = tl.load(I + row * stride_i + col, mask=mask, other=0.0).to(tl.float32)
+    u = tl.load(U + row * stride_u + col, mask=mask, other=0.0).to(tl.float32)
+    f = tl.load(F + row * stride_f + col, mask=mask, other=0.0).to(tl.float32)
+    o = tl.load(O + row * stride_o + col, mask=mask, other=0.0).to(tl.float32)
+    if HAS_BIAS:
+        i += tl.load(BIAS + col, mask=mask, other=0.0).to(tl.float32)
+        u += tl.load(BIAS + K + col, mask=mask, other=0.0).to(tl.float32)
+        f += tl.load(BIAS + 2 * K + col, mask=mask, other=0.0).to(tl.float32)
+        o += tl.load(BIAS + 3 * K + col, mask=mask, other=0.0).to(tl.float32)
+    new_c = _sigmoid(f + forget_bias) * c + _sigmoid(i) * _tanh(u)
+    new_h = _sigmoid(o) * _tanh(new_c)
+    tl.store(CN + offs, new_c.to(CN.dtype.element_ty), mask=mask)
+    tl.store(HN + offs, new_h.to(HN.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _lstm_gates_bwd_kernel(C, I, U, F, O, BIAS, DCN, DHN, DC, DG, numel, K,
+                           stride_c, stride_i, stride_u, stride_f, stride_o, forget_bias,
+                           HAS_BIAS: tl.constexpr, HAS_DC: tl.constexpr, BLOCK: tl.constexpr):
+    """dc and the four pre-activation grads, written to DG as (N, 4K) in gate order i, u, f, o."""
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < numel
+    row = offs // K
+    col = offs % K
+    c = tl.load(C + row * stride_c + col, mask=mask, other=0.0).to(tl.float32)
+    i = tl.load(I + row * stride_i + col, mask=mask, other=0.0).to(tl.float32)
+    u = tl.load(U + row * stride_u + col, mask=mask, other=0.0).to(tl.float32)
+    f = tl.load(F + row * stride_f + col, mask=mask, other=0.0).to(tl.float32)
+    o = tl.load(O + row * stride_o + col, mask=mask, other=0.0).to(tl.float32)
+    if HAS_BIAS:
+        i += tl.load(BIAS + col, mask=mask, other=0.0).to(tl.float32)
+        u += tl.load(BIAS + K + col, mask=mask, other=0.0).to(tl.float32)
+        f += tl.load(BIAS + 2 * K + col, mask=mask, other=0.0).to(tl.float32)
+        o += tl.load(BIAS + 3 * K + col, mask=mask, other=0.0).to(tl.float32)
+    si = _sigmoid(i)
+    tu = _tanh(u)
+    sf = _sigmoid(f + forget_bias)
+    so = _sigmoid(o)
+    t = _tanh(sf * c + si * tu)
+    dh = tl.load(DHN + offs, mask=mask, other=0.0).to(tl.float32)
+    dcn = dh * so * (1.0 - t * t)
+    if HAS_DC:
+        dcn += tl.load(DCN + offs, mask=mask, other=0.0).to(tl.float32)
+    ty = DG.dtype.element_ty
+    base = DG + row * (4 * K) + col
+    tl.store(base, (dcn * tu * si * (1.0 - si)).to(ty), mask=mask)
+    tl.store(base + K, (dcn * si * (1.0 - tu * tu)).to(ty), mask=mask)
+    tl.store(base + 2 * K, (dcn * c * sf * (1.0 - sf)).to(ty), mask=mask)
+    tl.store(base + 3 * K, (dh * t * so * (1.0 - so)).to(ty), mask=mask)
+    tl.store(DC + offs, (dcn * sf).to(DC.dtype.element_ty), mask=mask)
+
+
+def _check_gates(c: torch.Tensor, gates, bias) -> None:
+    if c.dtype not in _DTYPES or c.dim() != 2:
+        raise TypeError(f"c: expected a 2-D float32/float16/bfloat16 tensor, got {c.dtype} {tuple(c.shape)}")
+    if c.stride(1) != 1:
+        raise ValueError("c: expected unit stride along features")
+    for name, g in zip("iufo", gates):
+        if g.shape != c.shape or g.dtype != c.dtype or g.device != c.device or g.stride(1) != 1:
+            raise ValueError(f"{name}: expected {tuple(c.shape)} {c.dtype} on {c.device} with unit "
+                             f"feature stride, got {tuple(g.shape)} {g.dtype} on {g.device}")
+    if bias is not None and (bias.shape != (4 * c.shape[1],) or not bias.is_contiguous()):
+        raise ValueError(f"bias: expected a contiguous ({4 * c.shape[1]},) tensor, got {tuple(bias.shape)}")
+
+
+def lstm_gates_forward(c, i, u, f, o, bias=None, forget_bias=1.0, block=1024):
+    """c, i, u, f, o: (N, K); bias: (4K,) or None. Returns (new_c, new_h), (N, K) contiguous."""
+    _check_gates(c, (i, u, f, o), bias)
+    n, k = c.shape
+    cn = torch.empty((n, k), dtype=c.dtype, device=c.device)
+    hn = torch.empty((n, k), dtype=c.dtype, device=c.device)
+    if c.numel():
+        _lstm_gates_fwd_kernel[(triton.cdiv(c.numel(), block),)](
+            c, i, u, f, o, bias if bias is not None else c, cn, hn, c.numel(), k,
+            c.stride(0), i.stride(0), u.stride(0), f.stride(0), o.stride(0), float(forget_bias),
+            HAS_BIAS=bias is not None, BLOCK=block)
+    return cn, hn
+
+
+def lstm_gates_backward(c, i, u, f, o, dc_new, dh_new, bias=None, forget_bias=1.0, block=1024):
+    """Returns (dc (N, K), dgates (N, 4K) in order i, u, f, o). dc_new may be None."""
+    _check_gates(c, (i, u, f, o), bias)
+    dh_new = dh_new.contiguous()
+    dc_new = dc_new.contiguous() if dc_new is not None else None
+    n, k = c.shape
+    dc = torch.empty((n, k), dtype=c.dtype, device=c.device)
+    dg = torch.empty((n, 4 * k), dtype=c.dtype, device=c.device)
+    if c.numel():
+        _lstm_gates_bwd_kernel[(triton.cdiv(c.numel(), block),)](
+            c, i, u, f, o, bias if bias is not None else c, dc_new if dc_new is not None else dh_new,
+            dh_new, dc, dg, c.numel(), k,
+            c.stride(0), i.stride(0), u.stride(0), f.stride(0), o.stride(0), float(forget_bias),
+            HAS_BIAS=bias is not None, HAS_DC=dc_new is not None, BLOCK=block)
+    return dc, dg
+
+
+@triton.jit
+def _xent_fwd_kernel(X, LABELS, LOSS, LSE, V, stride_x, BLOCK_V: tl.constexpr):
+    """One row per program: online max / sum-exp in fp32, loss = logsumexp - x[label]."""
+    row = tl.program_id(0)
+    x_row = X + row.to(tl.int64) * stride_x
+    m = tl.full((BLOCK_V,), float("-inf"), dtype=tl.float32)
+    s = tl.zeros((BLOCK_V,), dtype=tl.float32)
+    for v0 in range(0, V, BLOCK_V):
+        offs = v0 + tl.arange(0, BLOCK_V)
+        x = tl.load(x_row + offs, mask=offs < V, other=float("-inf")).to(tl.float32)
+        m_new = tl.maximum(m, x)
+        # lanes still at -inf (masked, or -inf logits) keep s = 0 instead of exp(-inf + inf) = NaN
+        alpha = tl.where(m_new == float("-inf"), 0.0, tl.exp(m - m_new))
+        s = s * alpha + tl.where(x == float("-inf"), 0.0, tl.exp(x - m_new))
+        m = m_new
+    m_row = tl.max(m, axis=0)
+    s_row = tl.sum(tl.where(m == float("-inf"), 0.0, s * tl.exp(m - m_row)), axis=0)
+    lse = m_row + tl.log(s_row)
+    label = tl.load(LABELS + row)
+    tl.store(LSE + row, lse)
+    tl.store(LOSS + row, lse - tl.load(x_row + label).to(tl.float32))
+
+
+@triton.jit
+def _xent_bwd_kernel(X, LABELS, LSE, DLOSS, DX, V, stride_x, stride_dx, BLOCK_V: tl.constexpr):
+    """dx = (softmax(x) - onehot(label)) · dloss, one row per program."""
+    row = tl.program_id(0)
+    x_row = X + row.to(tl.int64) * stride_x
+    dx_row = DX + row.to(tl.int64) * stride_dx
+    lse = tl.load(LSE + row)
+    dl = tl.load(DLOSS + row).to(tl.float32)
+    label = tl.load(LABELS + row)
+    for v0 in range(0, V, BLOCK_V):
+        offs = v0 + tl.arange(0, BLOCK_V)
+        mask = offs < V
+        p = tl.exp(tl.load(x_row + offs, mask=mask, other=0.0).to(tl.float32) - lse)
+        g = (p - tl.where(offs == label, 1.0, 0.0)) * dl
+        tl.store(dx_row + offs, g.to(DX.dtype.element_ty), mask=mask)
+
+
+def softmax_xent_forward(logits: torch.Tensor, labels: torch.Tensor, block_v: int = 4096):
+    """logits (N, V), labels (N,) int -> (loss (N,) fp32, logsumexp (N,) fp32)."""
+    if logits.dtype not in _DTYPES or logits.dim() != 2 or logits.stride(1) != 1:
+        raise ValueError(f"logits: expected a 2-D float tensor with unit stride on V, got "
+                         f"{logits.dtype} {tuple(logits.shape)}")
+    n, v = logits.shape
+    loss = torch.empty(n, dtype=torch.float32, device=logits.device)
+    lse = torch.empty(n, dtype=torch.float32, device=logits.device)
+    if n:
+        _xent_fwd_kernel[(n,)](logits, labels, loss, lse, v, logits.stride(0),
+                               BLOCK_V=min(block_v, triton.next_power_of_2(v)))
+    return loss, lse
+
+
+def softmax_xent_backward(logits, labels, lse, dloss, block_v: int = 4096):
+    """Returns dlogits (N, V) in the logits' dtype."""
+    n, v = logits.shape
+    dx = torch.empty((n, v), dtype=logits.dtype, device=logits.device)
+    if n:
+        _xent_bwd_kernel[(n,)](logits, labels, lse, dloss.contiguous(), dx, v, logits.stride(0), dx.stride(0),
+                               BLOCK_V=min(block_v, triton.next_power_of_2(v)))
+    return dx

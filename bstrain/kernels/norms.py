@@ -1,0 +1,113 @@
+"""Triton layer norm for the seed's general case: either feature axis, segments, fused ReLU.
+
+x is seen as groups: one group is one segment of the features of one row (axis=1) or one
+column (axis=0). A program normalises BLOCK_G groups of one segment at once, as a
+(BLOCK_G, KS) tile, so loads are coalesced along features (axis=1) or along rows of N (axis=0).
+Statistics are fp32. The backward writes per-program partial dg/db rows, summed by torch.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+MAX_SEGMENT = 8192  # features per segment the one-tile kernel handles
+
+
+@triton.jit
+def _layer_norm_fwd_kernel(X, G, B, Y, MEAN, RSTD, n_groups, n_seg, seg_size,
+                           stride_g, stride_f, eps,
+                           RELU: tl.constexpr, BLOCK_G: tl.constexpr, KS: tl.constexpr):
+    seg = tl.program_id(1)
+    grp = tl.program_id(0) * BLOCK_G + tl.arange(0, BLOCK_G)                 # (BLOCK_G,)
+    feat = seg * seg_size + tl.arange(0, KS)                                 # (KS,)
+    gmask = grp < n_groups
+    fmask = tl.arange(0, KS) < seg_size
+    mask = gmask[:, None] & fmask[None, :]
+    offs = grp[:, None].to(tl.int64) * stride_g + feat[None, :].to(tl.int64) * stride_f
+    x = tl.load(X + offs, mask=mask, other=0.0).to(tl.float32)
+    mean = tl.sum(x, axis=1) / seg_size
+    xc = tl.where(mask, x - mean[:, None], 0.0)
+    rstd = 1.0 / tl.sqrt(tl.sum(xc * xc, axis=1) / seg_size + eps)
+    g = tl.load(G + feat, mask=fmask, other=0.0).to(tl.float32)
+    b = tl.load(B + feat, mask=fmask, other=0.0).to(tl.float32)
+    y = xc * rstd[:, None] * g[None, :] + b[None, :]
+    if RELU:
+        y = tl.maximum(y, 0.0)
+    tl.store(Y + offs, y.to(Y.dtype.element_ty), mask=mask)
+    tl.store(MEAN + grp * n_seg + seg, mean, mask=gmask)
+    tl.store(RSTD + grp * n_seg + seg, rstd, mask=gmask)
+
+
+@triton.jit
+def _layer_norm_bwd_kernel(X, G, B, DY, DX, MEAN, RSTD, DG_PART, DB_PART, n_groups, n_seg, seg_size, C,
+                           stride_g, stride_f,
+                           RELU: tl.constexpr, BLOCK_G: tl.constexpr, KS: tl.constexpr):
+    pid = tl.program_id(0)
+    seg = tl.program_id(1)
+    grp = pid * BLOCK_G + tl.arange(0, BLOCK_G)
+    feat = seg * seg_size + tl.arange(0, KS)
+    gmask = grp < n_groups
+    fmask = tl.arange(0, KS) < seg_size
+    mask = gmask[:, None] & fmask[None, :]
+    offs = grp[:, None].to(tl.int64) * stride_g + feat[None, :].to(tl.int64) * stride_f
+    x = tl.load(X + offs, mask=mask, other=0.0).to(tl.float32)
+    dy = tl.load(DY + offs, mask=mask, other=0.0).to(tl.float32)
+    mean = tl.load(MEAN + grp * n_seg + seg, mask=gmask, other=0.0)
+    rstd = tl.load(RSTD + grp * n_seg + seg, mask=gmask, other=0.0)
+    g = tl.load(G + feat, mask=fmask, other=0.0).to(tl.float32)
+    xhat = tl.where(mask, (x - mean[:, None]) * rstd[:, None], 0.0)
+    if RELU:
+        b = tl.load(B + feat, mask=fmask, other=0.0).to(tl.float32)
+        dy = tl.where(xhat * g[None, :] + b[None, :] > 0.0, dy, 0.0)
+    tl.store(DG_PART + pid * C + feat, tl.sum(dy * xhat, axis=0), mask=fmask)
+    tl.store(DB_PART + pid * C + feat, tl.sum(dy, axis=0), mask=fmask)
+    dxhat = dy * g[None, :]
+    c1 = tl.sum(dxhat * xhat, axis=1) / seg_size
+    c2 = tl.sum(dxhat, axis=1) / seg_size
+    dx = (dxhat - xhat * c1[:, None] - c2[:, None]) * rstd[:, None]
+    tl.store(DX + offs, dx.to(DX.dtype.element_ty), mask=mask)
+
+
+def _geometry(x: torch.Tensor, axis: int, segments: int):
+    """(groups, segment size, group stride, feature stride, BLOCK_G, KS, warps)."""
+    C = x.shape[axis]
+    seg_size = C // segments
+    if seg_size > MAX_SEGMENT:
+        raise ValueError(f"segments: the kernel handles up to {MAX_SEGMENT} features per segment, got {seg_size}")
+    n_groups = x.shape[1 - axis]
+    stride_g, stride_f = (x.stride(0), x.stride(1)) if axis == 1 else (x.stride(1), x.stride(0))
+    ks = triton.next_power_of_2(seg_size)
+    block_g = max(1, min(64, 4096 // ks))
+    if axis == 0:
+        block_g = max(block_g, 16)  # coalesce along N
+    warps = 4 if ks * block_g <= 4096 else 8
+    return n_groups, seg_size, stride_g, stride_f, block_g, ks, warps
+
+
+def layer_norm_forward(x, g, b, axis: int, eps: float, relu: bool, segments: int):
+    """x: contiguous (N, C) for axis=1 or (C, N) for axis=0; g, b: (C,). Returns (y like x, mean (groups, segments) fp32, rstd (groups, segments) fp32)."""
+    n_groups, seg_size, sg, sf, block_g, ks, warps = _geometry(x, axis, segments)
+    y = torch.empty_like(x)
+    mean = torch.empty((n_groups, segments), dtype=torch.float32, device=x.device)
+    rstd = torch.empty_like(mean)
+    grid = (triton.cdiv(n_groups, block_g), segments)
+    if n_groups:
+        _layer_norm_fwd_kernel[grid](x, g, b, y, mean, rstd, n_groups, segments, seg_size, sg, sf, float(eps),
+                                     RELU=relu, BLOCK_G=block_g, KS=ks, num_warps=warps)
+    return y, mean, rstd
+
+
+def layer_norm_backward(dy, x, g, b, mean, rstd, axis: int, relu: bool, segments: int):
+    """dy, x: contiguous, same shape. Returns (dx like x, dg (C,), db (C,)) with dg/db in g's dtype."""
+    n_groups, seg_size, sg, sf, block_g, ks, warps = _geometry(x, axis, segments)
+    C = x.shape[axis]
+    dx = torch.empty_like(x)
+    n_prog = triton.cdiv(n_groups, block_g)
+    dg_part = torch.empty((n_prog, C), dtype=torch.float32, device=x.device)
+    db_part = torch.empty_like(dg_part)
+    if n_groups:
+        _layer_norm_bwd_kernel[(n_prog, segments)](x, g, b, dy, dx, mean, rstd, dg_part, db_part,
+                                                   n_groups, segments, seg_size, C, sg, sf,
+                                                   RELU=relu, BLOCK_G=block_g, KS=ks, num_warps=warps)
+    return dx, dg_part.sum(0).to(g.dtype), db_part.sum(0).to(b.dtype)

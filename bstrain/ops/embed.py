@@ -1,0 +1,40 @@
+"""Embedding lookup with an fp32 gradient accumulator."""
+from __future__ import annotations
+
+import torch
+
+__all__ = ["embedding_lookup"]
+
+
+class _EmbeddingLookup(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, emb, idx):
+        ctx.save_for_backward(idx)
+        ctx.num_rows, ctx.emb_dtype = emb.shape[0], emb.dtype
+        return emb[idx]                                                  # (*idx.shape, D)
+
+    @staticmethod
+    def backward(ctx, dy):
+        (idx,) = ctx.saved_tensors
+        d = dy.shape[-1]
+        # Rows that repeat (common tokens) sum many small fp16/bf16 terms: add them up in fp32.
+        grad = torch.zeros(ctx.num_rows, d, dtype=torch.float32, device=dy.device)
+        grad.index_add_(0, idx.reshape(-1), dy.reshape(-1, d).float())
+        return grad.to(ctx.emb_dtype), None
+
+
+def embedding_lookup(emb: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+    """y = emb[idx]. emb: (V, D); idx: int tensor of any shape; returns (*idx.shape, D).
+
+    The gradient of emb is accumulated in fp32 even for fp16/bf16 tables, then cast to emb's dtype.
+    """
+    if not isinstance(emb, torch.Tensor) or emb.dim() != 2 or not emb.is_floating_point():
+        raise ValueError(f"emb: expected a 2-D floating (V, D) tensor, got "
+                         f"{getattr(emb, 'shape', type(emb).__name__)}")
+    if not isinstance(idx, torch.Tensor) or idx.dtype not in (torch.int64, torch.int32):
+        raise TypeError(f"idx: expected an int64 or int32 tensor, got {getattr(idx, 'dtype', type(idx).__name__)}")
+    if idx.device != emb.device:
+        raise ValueError(f"idx: expected device {emb.device} (as emb), got {idx.device}")
+    if idx.numel() and (int(idx.min()) < 0 or int(idx.max()) >= emb.shape[0]):
+        raise ValueError(f"idx: expected values in [0, {emb.shape[0]}), got [{int(idx.min())}, {int(idx.max())}]")
+    return _EmbeddingLookup.apply(emb, idx.long())
