@@ -257,10 +257,10 @@ class _FloatCast(torch.autograd.Function):
 
 
 def float_cast(x: torch.Tensor, dtype: torch.dtype, dx_dtype: torch.dtype | None = None) -> torch.Tensor:
-    """Casts x to ``dtype``; the gradient flows back cast to ``dx_dtype`` (default: x's dtype).
+    """Casts x to ``dtype``; the backward casts the gradient to ``dx_dtype`` (default: x's dtype).
 
-    Autograd then hands x its gradient in x's dtype, so dx_dtype decides the precision in which
-    the gradient travels between the cast and x (e.g. keep fp16 gradients for fp32 weights).
+    Unlike TensorFlow, PyTorch's autograd always hands x its gradient in x's own dtype, so a
+    dx_dtype other than x's only changes the rounding the gradient passes through on the way.
     """
     _check_tensor("x", x)
     for name, dt in (("dtype", dtype), ("dx_dtype", dx_dtype)):

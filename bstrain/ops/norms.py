@@ -35,9 +35,10 @@ def layer_norm_ref(x, g, b, axis: int = 1, epsilon: float = 1e-6, relu: bool = F
     """PyTorch layer norm over the feature axis, per segment, with optional ReLU."""
     xr = x if axis == 1 else x.t()                                # (N, C)
     n, c = xr.shape
-    xs = xr.reshape(n, segments, c // segments).float()
+    work = torch.promote_types(x.dtype, torch.float32)                # fp32 statistics for 16-bit x
+    xs = xr.reshape(n, segments, c // segments).to(work)
     y = F.layer_norm(xs, (c // segments,), eps=epsilon).reshape(n, c)
-    y = (y * g.float() + b.float()).to(x.dtype)
+    y = (y * g.to(work) + b.to(work)).to(x.dtype)
     if relu:
         y = torch.relu(y)
     return y if axis == 1 else y.t()
@@ -105,7 +106,7 @@ def batch_norm(x: torch.Tensor, g: torch.Tensor, b: torch.Tensor, epsilon: float
     """
     _check_batch_norm(x, g, b)
     dims = [0] + list(range(2, x.dim()))
-    var, mean = torch.var_mean(x.float(), dim=dims, correction=0)
+    var, mean = torch.var_mean(x.to(torch.promote_types(x.dtype, torch.float32)), dim=dims, correction=0)
     y = F.batch_norm(x, None, None, g, b, training=True, eps=epsilon)
     return y, mean.detach(), var.detach()
 
