@@ -1,12 +1,15 @@
 #!/usr/bin/env bash
-# One device call: GPU tests, then the matmul benchmark. Usage: bash scripts/gpu_check.sh [bench args]
+# One device call: GPU tests, the seed example, then a benchmark.
+# Usage: bash scripts/gpu_check.sh [matmul|ops] [bench args]   (SKIP_TESTS=1 to skip the tests)
 set -o pipefail
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/bstrain-out}; mkdir -p "$OUT"
+bench=matmul
+case "${1:-}" in matmul|ops) bench=$1; shift ;; esac
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,memory.used --format=csv
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
 if [ -z "$SKIP_TESTS" ]; then
   python3 -m pytest tests -q -n 8 -p no:cacheprovider 2>&1 | tee "$OUT/pytest.log" | tail -25
 fi
 python3 examples/seed_readme.py | tail -1
-python3 scripts/bench_matmul.py --out "$OUT" "$@" 2>&1 | tee "$OUT/bench.log" | grep -v "^sweep"
+python3 "scripts/bench_$bench.py" --out "$OUT" "$@" 2>&1 | tee "$OUT/bench_$bench.log" | grep -v "^sweep"

@@ -69,8 +69,95 @@ def _layer_norm_bwd_kernel(X, G, B, DY, DX, MEAN, RSTD, DG_PART, DB_PART, n_grou
     tl.store(DX + offs, dx.to(DX.dtype.element_ty), mask=mask)
 
 
+@triton.jit
+def _layer_norm_fwd_loop_kernel(X, G, B, Y, MEAN, RSTD, n_groups, n_seg, seg_size,
+                                stride_g, stride_f, eps,
+                                RELU: tl.constexpr, BLOCK_G: tl.constexpr, FCHUNK: tl.constexpr):
+    """Large segments: three passes over FCHUNK-feature slices (mean, variance, normalise)."""
+    seg = tl.program_id(1)
+    grp = tl.program_id(0) * BLOCK_G + tl.arange(0, BLOCK_G)
+    gmask = grp < n_groups
+    base = X + grp[:, None].to(tl.int64) * stride_g
+    acc = tl.zeros((BLOCK_G, FCHUNK), dtype=tl.float32)
+    for f0 in range(0, seg_size, FCHUNK):
+        j = f0 + tl.arange(0, FCHUNK)
+        mask = gmask[:, None] & (j < seg_size)[None, :]
+        acc += tl.load(base + (seg * seg_size + j)[None, :].to(tl.int64) * stride_f, mask=mask, other=0.0).to(tl.float32)
+    mean = tl.sum(acc, axis=1) / seg_size
+    acc = tl.zeros((BLOCK_G, FCHUNK), dtype=tl.float32)
+    for f0 in range(0, seg_size, FCHUNK):
+        j = f0 + tl.arange(0, FCHUNK)
+        mask = gmask[:, None] & (j < seg_size)[None, :]
+        x = tl.load(base + (seg * seg_size + j)[None, :].to(tl.int64) * stride_f, mask=mask, other=0.0).to(tl.float32)
+        xc = tl.where(mask, x - mean[:, None], 0.0)
+        acc += xc * xc
+    rstd = 1.0 / tl.sqrt(tl.sum(acc, axis=1) / seg_size + eps)
+    for f0 in range(0, seg_size, FCHUNK):
+        j = f0 + tl.arange(0, FCHUNK)
+        fmask = j < seg_size
+        mask = gmask[:, None] & fmask[None, :]
+        offs = grp[:, None].to(tl.int64) * stride_g + (seg * seg_size + j)[None, :].to(tl.int64) * stride_f
+        x = tl.load(X + offs, mask=mask, other=0.0).to(tl.float32)
+        g = tl.load(G + seg * seg_size + j, mask=fmask, other=0.0).to(tl.float32)
+        b = tl.load(B + seg * seg_size + j, mask=fmask, other=0.0).to(tl.float32)
+        y = (x - mean[:, None]) * rstd[:, None] * g[None, :] + b[None, :]
+        if RELU:
+            y = tl.maximum(y, 0.0)
+        tl.store(Y + offs, y.to(Y.dtype.element_ty), mask=mask)
+    tl.store(MEAN + grp * n_seg + seg, mean, mask=gmask)
+    tl.store(RSTD + grp * n_seg + seg, rstd, mask=gmask)
+
+
+@triton.jit
+def _layer_norm_bwd_loop_kernel(X, G, B, DY, DX, MEAN, RSTD, DG_PART, DB_PART, n_groups, n_seg, seg_size, C,
+                                stride_g, stride_f,
+                                RELU: tl.constexpr, BLOCK_G: tl.constexpr, FCHUNK: tl.constexpr):
+    """Large segments: pass 1 sums dxhat and dxhat·xhat; pass 2 writes dx and dg/db partials."""
+    pid = tl.program_id(0)
+    seg = tl.program_id(1)
+    grp = pid * BLOCK_G + tl.arange(0, BLOCK_G)
+    gmask = grp < n_groups
+    mean = tl.load(MEAN + grp * n_seg + seg, mask=gmask, other=0.0)
+    rstd = tl.load(RSTD + grp * n_seg + seg, mask=gmask, other=0.0)
+    s1 = tl.zeros((BLOCK_G, FCHUNK), dtype=tl.float32)
+    s2 = tl.zeros((BLOCK_G, FCHUNK), dtype=tl.float32)
+    for pass_ in tl.static_range(2):
+        for f0 in range(0, seg_size, FCHUNK):
+            j = f0 + tl.arange(0, FCHUNK)
+            feat = seg * seg_size + j
+            fmask = j < seg_size
+            mask = gmask[:, None] & fmask[None, :]
+            offs = grp[:, None].to(tl.int64) * stride_g + feat[None, :].to(tl.int64) * stride_f
+            x = tl.load(X + offs, mask=mask, other=0.0).to(tl.float32)
+            dy = tl.load(DY + offs, mask=mask, other=0.0).to(tl.float32)
+            g = tl.load(G + feat, mask=fmask, other=0.0).to(tl.float32)
+            xhat = tl.where(mask, (x - mean[:, None]) * rstd[:, None], 0.0)
+            if RELU:
+                b = tl.load(B + feat, mask=fmask, other=0.0).to(tl.float32)
+                dy = tl.where(xhat * g[None, :] + b[None, :] > 0.0, dy, 0.0)
+            dxhat = dy * g[None, :]
+            if pass_ == 0:
+                s1 += dxhat * xhat
+                s2 += dxhat
+            else:
+                c1 = tl.sum(s1, axis=1) / seg_size
+                c2 = tl.sum(s2, axis=1) / seg_size
+                dx = (dxhat - xhat * c1[:, None] - c2[:, None]) * rstd[:, None]
+                tl.store(DX + offs, dx.to(DX.dtype.element_ty), mask=mask)
+                tl.store(DG_PART + pid * C + feat, tl.sum(dy * xhat, axis=0), mask=fmask)
+                tl.store(DB_PART + pid * C + feat, tl.sum(dy, axis=0), mask=fmask)
+
+
+TILE = 4096     # fp32 elements a program holds at once
+
+
 def _geometry(x: torch.Tensor, axis: int, segments: int):
-    """(groups, segment size, group stride, feature stride, BLOCK_G, KS, warps)."""
+    """(groups, segment size, group stride, feature stride, BLOCK_G, feature tile, looped, warps).
+
+    One tile holds BLOCK_G groups x a power-of-two slice of features. Segments that fit one tile
+    with enough groups to coalesce (16 along N on axis 0) use the one-pass kernels; larger ones
+    loop over FCHUNK-feature slices.
+    """
     C = x.shape[axis]
     seg_size = C // segments
     if seg_size > MAX_SEGMENT:
@@ -78,21 +165,24 @@ def _geometry(x: torch.Tensor, axis: int, segments: int):
     n_groups = x.shape[1 - axis]
     stride_g, stride_f = (x.stride(0), x.stride(1)) if axis == 1 else (x.stride(1), x.stride(0))
     ks = triton.next_power_of_2(seg_size)
-    block_g = max(1, min(64, 4096 // ks))
-    if axis == 0:
-        block_g = max(block_g, 16)  # coalesce along N
-    warps = 4 if ks * block_g <= 4096 else 8
-    return n_groups, seg_size, stride_g, stride_f, block_g, ks, warps
+    min_g = 16 if axis == 0 else 1
+    if ks * min_g <= TILE:
+        return n_groups, seg_size, stride_g, stride_f, max(min_g, min(64, TILE // ks)), ks, False, 4
+    block_g = 32 if axis == 0 else 4
+    return n_groups, seg_size, stride_g, stride_f, block_g, max(2, TILE // block_g), True, 8
 
 
 def layer_norm_forward(x, g, b, axis: int, eps: float, relu: bool, segments: int):
     """x: contiguous (N, C) for axis=1 or (C, N) for axis=0; g, b: (C,). Returns (y like x, mean (groups, segments) fp32, rstd (groups, segments) fp32)."""
-    n_groups, seg_size, sg, sf, block_g, ks, warps = _geometry(x, axis, segments)
+    n_groups, seg_size, sg, sf, block_g, ks, looped, warps = _geometry(x, axis, segments)
     y = torch.empty_like(x)
     mean = torch.empty((n_groups, segments), dtype=torch.float32, device=x.device)
     rstd = torch.empty_like(mean)
     grid = (triton.cdiv(n_groups, block_g), segments)
-    if n_groups:
+    if n_groups and looped:
+        _layer_norm_fwd_loop_kernel[grid](x, g, b, y, mean, rstd, n_groups, segments, seg_size, sg, sf,
+                                          float(eps), RELU=relu, BLOCK_G=block_g, FCHUNK=ks, num_warps=warps)
+    elif n_groups:
         _layer_norm_fwd_kernel[grid](x, g, b, y, mean, rstd, n_groups, segments, seg_size, sg, sf, float(eps),
                                      RELU=relu, BLOCK_G=block_g, KS=ks, num_warps=warps)
     return y, mean, rstd
@@ -100,14 +190,15 @@ def layer_norm_forward(x, g, b, axis: int, eps: float, relu: bool, segments: int
 
 def layer_norm_backward(dy, x, g, b, mean, rstd, axis: int, relu: bool, segments: int):
     """dy, x: contiguous, same shape. Returns (dx like x, dg (C,), db (C,)) with dg/db in g's dtype."""
-    n_groups, seg_size, sg, sf, block_g, ks, warps = _geometry(x, axis, segments)
+    n_groups, seg_size, sg, sf, block_g, ks, looped, warps = _geometry(x, axis, segments)
     C = x.shape[axis]
     dx = torch.empty_like(x)
     n_prog = triton.cdiv(n_groups, block_g)
     dg_part = torch.empty((n_prog, C), dtype=torch.float32, device=x.device)
     db_part = torch.empty_like(dg_part)
+    kernel = _layer_norm_bwd_loop_kernel if looped else _layer_norm_bwd_kernel
+    tile = dict(FCHUNK=ks) if looped else dict(KS=ks)
     if n_groups:
-        _layer_norm_bwd_kernel[(n_prog, segments)](x, g, b, dy, dx, mean, rstd, dg_part, db_part,
-                                                   n_groups, segments, seg_size, C, sg, sf,
-                                                   RELU=relu, BLOCK_G=block_g, KS=ks, num_warps=warps)
+        kernel[(n_prog, segments)](x, g, b, dy, dx, mean, rstd, dg_part, db_part, n_groups, segments, seg_size, C,
+                                   sg, sf, RELU=relu, BLOCK_G=block_g, num_warps=warps, **tile)
     return dx, dg_part.sum(0).to(g.dtype), db_part.sum(0).to(b.dtype)

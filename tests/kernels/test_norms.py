@@ -31,6 +31,28 @@ def test_layer_norm_kernel(dtype, axis, segments, relu):
     assert_close(db, b64.grad, None, dtype, "db")
 
 
+@pytest.mark.parametrize("axis", (0, 1), ids=lambda a: f"axis{a}")
+def test_layer_norm_loop_kernel(axis, monkeypatch):
+    """Segments too large for one tile: the three-pass kernels, with a ragged last slice."""
+    monkeypatch.setattr(kernels, "TILE", 32)
+    dev, dtype = kernel_device(), torch.float32
+    c, n = 2 * 45, 37
+    x = (torch.randn((n, c) if axis == 1 else (c, n), device=dev) * 2 + 3).to(dtype)
+    g, b = torch.randn(c, device=dev), torch.randn(c, device=dev)
+    assert kernels._geometry(x, axis, 2)[6], "expected the looped kernels"
+    for relu in (False, True):
+        y, mean, rstd = kernels.layer_norm_forward(x, g, b, axis, 1e-6, relu, 2)
+        x64, g64, b64 = (t.double().cpu().requires_grad_() for t in (x, g, b))
+        ref = layer_norm_ref(x64, g64, b64, axis, 1e-6, relu, 2)
+        assert_close(y, ref, None, dtype, "y")
+        dy = torch.randn_like(x)
+        ref.backward(dy.double().cpu())
+        dx, dg, db = kernels.layer_norm_backward(dy, x, g, b, mean, rstd, axis, relu, 2)
+        assert_close(dx, x64.grad, None, dtype, "dx")
+        assert_close(dg, g64.grad, None, dtype, "dg")
+        assert_close(db, b64.grad, None, dtype, "db")
+
+
 def test_segment_limit_is_a_clear_error():
     x = torch.randn(2, kernels.MAX_SEGMENT * 2)
     with pytest.raises(ValueError, match="segments: the kernel handles up to"):
