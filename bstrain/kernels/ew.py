@@ -1,4 +1,7 @@
-"""Triton kernels for fused LSTM gates and softmax cross-entropy, and their launchers.
+"""Triton kernels for fused LSTM gates, and their launchers.
+
+(A fused softmax cross-entropy kernel was measured too, and removed: torch.compile of the
+PyTorch math matched it at V=65,536 and eager PyTorch beat it at V=256; benchmarks/ops.md.)
 
 LSTM gate order is the seed's: i, u, f, o (input, update, forget, output). The gates arrive as
 four (N, K) views with their own row strides, so one fused (N, 4K) tensor and four separate
@@ -128,67 +131,3 @@ def lstm_gates_backward(c, i, u, f, o, dc_new, dh_new, bias=None, forget_bias=1.
             c.stride(0), i.stride(0), u.stride(0), f.stride(0), o.stride(0), float(forget_bias),
             HAS_BIAS=bias is not None, HAS_DC=dc_new is not None, BLOCK=block)
     return dc, dg
-
-
-@triton.jit
-def _xent_fwd_kernel(X, LABELS, LOSS, LSE, V, stride_x, BLOCK_V: tl.constexpr):
-    """One row per program: online max / sum-exp in fp32, loss = logsumexp - x[label]."""
-    row = tl.program_id(0)
-    x_row = X + row.to(tl.int64) * stride_x
-    m = tl.full((BLOCK_V,), float("-inf"), dtype=tl.float32)
-    s = tl.zeros((BLOCK_V,), dtype=tl.float32)
-    for v0 in range(0, V, BLOCK_V):
-        offs = v0 + tl.arange(0, BLOCK_V)
-        x = tl.load(x_row + offs, mask=offs < V, other=float("-inf")).to(tl.float32)
-        m_new = tl.maximum(m, x)
-        # lanes still at -inf (masked, or -inf logits) keep s = 0 instead of exp(-inf + inf) = NaN
-        alpha = tl.where(m_new == float("-inf"), 0.0, tl.exp(m - m_new))
-        s = s * alpha + tl.where(x == float("-inf"), 0.0, tl.exp(x - m_new))
-        m = m_new
-    m_row = tl.max(m, axis=0)
-    s_row = tl.sum(tl.where(m == float("-inf"), 0.0, s * tl.exp(m - m_row)), axis=0)
-    lse = m_row + tl.log(s_row)
-    label = tl.load(LABELS + row)
-    tl.store(LSE + row, lse)
-    tl.store(LOSS + row, lse - tl.load(x_row + label).to(tl.float32))
-
-
-@triton.jit
-def _xent_bwd_kernel(X, LABELS, LSE, DLOSS, DX, V, stride_x, stride_dx, BLOCK_V: tl.constexpr):
-    """dx = (softmax(x) - onehot(label)) · dloss, one row per program."""
-    row = tl.program_id(0)
-    x_row = X + row.to(tl.int64) * stride_x
-    dx_row = DX + row.to(tl.int64) * stride_dx
-    lse = tl.load(LSE + row)
-    dl = tl.load(DLOSS + row).to(tl.float32)
-    label = tl.load(LABELS + row)
-    for v0 in range(0, V, BLOCK_V):
-        offs = v0 + tl.arange(0, BLOCK_V)
-        mask = offs < V
-        p = tl.exp(tl.load(x_row + offs, mask=mask, other=0.0).to(tl.float32) - lse)
-        g = (p - tl.where(offs == label, 1.0, 0.0)) * dl
-        tl.store(dx_row + offs, g.to(DX.dtype.element_ty), mask=mask)
-
-
-def softmax_xent_forward(logits: torch.Tensor, labels: torch.Tensor, block_v: int = 4096):
-    """logits (N, V), labels (N,) int -> (loss (N,) fp32, logsumexp (N,) fp32)."""
-    if logits.dtype not in _DTYPES or logits.dim() != 2 or logits.stride(1) != 1:
-        raise ValueError(f"logits: expected a 2-D float tensor with unit stride on V, got "
-                         f"{logits.dtype} {tuple(logits.shape)}")
-    n, v = logits.shape
-    loss = torch.empty(n, dtype=torch.float32, device=logits.device)
-    lse = torch.empty(n, dtype=torch.float32, device=logits.device)
-    if n:
-        _xent_fwd_kernel[(n,)](logits, labels, loss, lse, v, logits.stride(0),
-                               BLOCK_V=min(block_v, triton.next_power_of_2(v)))
-    return loss, lse
-
-
-def softmax_xent_backward(logits, labels, lse, dloss, block_v: int = 4096):
-    """Returns dlogits (N, V) in the logits' dtype."""
-    n, v = logits.shape
-    dx = torch.empty((n, v), dtype=logits.dtype, device=logits.device)
-    if n:
-        _xent_bwd_kernel[(n,)](logits, labels, lse, dloss.contiguous(), dx, v, logits.stride(0), dx.stride(0),
-                               BLOCK_V=min(block_v, triton.next_power_of_2(v)))
-    return dx

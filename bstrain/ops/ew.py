@@ -3,7 +3,8 @@
 Plain elementwise ops are torch calls with torch's broadcasting: a hand-written kernel would not
 beat torch (or torch.compile) on them. Fused ops whose Triton kernel measurably beats
 ``torch.compile`` of the same math (scripts/bench_ops.py, benchmarks/ops.md) run that kernel on CUDA
-tensors; everything else, and every CPU tensor, runs the ``*_ref`` PyTorch path.
+tensors: of the ops here, that is fused_lstm_gates. Everything else, and every CPU tensor, runs
+PyTorch.
 """
 from __future__ import annotations
 
@@ -338,10 +339,12 @@ def softmax_cross_entropy_ref(logits: torch.Tensor, labels: torch.Tensor) -> tor
 
 
 def softmax_cross_entropy(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """Fused softmax + cross-entropy. logits: (N, V) fp32/fp16/bf16; labels: (N,) int.
+    """Softmax + cross-entropy. logits: (N, V) fp32/fp16/bf16; labels: (N,) int.
 
     Returns the (N,) fp32 loss. Works in fp32 internally, so fp16/bf16 logits of vocabularies up
-    to 65,536 (and beyond) never overflow; the gradient comes back in the logits' dtype.
+    to 65,536 (and beyond) never overflow; the gradient comes back in the logits' dtype. This is
+    PyTorch's cross_entropy: a hand-written Triton kernel did not beat torch.compile of it
+    (benchmarks/ops.md), so wrap your loss in torch.compile for the fused speed at large V.
     """
     _check_tensor("logits", logits)
     if not isinstance(labels, torch.Tensor) or labels.dtype not in (torch.int64, torch.int32):
@@ -355,21 +358,4 @@ def softmax_cross_entropy(logits: torch.Tensor, labels: torch.Tensor) -> torch.T
     if labels.numel() and (int(labels.min()) < 0 or int(labels.max()) >= logits.shape[1]):
         raise ValueError(f"labels: expected values in [0, {logits.shape[1]}), got "
                          f"[{int(labels.min())}, {int(labels.max())}]")
-    if _use_kernel(logits):
-        return _SoftmaxCrossEntropy.apply(logits.contiguous(), labels.contiguous())
     return softmax_cross_entropy_ref(logits, labels.long())
-
-
-class _SoftmaxCrossEntropy(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, logits, labels):
-        from bstrain.kernels.ew import softmax_xent_forward
-        loss, lse = softmax_xent_forward(logits, labels)
-        ctx.save_for_backward(logits, labels, lse)
-        return loss
-
-    @staticmethod
-    def backward(ctx, dloss):
-        from bstrain.kernels.ew import softmax_xent_backward
-        logits, labels, lse = ctx.saved_tensors
-        return softmax_xent_backward(logits, labels, lse, dloss), None
