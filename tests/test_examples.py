@@ -7,3 +7,12 @@ def test_seed_readme_example_runs(capsys):
     runpy.run_path(str(Path(__file__).parents[1] / "examples" / "seed_readme.py"), run_name="__main__")
     out = capsys.readouterr().out
     assert "y (64, 4096), dW (" in out
+
+
+def test_readme_op_library_example_runs():
+    """The op-library block of the README runs as written (on CPU)."""
+    text = (Path(__file__).parents[1] / "README.md").read_text()
+    section = text[text.index("## The op library"):text.index("### Which ops have kernels")]
+    code = section[section.index("```python") + len("```python"):]
+    code = code[:code.index("```")]
+    exec(compile(code, "README.md", "exec"), {})
