@@ -1,6 +1,7 @@
 """nn.Modules that research code composes."""
 from __future__ import annotations
 
+import contextlib
 import math
 
 import numpy as np
@@ -43,6 +44,7 @@ class BlockSparseLinear(nn.Module):
         self.weight = nn.Parameter(torch.empty(self.op.w_shape))
         self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
         self.register_buffer("layout", torch.as_tensor(lay), persistent=True)
+        self._group = None          # (GradGroup, grouped weight) inside grad_group()
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
@@ -53,9 +55,37 @@ class BlockSparseLinear(nn.Module):
         if self.bias is not None:
             nn.init.uniform_(self.bias, -bound, bound)
 
+    @contextlib.contextmanager
+    def grad_group(self, group_size: int = 8):
+        """Within this context, calls share one dW computed for up to group_size calls per launch.
+
+        For weights applied at many timesteps (recurrent weights): wrap the time loop, then call
+        backward as usual; W.grad equals the ungrouped result. group_size <= 1 is a no-op.
+        """
+        if group_size <= 1 or not torch.is_grad_enabled() or self._group is not None:
+            yield None
+            return
+        group = self.op.grad_group(group_size)
+        self._group = (group, None)
+        try:
+            yield group
+        finally:
+            self._group = None
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x: (N, C) or (C, N); returns (N, K) or (K, N)."""
-        y = self.op(x, self.weight)
+        """x: (N, C) or (C, N); returns (N, K) or (K, N). Under autocast, x is cast to its dtype."""
+        if x.is_cuda and torch.is_autocast_enabled("cuda"):
+            x = x.to(torch.get_autocast_dtype("cuda"))
+        elif not x.is_cuda and torch.is_autocast_enabled("cpu"):
+            x = x.to(torch.get_autocast_dtype("cpu"))
+        if self._group is not None:
+            group, w_grouped = self._group
+            if w_grouped is None:                      # first call in the context
+                w_grouped = self.op.group_weight(self.weight, group)
+                self._group = (group, w_grouped)
+            y = self.op.grouped(x, w_grouped, group)
+        else:
+            y = self.op(x, self.weight)
         if self.bias is not None:
             b = self.bias.to(y.dtype)
             y = y + (b if self.op.feature_axis == 1 else b[:, None])

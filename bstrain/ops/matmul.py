@@ -25,7 +25,8 @@ BLOCK_SIZES = (8, 16, 32, 64, 128)
 _FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 _BACKENDS = ("auto", "triton", "torch")
 
-__all__ = ["BlocksparseMatMul", "SparseProj", "bsmm_ref", "check_block_size", "BLOCK_SIZES"]
+__all__ = ["BlocksparseMatMul", "SparseProj", "GradGroup", "bsmm_ref", "bsmm_dx_ref", "bsmm_dw_ref",
+           "check_block_size", "BLOCK_SIZES"]
 
 
 def check_block_size(block_size) -> int:
@@ -58,6 +59,25 @@ def bsmm_ref(x: torch.Tensor, w: torch.Tensor, c_idx: torch.Tensor, k_idx: torch
         y = y.index_add(1, k_idx[s:s + chunk], part)              # (N, Kb, bs)
     y = y.reshape(n, K)
     return y if feature_axis == 1 else y.t().contiguous()
+
+
+def bsmm_dx_ref(dy: torch.Tensor, w: torch.Tensor, c_idx: torch.Tensor, k_idx: torch.Tensor,
+                C: int, feature_axis: int = 1) -> torch.Tensor:
+    """dX = dY·Wᵀ on live blocks: the forward over the transposed layout. dy: (N, K) or (K, N)."""
+    return bsmm_ref(dy, w.transpose(1, 2), k_idx, c_idx, C, feature_axis)
+
+
+def bsmm_dw_ref(x: torch.Tensor, dy: torch.Tensor, c_idx: torch.Tensor, k_idx: torch.Tensor,
+                block_size: int, feature_axis: int = 1) -> torch.Tensor:
+    """dW = Xᵀ·dY on live blocks only: (nnz, bs, bs) in x's dtype; never forms the dense (C, K)."""
+    xr, dyr = (x, dy) if feature_axis == 1 else (x.t(), dy.t())
+    n = xr.shape[0]
+    xb = xr.reshape(n, -1, block_size)                            # (N, Cb, bs)
+    dyb = dyr.reshape(n, -1, block_size)                          # (N, Kb, bs)
+    chunk = max(1, (1 << 24) // max(1, n * block_size))
+    parts = [torch.einsum("nbi,nbj->bij", xb[:, c_idx[s:s + chunk]], dyb[:, k_idx[s:s + chunk]])
+             for s in range(0, c_idx.numel(), chunk)]
+    return torch.cat(parts) if parts else xr.new_zeros(0, block_size, block_size)
 
 
 class _BlocksparseMatMulFn(torch.autograd.Function):
@@ -221,11 +241,144 @@ class BlocksparseMatMul:
             if dw_dtype == torch.float64:
                 raise TypeError("dw_dtype: the Triton backend writes float32, float16 or bfloat16, got float64")
             return _BlocksparseMatMulFn.apply(I, W, self, dw_dtype)
-        if I.device not in self._ref_idx:
-            self._ref_idx[I.device] = (self._coords[0].to(I.device), self._coords[1].to(I.device))
-        c_idx, k_idx = self._ref_idx[I.device]
+        c_idx, k_idx = self._ref_coords(I.device)
         return bsmm_ref(I, W.to(I.dtype), c_idx, k_idx, self.K, self.feature_axis)
+
+    # --- no-autograd products (kernels on CUDA, references on CPU) -------------------------------
+    def _ref_coords(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        if device not in self._ref_idx:
+            self._ref_idx[device] = (self._coords[0].to(device), self._coords[1].to(device))
+        return self._ref_idx[device]
+
+    def forward_raw(self, I: torch.Tensor, W: torch.Tensor) -> torch.Tensor:
+        """Y = I·W without autograd; W in I's dtype."""
+        if self._use_kernels(I):
+            from bstrain.kernels import matmul as kernels
+            return kernels.bsmm_forward(I, W, self.luts(I.device), self.feature_axis)
+        c_idx, k_idx = self._ref_coords(I.device)
+        return bsmm_ref(I, W, c_idx, k_idx, self.K, self.feature_axis)
+
+    def dx(self, dY: torch.Tensor, W: torch.Tensor) -> torch.Tensor:
+        """dX = dY·Wᵀ without autograd."""
+        if self._use_kernels(dY):
+            from bstrain.kernels import matmul as kernels
+            return kernels.bsmm_dx(dY, W, self.luts(dY.device), self.feature_axis)
+        c_idx, k_idx = self._ref_coords(dY.device)
+        return bsmm_dx_ref(dY, W, c_idx, k_idx, self.C, self.feature_axis)
+
+    def dw(self, I: torch.Tensor, dY: torch.Tensor, dw_dtype: torch.dtype | None = None) -> torch.Tensor:
+        """dW = Iᵀ·dY on live blocks, without autograd: (nnz, bs, bs) in dw_dtype (default: fp32,
+        or fp64 for fp64 inputs)."""
+        dw_dtype = dw_dtype or (torch.float64 if I.dtype == torch.float64 else torch.float32)
+        if self._use_kernels(I):
+            from bstrain.kernels import matmul as kernels
+            return kernels.bsmm_dw(I, dY, self.luts(I.device), self.feature_axis, dw_dtype)
+        c_idx, k_idx = self._ref_coords(I.device)
+        return bsmm_dw_ref(I, dY, c_idx, k_idx, self.block_size, self.feature_axis).to(dw_dtype)
+
+    # --- gradient grouping ---------------------------------------------------------------------
+    def grad_group(self, group_size: int = 8, dw_dtype: torch.dtype | None = None) -> "GradGroup":
+        """A group for one weight over one sequence: see :meth:`grouped`."""
+        return GradGroup(self, group_size, dw_dtype)
+
+    def group_weight(self, W: torch.Tensor, group: "GradGroup") -> torch.Tensor:
+        """Call once per sequence; pass the result to :meth:`grouped` at every timestep."""
+        self._check_w(W)
+        return _group_weight(W, group)
+
+    def grouped(self, I: torch.Tensor, W_grouped: torch.Tensor, group: "GradGroup") -> torch.Tensor:
+        """Y = I·W for one timestep, with dW deferred to ``group`` (the seed's group_param_grads).
+
+        dX is computed at once in backward; dW is computed for up to group.group_size timesteps
+        per launch and handed to W when the backward pass reaches the weight.
+        """
+        self._check_call(I, W_grouped, torch.float32)
+        return _grouped_call(self, I, W_grouped, group)
 
     def __repr__(self) -> str:
         return (f"BlocksparseMatMul(C={self.C}, K={self.K}, block_size={self.block_size}, "
                 f"blocks={self.blocks}, density={self.density:.3f}, feature_axis={self.feature_axis})")
+
+
+# --- gradient grouping (the seed's group_param_grads) ---------------------------------------------
+class GradGroup:
+    """Collects (x, dy) of one weight applied at many timesteps and computes its dW for up to
+    ``group_size`` timesteps in one launch, on the rows of all of them stacked, instead of one
+    small launch per timestep. Used through :meth:`BlocksparseMatMul.grouped` or
+    ``BlockSparseLinear.grad_group``.
+    """
+
+    def __init__(self, op: "BlocksparseMatMul", group_size: int, dw_dtype: torch.dtype | None = None):
+        if group_size < 1:
+            raise ValueError(f"group_size: expected >= 1, got {group_size}")
+        self.op, self.group_size, self.dw_dtype = op, group_size, dw_dtype
+        self._xs: list[torch.Tensor] = []
+        self._dys: list[torch.Tensor] = []
+        self._dw: torch.Tensor | None = None
+        self.launches = 0
+
+    def add(self, x: torch.Tensor, dy: torch.Tensor) -> None:
+        self._xs.append(x)
+        self._dys.append(dy)
+        if len(self._xs) >= self.group_size:
+            self._flush()
+
+    def _flush(self) -> None:
+        if not self._xs:
+            return
+        axis = self.op.feature_axis
+        x = torch.cat(self._xs, dim=1 - axis)                    # rows of all steps: (G*N, C) or (C, G*N)
+        dy = torch.cat(self._dys, dim=1 - axis)
+        self._xs, self._dys = [], []
+        dw = self.op.dw(x, dy, self.dw_dtype)
+        self.launches += 1
+        self._dw = dw if self._dw is None else self._dw + dw
+
+    def take(self) -> torch.Tensor | None:
+        """The summed dW of every step seen so far; resets the group."""
+        self._flush()
+        dw, self._dw = self._dw, None
+        return dw
+
+
+class _GroupedWeight(torch.autograd.Function):
+    """Identity on W. All timesteps hang off its output, so its backward runs after every step's
+    backward and hands W the grouped dW."""
+
+    @staticmethod
+    def forward(ctx, w, group):
+        ctx.group = group
+        return w.view_as(w)
+
+    @staticmethod
+    def backward(ctx, _unused):
+        dw = ctx.group.take()
+        return dw, None
+
+
+class _StepMatMul(torch.autograd.Function):
+    """One timestep: Y = X·W now, dX at once in backward, dW deferred to the group."""
+
+    @staticmethod
+    def forward(ctx, x, w, group):
+        wk = w.to(x.dtype)
+        ctx.save_for_backward(x, wk)
+        ctx.group = group
+        return group.op.forward_raw(x, wk)
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, wk = ctx.saved_tensors
+        dy = dy.to(x.dtype)
+        dx = ctx.group.op.dx(dy, wk) if ctx.needs_input_grad[0] else None
+        if ctx.needs_input_grad[1]:
+            ctx.group.add(x, dy)
+        return dx, None, None
+
+
+def _grouped_call(op: "BlocksparseMatMul", I: torch.Tensor, W_grouped: torch.Tensor, group: GradGroup):
+    return _StepMatMul.apply(I, W_grouped, group)
+
+
+def _group_weight(W: torch.Tensor, group: GradGroup) -> torch.Tensor:
+    return _GroupedWeight.apply(W, group)

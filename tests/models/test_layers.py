@@ -40,3 +40,31 @@ def test_explicit_layout_and_state_dict():
 def test_rejects_bad_arguments(kwargs, match):
     with pytest.raises(ValueError, match=match):
         BlockSparseLinear(**kwargs)
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("group_size", [1, 3, 8])
+def test_grad_group_matches_ungrouped(backend, group_size):
+    """A weight applied at 7 timesteps: grouped dW (in launches of up to group_size steps) == per-step dW."""
+    from tests.conftest import kernel_device
+    dev = kernel_device() if backend == "triton" else "cpu"
+    dtype = torch.float32 if backend == "triton" else torch.float64
+    layer = BlockSparseLinear(64, 64, density=0.5, block_size=16, seed=1).to(dev, dtype)
+    layer.op.backend = backend
+    xs = [torch.randn(5, 64, device=dev, dtype=dtype) for _ in range(7)]
+
+    def run(grouped):
+        layer.zero_grad()
+        h = torch.zeros(5, 64, device=dev, dtype=dtype)
+        with layer.grad_group(group_size if grouped else 1) as group:
+            for x in xs:
+                h = torch.tanh(layer(h) + x)                  # recurrent use: dX flows between steps
+        h.square().sum().backward()
+        return layer.weight.grad.clone(), layer.bias.grad.clone(), group
+
+    w_ref, b_ref, _ = run(False)
+    w_grp, b_grp, group = run(True)
+    torch.testing.assert_close(w_grp, w_ref, rtol=1e-4 if dtype == torch.float32 else 1e-10, atol=1e-5 if dtype == torch.float32 else 1e-12)
+    torch.testing.assert_close(b_grp, b_ref)
+    if group_size > 1:
+        assert group.launches == -(-7 // group_size), "one dW launch per group of timesteps"

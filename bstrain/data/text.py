@@ -1,0 +1,228 @@
+"""Byte-level text data: corpora, train/valid/test splits and contiguous BPTT batches.
+
+Every corpus is read as raw bytes (vocabulary 256), the usual setting for enwik8 / text8
+character-level language models. With no path, the running Python's own standard-library sources
+serve as a small, real, offline corpus (see ``default_corpus``).
+"""
+from __future__ import annotations
+
+import math
+import os
+import sysconfig
+import zipfile
+from pathlib import Path
+
+import numpy as np
+import torch
+
+__all__ = [
+    "DataError", "DEFAULT_CORPUS_BYTES", "default_corpus", "load_bytes", "check_size", "BpttBatches",
+    "bits_per_byte",
+]
+
+DEFAULT_CORPUS_BYTES = 4 << 20
+NAMES = ("auto", "bytes", "enwik8", "text8")
+# The standard Hutter-prize split: the files are 100M bytes; 90M train, 5M valid, 5M test.
+_STANDARD_CUTS = (90_000_000, 95_000_000, 100_000_000)
+_DEFAULT_CORPUS_LABEL = "the embedded default corpus"
+
+
+class DataError(ValueError):
+    """One-line, user-facing data problem (bad path, too small a file)."""
+
+
+def default_corpus(max_bytes: int = DEFAULT_CORPUS_BYTES) -> bytes:
+    """Real text that ships without a download: this Python's own standard-library sources.
+
+    The file list is ``sorted(Path(sysconfig.get_paths()['stdlib']).glob('*.py'))`` (top level
+    only, no packages), each read as bytes and concatenated in that order, then truncated to
+    ``max_bytes``. The result is deterministic for a given Python build; CPython 3.x's top level
+    holds about 4-5 MB of source, so the default 4 MiB is usually filled completely.
+
+    Args:
+        max_bytes: upper bound on the returned length (> 0).
+    Returns: the corpus, ``len <= max_bytes``.
+    """
+    if isinstance(max_bytes, bool) or not isinstance(max_bytes, int) or max_bytes <= 0:
+        raise ValueError(f"max_bytes: expected a positive int, got {max_bytes!r}")
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    chunks, total = [], 0
+    for source in sorted(stdlib.glob("*.py")):
+        if total >= max_bytes:
+            break
+        chunk = source.read_bytes()[: max_bytes - total]
+        chunks.append(chunk)
+        total += len(chunk)
+    if total == 0:
+        # Some embedded Pythons ship the stdlib zipped or as .pyc only.
+        raise DataError(f"{_DEFAULT_CORPUS_LABEL} is empty: no *.py sources under {stdlib}; pass a data path")
+    return b"".join(chunks)
+
+
+def _auto_name(path: Path) -> str:
+    """The corpus a file name implies: 'enwik8', 'text8' or 'bytes'."""
+    for name in ("enwik8", "text8"):
+        if path.name in (name, name + ".zip"):
+            return name
+    return "bytes"
+
+
+def _read_file(path: Path, name: str) -> np.ndarray:
+    """All bytes of ``path`` as a writable (n,) uint8 array; a .zip of enwik8/text8 is unpacked."""
+    if name in ("enwik8", "text8") and path.suffix == ".zip":
+        try:
+            with zipfile.ZipFile(path) as archive:
+                members = archive.namelist()
+                if name not in members:
+                    raise DataError(f"data path '{path}': expected a zip member named '{name}', "
+                                    f"got {members[:5]}{' ...' if len(members) > 5 else ''}")
+                raw = archive.read(name)
+        except zipfile.BadZipFile as err:
+            raise DataError(f"data path '{path}': expected a zip archive, got an unreadable one ({err})") from None
+        # bytearray: torch.from_numpy warns on the read-only buffer that plain bytes would give.
+        return np.frombuffer(bytearray(raw), dtype=np.uint8)
+    return np.fromfile(path, dtype=np.uint8)
+
+
+def _split(data: np.ndarray, cuts: tuple[int, int, int]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Contiguous views data[:a], data[a:b], data[b:c] for cuts (a, b, c)."""
+    a, b, c = cuts
+    return data[:a], data[a:b], data[b:c]
+
+
+def _proportional_cuts(n: int) -> tuple[int, int, int]:
+    """90/5/5 cut points for n bytes; the test split takes the rounding remainder."""
+    n_train, n_valid = n * 90 // 100, n * 5 // 100
+    return n_train, n_train + n_valid, n
+
+
+def load_bytes(path: str | None, name: str = "auto") -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Load a corpus as bytes and split it into contiguous train / valid / test parts.
+
+    Args:
+        path: a file, or None / "" for ``default_corpus()``.
+        name: "auto" | "bytes" | "enwik8" | "text8". "auto" means enwik8 for a file named
+            ``enwik8`` or ``enwik8.zip``, text8 for ``text8`` or ``text8.zip``, else bytes.
+            - enwik8 / text8: the standard split, first 90M bytes train, next 5M valid, next 5M
+              test. A ``.zip`` must hold one member named ``enwik8`` (``text8``). A file shorter
+              than the real 100M bytes (a test fixture, a truncated copy) falls back to the
+              proportional 90/5/5 split; bytes past the first 100M are ignored.
+            - bytes: any text or binary file, read raw (a .zip is not unpacked), split 90/5/5.
+    Returns: (train, valid, test), (n_train,), (n_valid,), (n_test,) uint8 arrays.
+    Raises:
+        DataError: path does not exist, is a directory, or is empty.
+        ValueError: unknown name.
+    """
+    if name not in NAMES:
+        raise ValueError(f"name: expected one of {', '.join(map(repr, NAMES))}, got {name!r}")
+    if not path:
+        corpus = np.frombuffer(bytearray(default_corpus()), dtype=np.uint8)
+        return _split(corpus, _proportional_cuts(len(corpus)))
+    file = Path(os.path.expanduser(str(path)))
+    if not file.exists():
+        raise DataError(f"data path '{path}' does not exist")
+    if file.is_dir():
+        raise DataError(f"data path '{path}' is a directory, expected a file")
+    if name == "auto":
+        name = _auto_name(file)
+    data = _read_file(file, name)  # (n,) uint8
+    if len(data) == 0:
+        raise DataError(f"data path '{path}' is empty")
+    standard = name in ("enwik8", "text8") and len(data) >= _STANDARD_CUTS[-1]
+    return _split(data, _STANDARD_CUTS if standard else _proportional_cuts(len(data)))
+
+
+def check_size(split: np.ndarray, batch_size: int, seq_len: int, path: str | None, split_name: str) -> None:
+    """Raise DataError unless ``split`` can fill one (batch_size, seq_len) batch.
+
+    One batch needs batch_size * seq_len input bytes plus one more for the last target.
+    """
+    need = batch_size * seq_len + 1
+    if len(split) < need:
+        where = f"data path '{path}'" if path else _DEFAULT_CORPUS_LABEL
+        raise DataError(f"{where}: the {split_name} split has {len(split)} bytes, but batch_size {batch_size} "
+                        f"x seq_len {seq_len} needs at least {need}")
+
+
+def bits_per_byte(mean_nll_nats: float) -> float:
+    """Convert a mean per-byte negative log-likelihood from nats to bits (the enwik8 metric)."""
+    return mean_nll_nats / math.log(2)
+
+
+def _check_positive_int(name: str, value) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name}: expected an int, got {type(value).__name__}")
+    if value <= 0:
+        raise ValueError(f"{name}: expected a positive int, got {value}")
+    return value
+
+
+class BpttBatches:
+    """Contiguous BPTT batches over one split, for RNNs that carry hidden state between batches.
+
+    The split (n bytes) is cut into batch_size equal contiguous streams of L = (n - 1) // batch_size
+    inputs each (the remainder is dropped), like the classic char-rnn ``batchify``; stream b's
+    inputs are data[b*L : (b+1)*L] and its targets are the same shifted by one byte. Batch i holds
+    x = streams[:, i*T:(i+1)*T] and y = the next byte of each position, so row b of batch i+1
+    continues row b of batch i and a carried hidden state stays valid. The tail of each stream that
+    cannot fill a whole batch (L % T inputs) is dropped.
+
+    Args:
+        data: (n,) uint8 array, n >= batch_size * seq_len + 1.
+        batch_size: B, number of parallel streams.
+        seq_len: T, time steps per batch (the truncated-BPTT length).
+    """
+
+    def __init__(self, data: np.ndarray, batch_size: int, seq_len: int):
+        if not isinstance(data, np.ndarray) or data.dtype != np.uint8 or data.ndim != 1:
+            got = f"{data.ndim}-D {data.dtype} array" if isinstance(data, np.ndarray) else type(data).__name__
+            raise TypeError(f"data: expected a 1-D uint8 numpy array, got {got}")
+        self.batch_size = _check_positive_int("batch_size", batch_size)
+        self.seq_len = _check_positive_int("seq_len", seq_len)
+        need = batch_size * seq_len + 1
+        if len(data) < need:
+            raise DataError(f"data: expected at least batch_size {batch_size} x seq_len {seq_len} + 1 = {need} "
+                            f"bytes, got {len(data)}")
+        # Keep uint8 (1 byte per char): int64 would take 8x the memory on a 90M-byte split.
+        # np.require copies only when data is read-only, which torch.from_numpy would warn about.
+        flat = torch.from_numpy(np.require(data, requirements=["C", "W"]))  # (n,) uint8
+        stream_len = (len(data) - 1) // batch_size
+        # Two views of the same buffer; the targets start one byte later, which is why one byte
+        # beyond the last input must exist (the "+ 1" in check_size).
+        self._inputs = flat[: batch_size * stream_len].view(batch_size, stream_len)        # (B, L)
+        self._targets = flat[1: batch_size * stream_len + 1].view(batch_size, stream_len)  # (B, L)
+        self._num_batches = stream_len // seq_len
+        self.position = 0
+
+    def __len__(self) -> int:
+        """Number of full (B, T) batches per epoch."""
+        return self._num_batches
+
+    def batch(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Batch ``i % len(self)``: (x, y), both (batch_size, seq_len) int64, y[:, t] follows x[:, t]."""
+        start = (i % self._num_batches) * self.seq_len
+        window = slice(start, start + self.seq_len)
+        return self._inputs[:, window].long(), self._targets[:, window].long()  # (B, T), (B, T)
+
+    def next_batch(self) -> tuple[torch.Tensor, torch.Tensor, bool]:
+        """Return (x, y, wrapped) for batch ``position`` and advance ``position``.
+
+        wrapped is True when the returned batch is batch 0, i.e. it starts an epoch (the very first
+        call included): its rows do not continue the previous batch, so the caller resets its
+        hidden state.
+        """
+        i = self.position % self._num_batches
+        x, y = self.batch(i)
+        self.position = (i + 1) % self._num_batches
+        return x, y, i == 0
+
+    def state_dict(self) -> dict:
+        """{"position": int}: enough to resume mid-epoch on the same split and batch shape."""
+        return {"position": self.position}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore ``position``; it must index a batch of this split (a mismatch means other data)."""
+        position = state.get("position") if isinstance(state, dict) else None
+        if isinstance(position, bool) or not isinstance(position, int) or not 0 <= position < self._num_batches:
+            raise ValueError(f"state['position']: expected an int in [0, {self._num_batches}), got {position!r}")
+        self.position = position

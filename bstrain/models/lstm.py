@@ -1,0 +1,138 @@
+"""Byte-level multiplicative LSTM with deep updates and block-sparse recurrent weights.
+
+The seed's recipe (Gray, Radford & Kingma, "GPU kernels for block-sparse weights", 2017):
+per timestep t, with x_t the embedded byte and h the previous hidden state,
+
+    m      = LN(x_t·W_xm) ⊙ LN(h·W_hm)                   multiplicative input
+    m      = ReLU(LN(m·W_d))  for d = 1 .. depth-1        deep updates (internal steps)
+    gates  = x_t·W_xg + LN4(m·W_mg)                       LN4: layer norm per gate segment
+    c, h   = fused_lstm_gates(c, gates)                   gate order i, u, f, o
+
+All recurrent matrices (W_hm, W_d, W_mg) are block-sparse on small-world layouts, or dense
+``nn.Linear`` when ``sparse=False`` (the same code otherwise). Layer norm follows each recurrent
+matmul unless ``layer_norm=False``. The input projections are dense (the input is small).
+"""
+from __future__ import annotations
+
+import contextlib
+
+import numpy as np
+import torch
+from torch import nn
+
+from bstrain import layout as layouts
+from bstrain.configs.schema import ModelConfig
+from bstrain.models.layers import BlockSparseLinear
+from bstrain.ops import ew, norms
+from bstrain.ops.embed import embedding_lookup
+
+VOCAB = 256
+
+
+def small_world_layout(n: int, density: float, kind: str, seed: int) -> np.ndarray:
+    """(n, n) layout with about ``density`` live blocks (self-loops included)."""
+    if kind == "barabasi_albert":
+        m = int(np.clip(round((density * n - 1) / 2), 1, n - 1))       # ~2m links + self per row
+        return layouts.barabasi_albert(n, m, seed=seed)
+    if kind == "watts_strogatz":
+        k = int(np.clip(2 * round((density * n - 1) / 2), 2, n - 1 - (n - 1) % 2))
+        return layouts.watts_strogatz(n, k, 0.1, seed=seed)
+    if kind == "random":
+        return layouts.random((n, n), density, seed=seed) | np.eye(n, dtype=bool)
+    raise ValueError(f"model.layout: expected barabasi_albert, watts_strogatz or random, got {kind!r}")
+
+
+class _Norm(nn.Module):
+    """Layer norm over features (optionally per segment), casting its params to x's dtype."""
+
+    def __init__(self, features: int, segments: int = 1, enabled: bool = True, relu: bool = False):
+        super().__init__()
+        self.enabled, self.segments, self.relu = enabled, segments, relu
+        self.g = nn.Parameter(torch.ones(features)) if enabled else None
+        self.b = nn.Parameter(torch.zeros(features)) if enabled else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.enabled:
+            return torch.relu(x) if self.relu else x
+        return norms.layer_norm(x, self.g.to(x.dtype), self.b.to(x.dtype), axis=1,
+                                relu=self.relu, segments=self.segments)
+
+
+class SparseLSTM(nn.Module):
+    """mLSTM language model over bytes. forward(x (B, T) int64, state) -> (logits (B, T, 256), state)."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        if cfg.depth < 1 or cfg.hidden % cfg.block_size:
+            raise ValueError(f"model: expected depth >= 1 and hidden a multiple of block_size, got "
+                             f"depth={cfg.depth}, hidden={cfg.hidden}, block_size={cfg.block_size}")
+        self.cfg = cfg
+        H, E = cfg.hidden, cfg.embed
+        self.embedding = nn.Parameter(torch.randn(VOCAB, E) * 0.1)
+        self.w_x = nn.Linear(E, 5 * H, bias=False)                    # -> x·W_xm (H) and x·W_xg (4H)
+        self.w_hm = self._recurrent(H, H, 0, square=True)
+        self.deep = nn.ModuleList(self._recurrent(H, H, d, square=True) for d in range(1, cfg.depth))
+        self.w_mg = self._recurrent(H, 4 * H, cfg.depth, square=False)
+        ln = cfg.layer_norm
+        self.norm_xm, self.norm_hm = _Norm(H, enabled=ln), _Norm(H, enabled=ln)
+        self.norm_deep = nn.ModuleList(_Norm(H, enabled=ln, relu=True) for _ in range(1, cfg.depth))
+        self.norm_gates = _Norm(4 * H, segments=4, enabled=ln)
+        self.gate_bias = nn.Parameter(torch.zeros(4 * H))
+        self.head = nn.Linear(H, VOCAB)
+
+    def _recurrent(self, fan_in: int, fan_out: int, index: int, square: bool) -> nn.Module:
+        cfg = self.cfg
+        if not cfg.sparse:
+            return nn.Linear(fan_in, fan_out, bias=False)
+        n = fan_in // cfg.block_size
+        lay = small_world_layout(n, cfg.density, cfg.layout, cfg.layout_seed + index)
+        if not square:
+            lay = np.tile(lay, (1, fan_out // fan_in))                  # same pattern for each gate
+        layer = BlockSparseLinear(fan_in, fan_out, layout=lay, block_size=cfg.block_size, bias=False)
+        if square and cfg.init == "identity":
+            with torch.no_grad():
+                layer.weight.copy_(layer.op.identity_init())
+        return layer
+
+    def sparse_layers(self) -> list[BlockSparseLinear]:
+        return [m for m in self.modules() if isinstance(m, BlockSparseLinear)]
+
+    def init_state(self, batch: int, device, dtype=torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
+        z = torch.zeros(batch, self.cfg.hidden, device=device, dtype=dtype)
+        return z, z.clone()
+
+    def forward(self, x: torch.Tensor, state=None, group_size: int = 1):
+        """x: (B, T) bytes; state: (c, h) each (B, H) or None. Returns logits (B, T, 256), (c, h).
+
+        group_size > 1 computes each recurrent weight's dW for that many timesteps per launch.
+        """
+        B, T = x.shape
+        H = self.cfg.hidden
+        emb = embedding_lookup(self.embedding, x)                           # (B, T, E)
+        if torch.is_autocast_enabled(x.device.type):
+            emb = emb.to(torch.get_autocast_dtype(x.device.type))
+        xw = self.w_x(emb)                                                  # (B, T, 5H), one matmul
+        c, h = state if state is not None else self.init_state(B, x.device, xw.dtype)
+        c, h = c.to(xw.dtype), h.to(xw.dtype)
+        outputs = []
+        with contextlib.ExitStack() as stack:
+            for layer in self.sparse_layers():
+                stack.enter_context(layer.grad_group(group_size))
+            for t in range(T):
+                m = self.norm_xm(xw[:, t, :H]) * self.norm_hm(self.w_hm(h).to(xw.dtype))   # (B, H)
+                for w_d, norm in zip(self.deep, self.norm_deep):
+                    m = norm(w_d(m).to(xw.dtype))
+                gates = xw[:, t, H:] + self.norm_gates(self.w_mg(m).to(xw.dtype))          # (B, 4H)
+                c, h = ew.fused_lstm_gates(c, gates, bias=self.gate_bias.to(gates.dtype))
+                outputs.append(h)
+        hs = torch.stack(outputs, dim=1)                                    # (B, T, H)
+        return self.head(hs), (c, h)
+
+    def num_params(self) -> int:
+        return sum(p.numel() for p in self.parameters())
+
+
+def build_model(cfg: ModelConfig) -> SparseLSTM:
+    if cfg.name != "lstm":
+        raise ValueError(f"model.name: expected 'lstm', got {cfg.name!r}")
+    return SparseLSTM(cfg)

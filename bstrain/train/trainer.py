@@ -1,0 +1,222 @@
+"""The training loop: ``train(cfg) -> dict``, called by ``python -m bstrain train`` and by tests.
+
+Precision: fp32 master weights always. fp16 runs the forward under autocast with dynamic loss
+scaling (torch.amp.GradScaler: starts at 2**16, halves and skips the step on inf/NaN, doubles
+after ``trainer.loss_scale_window`` clean steps), so no NaN ever reaches the weights; bf16 runs
+under autocast without scaling. The block-sparse layers cast their input to the autocast dtype
+and their fp32 weights on the fly.
+"""
+from __future__ import annotations
+
+import math
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from omegaconf import DictConfig, OmegaConf
+
+from bstrain.data.text import BpttBatches, bits_per_byte, check_size, load_bytes
+from bstrain.models.lstm import build_model
+from bstrain.train.checkpoint import (checkpoint_path, latest_checkpoint, load_checkpoint, prune_checkpoints,
+                                      save_checkpoint)
+from bstrain.train.progress import Board, Progress, log, setup_logging
+
+PRECISIONS = {"fp32": None, "fp16": torch.float16, "bf16": torch.bfloat16}
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise ValueError("trainer.device: 'cuda' was asked for, but no CUDA device is available")
+    if name not in ("cpu", "cuda"):
+        raise ValueError(f"trainer.device: expected auto, cpu or cuda, got {name!r}")
+    return torch.device(name)
+
+
+def make_optimizer(model: torch.nn.Module, cfg, device: torch.device) -> torch.optim.Optimizer:
+    """AdamW; weight decay on matrices and blocks only; fused kernels on CUDA, foreach elsewhere."""
+    decay = [p for p in model.parameters() if p.dim() >= 2]
+    rest = [p for p in model.parameters() if p.dim() < 2]
+    groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": rest, "weight_decay": 0.0}]
+    extra = {"fused": True} if device.type == "cuda" else {"foreach": True}
+    return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, **extra)
+
+
+def lr_factor(step: int, cfg, max_steps: int) -> float:
+    """Linear warmup, then cosine or linear decay to min_lr_ratio (or constant)."""
+    if step < cfg.warmup_steps:
+        return (step + 1) / cfg.warmup_steps
+    if cfg.schedule == "constant":
+        return 1.0
+    frac = min(1.0, (step - cfg.warmup_steps) / max(1, max_steps - cfg.warmup_steps))
+    shape = 0.5 * (1 + math.cos(math.pi * frac)) if cfg.schedule == "cosine" else 1.0 - frac
+    return cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * shape
+
+
+def _check_config(cfg) -> None:
+    t, o = cfg.trainer, cfg.optim
+    if t.precision not in PRECISIONS:
+        raise ValueError(f"trainer.precision: expected fp32, fp16 or bf16, got {t.precision!r}")
+    if o.schedule not in ("cosine", "linear", "constant"):
+        raise ValueError(f"optim.schedule: expected cosine, linear or constant, got {o.schedule!r}")
+    if t.max_steps < 1 or t.group_size < 1:
+        raise ValueError(f"trainer.max_steps, trainer.group_size: expected >= 1, got {t.max_steps}, {t.group_size}")
+
+
+def _run_dir(cfg) -> Path:
+    if cfg.trainer.run_dir:
+        return Path(cfg.trainer.run_dir)
+    try:
+        from hydra.core.hydra_config import HydraConfig
+        return Path(HydraConfig.get().runtime.output_dir)
+    except Exception:  # called outside a Hydra app
+        return Path("runs") / time.strftime("%Y-%m-%d/%H-%M-%S")
+
+
+def _resume_path(cfg, run_dir: Path) -> Path | None:
+    value = str(cfg.trainer.resume).strip()
+    if value.lower() in ("false", "none", "", "0"):
+        return None
+    if value.lower() in ("true", "1"):
+        return latest_checkpoint(run_dir / "ckpt")          # None: a fresh start
+    return Path(value)
+
+
+@torch.no_grad()
+def evaluate(model, data, cfg, device, n_batches: int) -> tuple[float, float]:
+    """Mean loss (nats/byte) and bits per byte over the first n_batches (0: all) of ``data``."""
+    model.eval()
+    batches = BpttBatches(data, cfg.data.batch_size, cfg.data.seq_len)
+    n = len(batches) if n_batches <= 0 else min(n_batches, len(batches))
+    dtype = PRECISIONS[cfg.trainer.precision]
+    state, total = None, 0.0
+    for i in range(n):
+        x, y = (t.to(device) for t in batches.batch(i))
+        with torch.autocast(device.type, dtype=dtype, enabled=dtype is not None):
+            logits, state = model(x, state)
+        total += F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), y.reshape(-1)).item()
+    model.train()
+    loss = total / max(1, n)
+    return loss, bits_per_byte(loss)
+
+
+def train(cfg: DictConfig) -> dict:
+    """Trains the configured model; returns final metrics and the run directory."""
+    _check_config(cfg)
+    run_dir = _run_dir(cfg)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    handler = setup_logging(run_dir)
+    try:
+        return _train(cfg, run_dir)
+    finally:
+        log.removeHandler(handler)
+        handler.close()
+
+
+def _train(cfg: DictConfig, run_dir: Path) -> dict:
+    t_cfg = cfg.trainer
+    device = resolve_device(t_cfg.device)
+    # Data first: a bad path or too small a file fails before any model is built.
+    train_data, valid_data, _ = load_bytes(cfg.data.path, cfg.data.name)
+    check_size(train_data, cfg.data.batch_size, cfg.data.seq_len, cfg.data.path, "train")
+    check_size(valid_data, cfg.data.batch_size, cfg.data.seq_len, cfg.data.path, "valid")
+    torch.manual_seed(t_cfg.seed)
+    model = build_model(cfg.model).to(device)
+    optimizer = make_optimizer(model, cfg.optim, device)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(s, cfg.optim, t_cfg.max_steps))
+    amp_dtype = PRECISIONS[t_cfg.precision]
+    scaler = torch.amp.GradScaler(device.type, init_scale=2.0**16, growth_interval=t_cfg.loss_scale_window,
+                                  enabled=t_cfg.precision == "fp16")
+    ema = None
+    if cfg.optim.ema > 0:
+        from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
+        ema = AveragedModel(model, multi_avg_fn=get_ema_multi_avg_fn(cfg.optim.ema))
+    batches = BpttBatches(train_data, cfg.data.batch_size, cfg.data.seq_len)
+    step, state = 0, None
+
+    resume = _resume_path(cfg, run_dir)
+    if resume is not None:
+        ckpt = load_checkpoint(resume)
+        model.load_state_dict(ckpt["model"])
+        optimizer.load_state_dict(ckpt["optimizer"])
+        scheduler.load_state_dict(ckpt["scheduler"])
+        scaler.load_state_dict(ckpt["scaler"])
+        if ema is not None and ckpt.get("ema") is not None:
+            ema.load_state_dict(ckpt["ema"])
+        batches.load_state_dict(ckpt["data"])
+        torch.set_rng_state(ckpt["rng"]["cpu"])
+        if device.type == "cuda" and ckpt["rng"].get("cuda") is not None:
+            torch.cuda.set_rng_state(ckpt["rng"]["cuda"])
+        state = tuple(s.to(device) for s in ckpt["state"]) if ckpt.get("state") is not None else None
+        step = int(ckpt["step"])
+        log.info("resumed from %s at step %d", ckpt["path"], step)
+
+    log.info("run dir %s | device %s | precision %s | %s parameters | %s", run_dir, device, t_cfg.precision,
+             f"{model.num_params():,}", ", ".join(repr(layer.op) for layer in model.sparse_layers()) or "dense")
+    board = Board(run_dir)
+    board.start(OmegaConf.to_yaml(cfg), " ".join(sys.argv),
+                {f"layer{i}": layer.op.layout for i, layer in enumerate(model.sparse_layers())})
+    progress = Progress(t_cfg.max_steps, step, t_cfg.log_every, t_cfg.progress)
+    history, valid = [], (float("nan"), float("nan"))
+    tokens = cfg.data.batch_size * cfg.data.seq_len
+    params = [p for p in model.parameters()]
+    t_last = time.perf_counter()
+    while step < t_cfg.max_steps:
+        x, y, wrapped = batches.next_batch()
+        x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+        if wrapped:
+            state = None                                   # a new epoch starts from a fresh state
+        with torch.autocast(device.type, dtype=amp_dtype, enabled=amp_dtype is not None):
+            logits, state = model(x, state, group_size=t_cfg.group_size)
+        loss = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), y.reshape(-1))
+        state = tuple(s.detach() for s in state)
+        scaler.scale(loss).backward()
+        scaler.unscale_(optimizer)
+        grad_norm = torch.nn.utils.clip_grad_norm_(params, cfg.optim.grad_clip if cfg.optim.grad_clip > 0
+                                                   else float("inf"))
+        scaler.step(optimizer)                             # skipped (and the scale halved) on inf/NaN
+        scaler.update()
+        optimizer.zero_grad(set_to_none=True)
+        scheduler.step()
+        if ema is not None:
+            ema.update_parameters(model)
+        step += 1
+        loss_v = loss.item()
+        now = time.perf_counter()
+        metrics = {"loss": loss_v, "bpb": bits_per_byte(loss_v), "lr": scheduler.get_last_lr()[0],
+                   "grad_norm": float(grad_norm), "tokens_per_s": tokens / max(now - t_last, 1e-9),
+                   "loss_scale": scaler.get_scale() if scaler.is_enabled() else 1.0}
+        t_last = now
+        history.append((step, loss_v))
+        progress.update(step, metrics)
+        if step % t_cfg.log_every == 0 or step == t_cfg.max_steps:
+            if device.type == "cuda":
+                metrics["gpu_mem_gb"] = torch.cuda.max_memory_allocated(device) / 2**30
+            board.scalars(step, {f"train/{k}": v for k, v in metrics.items()})
+        last = step == t_cfg.max_steps
+        if (t_cfg.eval_every and step % t_cfg.eval_every == 0) or last:
+            valid = evaluate(ema.module if ema is not None else model, valid_data, cfg, device, t_cfg.eval_batches)
+            board.scalars(step, {"valid/loss": valid[0], "valid/bpb": valid[1]})
+            progress.write(f"step {step}: valid loss {valid[0]:.4f}, {valid[1]:.4f} bits/byte")
+        if (t_cfg.ckpt_every and step % t_cfg.ckpt_every == 0) or last:
+            ckpt_dir = run_dir / "ckpt"
+            save_checkpoint(checkpoint_path(ckpt_dir, step), {
+                "step": step, "model": model.state_dict(), "optimizer": optimizer.state_dict(),
+                "scheduler": scheduler.state_dict(), "scaler": scaler.state_dict(),
+                "ema": ema.state_dict() if ema is not None else None, "data": batches.state_dict(),
+                "rng": {"cpu": torch.get_rng_state(),
+                        "cuda": torch.cuda.get_rng_state(device) if device.type == "cuda" else None},
+                "state": [s.cpu() for s in state], "config": OmegaConf.to_container(cfg, resolve=True)})
+            prune_checkpoints(ckpt_dir, t_cfg.keep_ckpts)
+    progress.close()
+    result = {"steps": step, "train_loss": history[-1][1] if history else float("nan"),
+              "valid_loss": valid[0], "valid_bpb": valid[1], "run_dir": str(run_dir), "history": history,
+              "params": model.num_params()}
+    board.finish({"hidden": cfg.model.hidden, "sparse": cfg.model.sparse, "density": cfg.model.density,
+                  "block_size": cfg.model.block_size, "lr": cfg.optim.lr, "precision": t_cfg.precision},
+                 {"hparam/valid_bpb": valid[1]})
+    log.info("done: %d steps, train loss %.4f, valid %.4f bits/byte", step, result["train_loss"], valid[1])
+    return result
