@@ -63,6 +63,8 @@ class TrainerConfig:
     keep_ckpts: int = field(default=3, metadata={"help": "checkpoints kept in the run dir"})
     seed: int = field(default=0, metadata={"help": "torch seed"})
     loss_scale_window: int = field(default=200, metadata={"help": "fp16: clean steps before the scale doubles"})
+    time_limit_s: float = field(default=0.0, metadata={"help": "stop (eval + checkpoint) after this many "
+                                                                "seconds of training; 0: no limit"})
     run_dir: Optional[str] = field(default=None, metadata={"help": "null: Hydra's run dir (runs/DATE/TIME)"})
     progress: bool = field(default=True, metadata={"help": "tqdm bar when stderr is a terminal"})
 

@@ -163,8 +163,9 @@ def _train(cfg: DictConfig, run_dir: Path) -> dict:
     history, valid = [], (float("nan"), float("nan"))
     tokens = cfg.data.batch_size * cfg.data.seq_len
     params = [p for p in model.parameters()]
-    t_last = time.perf_counter()
-    while step < t_cfg.max_steps:
+    t_last = t_start = time.perf_counter()
+    stop_at = t_cfg.max_steps
+    while step < stop_at:
         x, y, wrapped = batches.next_batch()
         x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
         if wrapped:
@@ -196,7 +197,9 @@ def _train(cfg: DictConfig, run_dir: Path) -> dict:
             if device.type == "cuda":
                 metrics["gpu_mem_gb"] = torch.cuda.max_memory_allocated(device) / 2**30
             board.scalars(step, {f"train/{k}": v for k, v in metrics.items()})
-        last = step == t_cfg.max_steps
+        if t_cfg.time_limit_s and now - t_start > t_cfg.time_limit_s:
+            stop_at = step                                 # out of time: finish like a last step
+        last = step == stop_at
         if (t_cfg.eval_every and step % t_cfg.eval_every == 0) or last:
             valid = evaluate(ema.module if ema is not None else model, valid_data, cfg, device, t_cfg.eval_batches)
             board.scalars(step, {"valid/loss": valid[0], "valid/bpb": valid[1]})
