@@ -65,6 +65,7 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="benchmarks")
     ap.add_argument("--seconds", type=float, default=90.0, help="training time of the sparse run")
+    ap.add_argument("--runs", default="/tmp/bstrain-lstm-runs", help="run directories (checkpoints, logs)")
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
     lines = []
@@ -87,11 +88,11 @@ def main():
     results = {}
     sp = config(*common, "model.hidden=2048", "model.density=0.22", "model.layout=barabasi_albert",
                 "trainer.max_steps=100000", f"trainer.time_limit_s={args.seconds}",
-                f"trainer.run_dir={args.out}/run_sparse")
+                f"trainer.run_dir={args.runs}/sparse")
     results["sparse"] = train(sp)
     steps = results["sparse"]["steps"]
     dn = config(*common, "model.hidden=1024", "model.sparse=false", f"trainer.max_steps={steps}",
-                f"trainer.run_dir={args.out}/run_dense")
+                f"trainer.run_dir={args.runs}/dense")
     results["dense"] = train(dn)
     for name, cfg in (("sparse", sp), ("dense", dn)):
         m = build_model(cfg.model)

@@ -10,7 +10,7 @@ REPO = Path(__file__).parents[2]
 
 
 def run(*args, cwd=None):
-    env = dict(os.environ, PYTHONPATH=str(REPO))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])))
     return subprocess.run([sys.executable, "-m", "bstrain", *args], capture_output=True, text=True, env=env,
                           cwd=cwd, timeout=300)
 

@@ -83,7 +83,7 @@ def test_sigkill_mid_training_resumes_from_last_complete_checkpoint(tmp_path):
                 "trainer.eval_every=0", "trainer.progress=false", "trainer.keep_ckpts=100", "model.hidden=64",
                 "model.embed=16", "model.block_size=16", "data.seq_len=8", "data.batch_size=2",
                 f"hydra.run.dir={tmp_path / 'hydra'}", *extra]
-    env = dict(os.environ, PYTHONPATH=str(REPO))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])))
     proc = subprocess.Popen(args("trainer.max_steps=100000"), env=env, stdout=subprocess.DEVNULL,
                             stderr=subprocess.DEVNULL)
     try:
