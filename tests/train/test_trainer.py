@@ -57,9 +57,9 @@ def test_resume_continues_the_same_loss_curve(make_cfg, monkeypatch):
     second = train(make_cfg("trainer.resume=true", trainer__max_steps=12, run="split"))
     got, want = dict(second["history"]), dict(full["history"])
     assert sorted(got) == [9, 10, 11, 12]
-    for step in got:
-        assert got[step] == want[step], f"step {step}: {got[step]} != {want[step]}"
-    assert second["valid_bpb"] == full["valid_bpb"]
+    for step in got:                    # bitwise on CPU; GPU reductions may differ in the last bits
+        assert got[step] == pytest.approx(want[step], rel=1e-6), f"step {step}: {got[step]} != {want[step]}"
+    assert second["valid_bpb"] == pytest.approx(full["valid_bpb"], rel=1e-6)
 
 
 def test_resume_from_path_and_corrupt_checkpoint(make_cfg, tmp_path):
