@@ -5,6 +5,7 @@ names an experiment in bstrain/configs/config/ or gives the path of your own YAM
 """
 from __future__ import annotations
 
+import atexit
 import os
 import shutil
 import sys
@@ -30,8 +31,10 @@ def _user_yaml(argv: list[str]) -> list[str]:
             if not os.path.isfile(path):
                 sys.exit(f"config: no such file {path}")
             root = tempfile.mkdtemp(prefix="bstrain-config-")
+            atexit.register(shutil.rmtree, root, ignore_errors=True)
             os.makedirs(os.path.join(root, "config"))
-            name = os.path.splitext(os.path.basename(path))[0]
+            # a name of its own, so it can't be shadowed by a shipped experiment of the same name
+            name = "user_" + os.path.splitext(os.path.basename(path))[0]
             shutil.copy(path, os.path.join(root, "config", name + ".yaml"))
             out += [f"config={name}", f"hydra.searchpath=[file://{root}]"]
         else:

@@ -410,6 +410,8 @@ def _check_operands(name_a: str, a: torch.Tensor, w: torch.Tensor, luts: BsmmLut
     expect_w = (luts.nnz, luts.block_size, luts.block_size)
     if tuple(w.shape) != expect_w:
         raise ValueError(f"w: expected shape {expect_w}, got {tuple(w.shape)}")
+    if w.numel() and w.stride() != (luts.block_size ** 2, luts.block_size, 1) and w.stride(0) != 0:
+        raise ValueError(f"w: expected a contiguous (nnz, bs, bs) tensor, got strides {w.stride()}")
     if a.device != w.device or luts.fwd.ptr.device != a.device:
         raise ValueError(f"{name_a}, w and the lookup tables must share one device, got "
                          f"{a.device}, {w.device} and {luts.fwd.ptr.device}")

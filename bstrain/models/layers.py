@@ -73,11 +73,7 @@ class BlockSparseLinear(nn.Module):
             self._group = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x: (N, C) or (C, N); returns (N, K) or (K, N). Under autocast, x is cast to its dtype."""
-        if x.is_cuda and torch.is_autocast_enabled("cuda"):
-            x = x.to(torch.get_autocast_dtype("cuda"))
-        elif not x.is_cuda and torch.is_autocast_enabled("cpu"):
-            x = x.to(torch.get_autocast_dtype("cpu"))
+        """x: (N, C) or (C, N); returns (N, K) or (K, N). Under autocast, runs in its dtype."""
         if self._group is not None:
             group, w_grouped = self._group
             if w_grouped is None:                      # first call in the context
@@ -90,6 +86,19 @@ class BlockSparseLinear(nn.Module):
             b = self.bias.to(y.dtype)
             y = y + (b if self.op.feature_axis == 1 else b[:, None])
         return y
+
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
+        """A loaded layout replaces the op's, so weights always meet the layout they were trained on."""
+        key = prefix + "layout"
+        if key in state_dict:
+            new = np.asarray(state_dict[key].cpu(), dtype=bool)
+            if new.shape != self.op.layout.shape or (new != self.op.layout).any():
+                backend = self.op.backend
+                self.op = BlocksparseMatMul(new, self.op.block_size, self.op.feature_axis, backend=backend)
+                self.layout = torch.as_tensor(new, device=self.layout.device)
+                if tuple(self.weight.shape) != self.op.w_shape:
+                    self.weight = nn.Parameter(self.weight.new_empty(self.op.w_shape))
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, "

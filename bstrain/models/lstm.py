@@ -31,6 +31,8 @@ VOCAB = 256
 
 def small_world_layout(n: int, density: float, kind: str, seed: int) -> np.ndarray:
     """(n, n) layout with about ``density`` live blocks (self-loops included)."""
+    if n < 4:                                   # too few blocks for a graph: use them all
+        return layouts.dense((n, n))
     if kind == "barabasi_albert":
         m = int(np.clip(round((density * n - 1) / 2), 1, n - 1))       # ~2m links + self per row
         return layouts.barabasi_albert(n, m, seed=seed)
@@ -63,6 +65,8 @@ class SparseLSTM(nn.Module):
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
+        if cfg.init not in ("identity", "uniform"):
+            raise ValueError(f"model.init: expected identity or uniform, got {cfg.init!r}")
         if cfg.depth < 1 or cfg.hidden % cfg.block_size:
             raise ValueError(f"model: expected depth >= 1 and hidden a multiple of block_size, got "
                              f"depth={cfg.depth}, hidden={cfg.hidden}, block_size={cfg.block_size}")
@@ -83,7 +87,10 @@ class SparseLSTM(nn.Module):
     def _recurrent(self, fan_in: int, fan_out: int, index: int, square: bool) -> nn.Module:
         cfg = self.cfg
         if not cfg.sparse:
-            return nn.Linear(fan_in, fan_out, bias=False)
+            dense = nn.Linear(fan_in, fan_out, bias=False)
+            if square and cfg.init == "identity":
+                nn.init.eye_(dense.weight)
+            return dense
         n = fan_in // cfg.block_size
         lay = small_world_layout(n, cfg.density, cfg.layout, cfg.layout_seed + index)
         if not square:

@@ -230,6 +230,7 @@ class _LstmGates(torch.autograd.Function):
     @staticmethod
     def forward(ctx, c, bias, forget_bias, i, u, f, o):
         from bstrain.kernels.ew import lstm_gates_forward
+        c, i, u, f, o = (t if t.stride(1) == 1 else t.contiguous() for t in (c, i, u, f, o))
         ctx.save_for_backward(c, bias, i, u, f, o)
         ctx.forget_bias = forget_bias
         return lstm_gates_forward(c, i, u, f, o, bias, forget_bias)

@@ -80,12 +80,21 @@ def bsmm_dw_ref(x: torch.Tensor, dy: torch.Tensor, c_idx: torch.Tensor, k_idx: t
     return torch.cat(parts) if parts else xr.new_zeros(0, block_size, block_size)
 
 
+def _autocast_input(I: torch.Tensor) -> torch.Tensor:
+    """Under torch.autocast, floating activations run in the autocast dtype (weights follow)."""
+    dev = I.device.type
+    if I.dtype in (torch.float32, torch.float16, torch.bfloat16) and dev in ("cuda", "cpu") \
+            and torch.is_autocast_enabled(dev):
+        return I.to(torch.get_autocast_dtype(dev))
+    return I
+
+
 class _BlocksparseMatMulFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, w, op, dw_dtype):
         from bstrain.kernels import matmul as kernels
         luts = op.luts(x.device)
-        wk = w.to(x.dtype)                        # fp32 master weights meet 16-bit activations
+        wk = w.to(x.dtype).contiguous()           # fp32 master weights meet 16-bit activations
         ctx.save_for_backward(x, wk)
         ctx.op, ctx.dw_dtype = op, dw_dtype
         return kernels.bsmm_forward(x, wk, luts, op.feature_axis)
@@ -237,6 +246,7 @@ class BlocksparseMatMul:
         kernel writes dW in (accumulation is fp32); autograd hands it on in W's dtype.
         """
         self._check_call(I, W, dw_dtype)
+        I = _autocast_input(I)
         if self._use_kernels(I):
             if dw_dtype == torch.float64:
                 raise TypeError("dw_dtype: the Triton backend writes float32, float16 or bfloat16, got float64")
@@ -293,7 +303,7 @@ class BlocksparseMatMul:
         per launch and handed to W when the backward pass reaches the weight.
         """
         self._check_call(I, W_grouped, torch.float32)
-        return _grouped_call(self, I, W_grouped, group)
+        return _grouped_call(self, _autocast_input(I), W_grouped, group)
 
     def __repr__(self) -> str:
         return (f"BlocksparseMatMul(C={self.C}, K={self.K}, block_size={self.block_size}, "
@@ -301,44 +311,51 @@ class BlocksparseMatMul:
 
 
 # --- gradient grouping (the seed's group_param_grads) ---------------------------------------------
+def _graph_task() -> int:
+    """Id of the backward pass now running (entries of other passes must not mix)."""
+    return torch._C._current_graph_task_id()
+
+
 class GradGroup:
     """Collects (x, dy) of one weight applied at many timesteps and computes its dW for up to
     ``group_size`` timesteps in one launch, on the rows of all of them stacked, instead of one
     small launch per timestep. Used through :meth:`BlocksparseMatMul.grouped` or
-    ``BlockSparseLinear.grad_group``.
+    ``BlockSparseLinear.grad_group``. Entries are kept per backward pass, so a pass that stops
+    short of the weight (``torch.autograd.grad`` w.r.t. inputs only) leaves later passes exact.
     """
 
     def __init__(self, op: "BlocksparseMatMul", group_size: int, dw_dtype: torch.dtype | None = None):
         if group_size < 1:
             raise ValueError(f"group_size: expected >= 1, got {group_size}")
         self.op, self.group_size, self.dw_dtype = op, group_size, dw_dtype
-        self._xs: list[torch.Tensor] = []
-        self._dys: list[torch.Tensor] = []
-        self._dw: torch.Tensor | None = None
+        self._pending: dict[int, tuple[list, list, list]] = {}   # pass id -> (xs, dys, [dw])
         self.launches = 0
 
     def add(self, x: torch.Tensor, dy: torch.Tensor) -> None:
-        self._xs.append(x)
-        self._dys.append(dy)
-        if len(self._xs) >= self.group_size:
-            self._flush()
+        xs, dys, _ = self._pending.setdefault(_graph_task(), ([], [], [None]))
+        xs.append(x)
+        dys.append(dy)
+        if len(xs) >= self.group_size:
+            self._flush(_graph_task())
 
-    def _flush(self) -> None:
-        if not self._xs:
+    def _flush(self, task: int) -> None:
+        xs, dys, acc = self._pending.get(task, ([], [], [None]))
+        if not xs:
             return
         axis = self.op.feature_axis
-        x = torch.cat(self._xs, dim=1 - axis)                    # rows of all steps: (G*N, C) or (C, G*N)
-        dy = torch.cat(self._dys, dim=1 - axis)
-        self._xs, self._dys = [], []
+        x = torch.cat(xs, dim=1 - axis)                          # rows of all steps: (G*N, C) or (C, G*N)
+        dy = torch.cat(dys, dim=1 - axis)
+        xs.clear()
+        dys.clear()
         dw = self.op.dw(x, dy, self.dw_dtype)
         self.launches += 1
-        self._dw = dw if self._dw is None else self._dw + dw
+        acc[0] = dw if acc[0] is None else acc[0] + dw
 
     def take(self) -> torch.Tensor | None:
-        """The summed dW of every step seen so far; resets the group."""
-        self._flush()
-        dw, self._dw = self._dw, None
-        return dw
+        """The summed dW of every step of the running backward pass; forgets that pass."""
+        task = _graph_task()
+        self._flush(task)
+        return self._pending.pop(task, ([], [], [None]))[2][0]
 
 
 class _GroupedWeight(torch.autograd.Function):
@@ -361,7 +378,7 @@ class _StepMatMul(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, w, group):
-        wk = w.to(x.dtype)
+        wk = w.to(x.dtype).contiguous()
         ctx.save_for_backward(x, wk)
         ctx.group = group
         return group.op.forward_raw(x, wk)

@@ -92,7 +92,12 @@ def _check_batch_norm(x, *params) -> int:
         raise ValueError(f"x: expected (N, C, ...) like NCHW or NCDHW, got shape {tuple(x.shape)}")
     C = x.shape[1]
     for name, t in zip(("g", "b", "mean", "var"), params):
-        _check_same(("x", name), x, t)
+        if name in ("mean", "var") and t.dtype == torch.float32:
+            _check_tensor(name, t)                      # batch_norm's fp32 statistics are welcome
+            if t.device != x.device:
+                raise ValueError(f"{name}: expected device {x.device} (as x), got {t.device}")
+        else:
+            _check_same(("x", name), x, t)
         if tuple(t.shape) != (C,):
             raise ValueError(f"{name}: expected shape ({C},), got {tuple(t.shape)}")
     return C
@@ -115,4 +120,6 @@ def batch_norm_inference(x: torch.Tensor, g: torch.Tensor, b: torch.Tensor, mean
                          var: torch.Tensor, epsilon: float = 1e-6) -> torch.Tensor:
     """Batch norm with given (C,) statistics, for NC(D)HW."""
     _check_batch_norm(x, g, b, mean, var)
+    if x.device.type == "cpu":                 # the CPU kernel wants statistics in x's dtype
+        mean, var = mean.to(x.dtype), var.to(x.dtype)
     return F.batch_norm(x, mean, var, g, b, training=False, eps=epsilon)

@@ -77,7 +77,12 @@ class Board:
             for k, v in values.items():
                 self.writer.add_scalar(k, v, step)
 
+    def close(self) -> None:
+        if self.writer is not None:
+            self.writer.close()
+            self.writer = None
+
     def finish(self, hparams: dict, metrics: dict) -> None:
         if self.writer is not None:
             self.writer.add_hparams(hparams, metrics, run_name="hparams")
-            self.writer.close()
+        self.close()

@@ -165,56 +165,63 @@ def _train(cfg: DictConfig, run_dir: Path) -> dict:
     params = [p for p in model.parameters()]
     t_last = t_start = time.perf_counter()
     stop_at = t_cfg.max_steps
-    while step < stop_at:
-        x, y, wrapped = batches.next_batch()
-        x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
-        if wrapped:
-            state = None                                   # a new epoch starts from a fresh state
-        with torch.autocast(device.type, dtype=amp_dtype, enabled=amp_dtype is not None):
-            logits, state = model(x, state, group_size=t_cfg.group_size)
-        loss = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), y.reshape(-1))
-        state = tuple(s.detach() for s in state)
-        scaler.scale(loss).backward()
-        scaler.unscale_(optimizer)
-        grad_norm = torch.nn.utils.clip_grad_norm_(params, cfg.optim.grad_clip if cfg.optim.grad_clip > 0
-                                                   else float("inf"))
-        scaler.step(optimizer)                             # skipped (and the scale halved) on inf/NaN
-        scaler.update()
-        optimizer.zero_grad(set_to_none=True)
-        scheduler.step()
-        if ema is not None:
-            ema.update_parameters(model)
-        step += 1
-        loss_v = loss.item()
-        now = time.perf_counter()
-        metrics = {"loss": loss_v, "bpb": bits_per_byte(loss_v), "lr": scheduler.get_last_lr()[0],
-                   "grad_norm": float(grad_norm), "tokens_per_s": tokens / max(now - t_last, 1e-9),
-                   "loss_scale": scaler.get_scale() if scaler.is_enabled() else 1.0}
-        t_last = now
-        history.append((step, loss_v))
-        progress.update(step, metrics)
-        if step % t_cfg.log_every == 0 or step == t_cfg.max_steps:
-            if device.type == "cuda":
-                metrics["gpu_mem_gb"] = torch.cuda.max_memory_allocated(device) / 2**30
-            board.scalars(step, {f"train/{k}": v for k, v in metrics.items()})
-        if t_cfg.time_limit_s and now - t_start > t_cfg.time_limit_s:
-            stop_at = step                                 # out of time: finish like a last step
-        last = step == stop_at
-        if (t_cfg.eval_every and step % t_cfg.eval_every == 0) or last:
-            valid = evaluate(ema.module if ema is not None else model, valid_data, cfg, device, t_cfg.eval_batches)
-            board.scalars(step, {"valid/loss": valid[0], "valid/bpb": valid[1]})
-            progress.write(f"step {step}: valid loss {valid[0]:.4f}, {valid[1]:.4f} bits/byte")
-        if (t_cfg.ckpt_every and step % t_cfg.ckpt_every == 0) or last:
-            ckpt_dir = run_dir / "ckpt"
-            save_checkpoint(checkpoint_path(ckpt_dir, step), {
-                "step": step, "model": model.state_dict(), "optimizer": optimizer.state_dict(),
-                "scheduler": scheduler.state_dict(), "scaler": scaler.state_dict(),
-                "ema": ema.state_dict() if ema is not None else None, "data": batches.state_dict(),
-                "rng": {"cpu": torch.get_rng_state(),
-                        "cuda": torch.cuda.get_rng_state(device) if device.type == "cuda" else None},
-                "state": [s.cpu() for s in state], "config": OmegaConf.to_container(cfg, resolve=True)})
-            prune_checkpoints(ckpt_dir, t_cfg.keep_ckpts)
-    progress.close()
+    try:
+        while step < stop_at:
+            x, y, wrapped = batches.next_batch()
+            x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+            if wrapped:
+                state = None                                   # a new epoch starts from a fresh state
+            with torch.autocast(device.type, dtype=amp_dtype, enabled=amp_dtype is not None):
+                logits, state = model(x, state, group_size=t_cfg.group_size)
+            loss = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), y.reshape(-1))
+            state = tuple(s.detach() for s in state)
+            scaler.scale(loss).backward()
+            scaler.unscale_(optimizer)
+            grad_norm = torch.nn.utils.clip_grad_norm_(params, cfg.optim.grad_clip if cfg.optim.grad_clip > 0
+                                                       else float("inf"))
+            lr = optimizer.param_groups[0]["lr"]               # the lr this step uses
+            scaler.step(optimizer)                             # skipped (and the scale halved) on inf/NaN
+            scaler.update()
+            optimizer.zero_grad(set_to_none=True)
+            scheduler.step()
+            if ema is not None:
+                ema.update_parameters(model)
+            step += 1
+            loss_v = loss.item()
+            now = time.perf_counter()
+            metrics = {"loss": loss_v, "bpb": bits_per_byte(loss_v), "lr": lr,
+                       "grad_norm": float(grad_norm), "tokens_per_s": tokens / max(now - t_last, 1e-9),
+                       "loss_scale": scaler.get_scale() if scaler.is_enabled() else 1.0}
+            t_last = now
+            history.append((step, loss_v))
+            progress.update(step, metrics)
+            if step % t_cfg.log_every == 0 or step == t_cfg.max_steps:
+                if device.type == "cuda":
+                    metrics["gpu_mem_gb"] = torch.cuda.max_memory_allocated(device) / 2**30
+                board.scalars(step, {f"train/{k}": v for k, v in metrics.items()})
+            if t_cfg.time_limit_s and now - t_start > t_cfg.time_limit_s:
+                stop_at = step                                 # out of time: finish like a last step
+            last = step == stop_at
+            if (t_cfg.eval_every and step % t_cfg.eval_every == 0) or last:
+                valid = evaluate(ema.module if ema is not None else model, valid_data, cfg, device, t_cfg.eval_batches)
+                board.scalars(step, {"valid/loss": valid[0], "valid/bpb": valid[1]})
+                progress.write(f"step {step}: valid loss {valid[0]:.4f}, {valid[1]:.4f} bits/byte")
+            if (t_cfg.ckpt_every and step % t_cfg.ckpt_every == 0) or last:
+                ckpt_dir = run_dir / "ckpt"
+                save_checkpoint(checkpoint_path(ckpt_dir, step), {
+                    "step": step, "model": model.state_dict(), "optimizer": optimizer.state_dict(),
+                    "scheduler": scheduler.state_dict(), "scaler": scaler.state_dict(),
+                    "ema": ema.state_dict() if ema is not None else None, "data": batches.state_dict(),
+                    "rng": {"cpu": torch.get_rng_state(),
+                            "cuda": torch.cuda.get_rng_state(device) if device.type == "cuda" else None},
+                    "state": [s.cpu() for s in state], "config": OmegaConf.to_container(cfg, resolve=True)})
+                prune_checkpoints(ckpt_dir, t_cfg.keep_ckpts)
+            t_last = time.perf_counter()                       # tokens/s counts training time only
+    except BaseException:
+        board.close()                                      # no writer thread left behind
+        raise
+    finally:
+        progress.close()
     result = {"steps": step, "train_loss": history[-1][1] if history else float("nan"),
               "valid_loss": valid[0], "valid_bpb": valid[1], "run_dir": str(run_dir), "history": history,
               "params": model.num_params()}

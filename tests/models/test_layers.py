@@ -68,3 +68,35 @@ def test_grad_group_matches_ungrouped(backend, group_size):
     torch.testing.assert_close(b_grp, b_ref)
     if group_size > 1:
         assert group.launches == -(-7 // group_size), "one dW launch per group of timesteps"
+
+
+def test_grad_group_survives_an_inputs_only_backward_pass():
+    """autograd.grad w.r.t. inputs only must not leave stale dW behind for the next backward."""
+    layer = BlockSparseLinear(32, 32, layout=[[1, 1], [0, 1]], block_size=16, bias=False).double()
+    h0 = torch.randn(3, 32, dtype=torch.float64, requires_grad=True)
+
+    def loss(grouped):
+        h = h0
+        with layer.grad_group(4 if grouped else 1):
+            for _ in range(6):
+                h = torch.tanh(layer(h))
+        return h.square().sum()
+    layer.zero_grad()
+    loss(False).backward()
+    want = layer.weight.grad.clone()
+    layer.zero_grad()
+    grouped = loss(True)
+    torch.autograd.grad(grouped, h0, retain_graph=True)
+    grouped.backward()
+    torch.testing.assert_close(layer.weight.grad, want)
+
+
+def test_loading_a_state_dict_brings_its_layout():
+    src = BlockSparseLinear(64, 64, layout=[[1, 0], [0, 1]], bias=False)
+    dst = BlockSparseLinear(64, 64, layout=[[0, 1], [1, 0]], bias=False)
+    dst.load_state_dict(src.state_dict())
+    x = torch.randn(5, 64)
+    torch.testing.assert_close(dst(x), src(x))
+    bigger = BlockSparseLinear(64, 64, layout=[[1, 1], [1, 1]], bias=False)
+    bigger.load_state_dict(src.state_dict())
+    torch.testing.assert_close(bigger(x), src(x))

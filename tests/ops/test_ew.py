@@ -170,3 +170,12 @@ def test_softmax_cross_entropy_fp16_vocab_65536(backend):
     ref = torch.nn.functional.cross_entropy(logits.cpu().double(), labels.cpu(), reduction="none")
     assert torch.isfinite(loss).all()
     assert_close(loss, ref, None, torch.float32, "loss")
+
+
+def test_fused_lstm_gates_non_contiguous_inputs(backend):
+    c = torch.randn(16, 8, device=backend).t()                       # (8, 16), feature stride 8
+    h4 = torch.randn(64, 8, device=backend).t()                      # (8, 64), feature stride 8
+    cn, hn = ew.fused_lstm_gates(c, h4)
+    rc, rh = ew.fused_lstm_gates_ref(c.contiguous(), *h4.contiguous().chunk(4, 1))
+    torch.testing.assert_close(cn, rc)
+    torch.testing.assert_close(hn, rh)

@@ -203,3 +203,25 @@ def test_triton_backend_on_cpu_without_interpreter(monkeypatch):
     op = BlocksparseMatMul(LAY, 16, backend="triton")
     with pytest.raises(ValueError, match="TRITON_INTERPRET"):
         op(torch.randn(4, 32), torch.randn(op.w_shape))
+
+
+def test_non_contiguous_weight_is_handled():
+    """A transposed or expanded W gives the same result as its contiguous copy, on both paths."""
+    lay = layouts.random((4, 4), 0.5, seed=1)
+    dev = kernel_device()
+    for backend in ("triton", "torch"):
+        op = BlocksparseMatMul(lay, 16, backend=backend)
+        w = torch.randn(op.w_shape, device=dev).transpose(1, 2)
+        x = torch.randn(8, op.C, device=dev)
+        torch.testing.assert_close(op(x, w), op(x, w.contiguous()))
+
+
+def test_autocast_cpu_with_fp32_inputs():
+    op = BlocksparseMatMul(LAY, 16)
+    x, w = torch.randn(4, 32), torch.randn(op.w_shape)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y = op(x, w)
+    assert y.dtype == torch.bfloat16
+    xb, wb = x.bfloat16().double(), w.bfloat16().double()               # what autocast computes on
+    ref = op(xb, wb)
+    assert_close(y, ref, torch_mm(xb, dense_weight(LAY, wb), torch.bfloat16), torch.bfloat16, "y")

@@ -77,3 +77,12 @@ def test_batch_norm(shape):
     assert torch.autograd.gradcheck(lambda *a: norms.batch_norm(*a)[0], (x, g, b))
     y_inf = norms.batch_norm_inference(x, g, b, mean, var, epsilon=1e-5)
     torch.testing.assert_close(y_inf, ref)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_batch_norm_statistics_feed_inference_in_16_bit(dtype):
+    imgs = torch.randn(2, 3, 8, 8).to(dtype)
+    g, b = torch.ones(3, dtype=dtype), torch.zeros(3, dtype=dtype)
+    y, mean, var = norms.batch_norm(imgs, g, b)
+    y_inf = norms.batch_norm_inference(imgs, g, b, mean, var)
+    torch.testing.assert_close(y_inf.float(), y.float(), rtol=2e-2, atol=2e-2)

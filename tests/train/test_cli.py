@@ -51,3 +51,11 @@ def test_user_yaml_config_and_eval(tmp_path):
     assert "hidden: 64" in saved
     ev = run("eval", f"ckpt={run_dir}", "batches=1", cwd=tmp_path)
     assert ev.returncode == 0 and "bits/byte" in ev.stdout, ev.stderr[-2000:]
+
+
+def test_user_yaml_named_like_a_shipped_experiment_wins(tmp_path):
+    mine = tmp_path / "lstm_tiny.yaml"
+    mine.write_text("# @package _global_\nmodel:\n  hidden: 64\ntrainer:\n  max_steps: 7\n")
+    out = run("train", f"config={mine}", "--cfg", "job", cwd=tmp_path)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "hidden: 64" in out.stdout and "max_steps: 7" in out.stdout

@@ -166,3 +166,15 @@ def test_eval_and_sample_commands(make_cfg):
     text = sample(OmegaConf.create(dict(ckpt=out["run_dir"], prompt="def ", length=20, temperature=1.0, seed=0,
                                         device="cpu")))
     assert text.startswith("def ") and len(text.encode("utf-8", errors="replace")) >= 4
+
+
+def test_model_init_and_tiny_hidden():
+    from bstrain.configs.schema import ModelConfig
+    from bstrain.models.lstm import SparseLSTM
+    dense = SparseLSTM(ModelConfig(hidden=64, block_size=32, sparse=False, init="identity"))
+    torch.testing.assert_close(dense.w_hm.weight, torch.eye(64))
+    with pytest.raises(ValueError, match="model.init"):
+        SparseLSTM(ModelConfig(hidden=64, block_size=32, init="orthgonal"))
+    for kind in ("barabasi_albert", "watts_strogatz", "random"):
+        SparseLSTM(ModelConfig(hidden=32, block_size=32, layout=kind))        # one block: dense layout
+        SparseLSTM(ModelConfig(hidden=64, block_size=32, layout=kind))
