@@ -178,3 +178,14 @@ def test_model_init_and_tiny_hidden():
     for kind in ("barabasi_albert", "watts_strogatz", "random"):
         SparseLSTM(ModelConfig(hidden=32, block_size=32, layout=kind))        # one block: dense layout
         SparseLSTM(ModelConfig(hidden=64, block_size=32, layout=kind))
+
+
+def test_enwik8_experiment_config_on_a_small_enwik8_file(make_cfg, tmp_path):
+    """config=lstm_enwik8 composes and trains (shrunk) on a file named enwik8 (proportional split)."""
+    text = (Path(__file__).read_bytes() * 40)[:200_000]
+    (tmp_path / "enwik8").write_bytes(text)
+    cfg = make_cfg("config=lstm_enwik8", f"data.path={tmp_path / 'enwik8'}", trainer__max_steps=2,
+                   optim__warmup_steps=1)
+    assert cfg.data.name == "enwik8" and cfg.trainer.precision == "bf16" and cfg.optim.ema == 0.999
+    out = train(cfg)
+    assert out["steps"] == 2 and math.isfinite(out["valid_bpb"])
