@@ -8,6 +8,7 @@ and their fp32 weights on the fly.
 """
 from __future__ import annotations
 
+import logging
 import math
 import sys
 import time
@@ -21,6 +22,7 @@ from bstrain.data.text import BpttBatches, bits_per_byte, check_size, load_bytes
 from bstrain.models.lstm import build_model
 from bstrain.train.checkpoint import (checkpoint_path, latest_checkpoint, load_checkpoint, prune_checkpoints,
                                       save_checkpoint)
+from bstrain.train.distributed import World, barrier, broadcast, device_for, finish, gather, init_world, mean, shard
 from bstrain.train.progress import Board, Progress, log, setup_logging
 
 PRECISIONS = {"fp32": None, "fp16": torch.float16, "bf16": torch.bfloat16}
@@ -104,27 +106,44 @@ def evaluate(model, data, cfg, device, n_batches: int) -> tuple[float, float]:
 
 
 def train(cfg: DictConfig) -> dict:
-    """Trains the configured model; returns final metrics and the run directory."""
+    """Trains the configured model; returns final metrics and the run directory.
+
+    Under torchrun each process trains on its shard of the data with DDP; rank 0 writes.
+    """
     _check_config(cfg)
-    run_dir = _run_dir(cfg)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    handler = setup_logging(run_dir)
+    device = resolve_device(cfg.trainer.device)
+    world = init_world(device)
     try:
-        return _train(cfg, run_dir)
+        run_dir = Path(broadcast(str(_run_dir(cfg)), world))        # one run dir for every rank
+        if world.main:
+            run_dir.mkdir(parents=True, exist_ok=True)
+        barrier(world)
+        handler = setup_logging(run_dir, world.rank) if world.main else None
+        if not world.main:
+            log.setLevel(logging.WARNING)
+        try:
+            return _train(cfg, run_dir, device_for(world, device), world)
+        finally:
+            if handler is not None:
+                log.removeHandler(handler)
+                handler.close()
     finally:
-        log.removeHandler(handler)
-        handler.close()
+        finish(world)
 
 
-def _train(cfg: DictConfig, run_dir: Path) -> dict:
+def _train(cfg: DictConfig, run_dir: Path, device: torch.device, world: World) -> dict:
     t_cfg = cfg.trainer
-    device = resolve_device(t_cfg.device)
     # Data first: a bad path or too small a file fails before any model is built.
     train_data, valid_data, _ = load_bytes(cfg.data.path, cfg.data.name)
+    train_data = shard(train_data, world)
     check_size(train_data, cfg.data.batch_size, cfg.data.seq_len, cfg.data.path, "train")
     check_size(valid_data, cfg.data.batch_size, cfg.data.seq_len, cfg.data.path, "valid")
     torch.manual_seed(t_cfg.seed)
     model = build_model(cfg.model).to(device)
+    net = model
+    if world.active:
+        from torch.nn.parallel import DistributedDataParallel
+        net = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
     optimizer = make_optimizer(model, cfg.optim, device)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(s, cfg.optim, t_cfg.max_steps))
     amp_dtype = PRECISIONS[t_cfg.precision]
@@ -150,16 +169,21 @@ def _train(cfg: DictConfig, run_dir: Path) -> dict:
         torch.set_rng_state(ckpt["rng"]["cpu"])
         if device.type == "cuda" and ckpt["rng"].get("cuda") is not None:
             torch.cuda.set_rng_state(ckpt["rng"]["cuda"])
-        state = tuple(s.to(device) for s in ckpt["state"]) if ckpt.get("state") is not None else None
+        states = ckpt.get("state") or []
+        if len(states) == world.size:                       # one carried state per rank
+            state = tuple(s.to(device) for s in states[world.rank])
+        else:
+            log.warning("checkpoint holds %d recurrent states for %d ranks: starting from zero state",
+                        len(states), world.size)
         step = int(ckpt["step"])
         log.info("resumed from %s at step %d", ckpt["path"], step)
 
     log.info("run dir %s | device %s | precision %s | %s parameters | %s", run_dir, device, t_cfg.precision,
              f"{model.num_params():,}", ", ".join(repr(layer.op) for layer in model.sparse_layers()) or "dense")
-    board = Board(run_dir)
+    board = Board(run_dir, world.rank)
     board.start(OmegaConf.to_yaml(cfg), " ".join(sys.argv),
                 {f"layer{i}": layer.op.layout for i, layer in enumerate(model.sparse_layers())})
-    progress = Progress(t_cfg.max_steps, step, t_cfg.log_every, t_cfg.progress)
+    progress = Progress(t_cfg.max_steps, step, t_cfg.log_every, t_cfg.progress, world.rank)
     history, valid = [], (float("nan"), float("nan"))
     tokens = cfg.data.batch_size * cfg.data.seq_len
     params = [p for p in model.parameters()]
@@ -172,7 +196,7 @@ def _train(cfg: DictConfig, run_dir: Path) -> dict:
             if wrapped:
                 state = None                                   # a new epoch starts from a fresh state
             with torch.autocast(device.type, dtype=amp_dtype, enabled=amp_dtype is not None):
-                logits, state = model(x, state, group_size=t_cfg.group_size)
+                logits, state = net(x, state, group_size=t_cfg.group_size)
             loss = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), y.reshape(-1))
             state = tuple(s.detach() for s in state)
             scaler.scale(loss).backward()
@@ -187,7 +211,7 @@ def _train(cfg: DictConfig, run_dir: Path) -> dict:
             if ema is not None:
                 ema.update_parameters(model)
             step += 1
-            loss_v = loss.item()
+            loss_v = mean(loss.item(), world, device)
             now = time.perf_counter()
             metrics = {"loss": loss_v, "bpb": bits_per_byte(loss_v), "lr": lr,
                        "grad_norm": float(grad_norm), "tokens_per_s": tokens / max(now - t_last, 1e-9),
@@ -203,19 +227,24 @@ def _train(cfg: DictConfig, run_dir: Path) -> dict:
                 stop_at = step                                 # out of time: finish like a last step
             last = step == stop_at
             if (t_cfg.eval_every and step % t_cfg.eval_every == 0) or last:
-                valid = evaluate(ema.module if ema is not None else model, valid_data, cfg, device, t_cfg.eval_batches)
-                board.scalars(step, {"valid/loss": valid[0], "valid/bpb": valid[1]})
-                progress.write(f"step {step}: valid loss {valid[0]:.4f}, {valid[1]:.4f} bits/byte")
+                if world.main:
+                    valid = evaluate(ema.module if ema is not None else model, valid_data, cfg, device,
+                                     t_cfg.eval_batches)
+                    board.scalars(step, {"valid/loss": valid[0], "valid/bpb": valid[1]})
+                    progress.write(f"step {step}: valid loss {valid[0]:.4f}, {valid[1]:.4f} bits/byte")
+                valid = broadcast(valid, world)
             if (t_cfg.ckpt_every and step % t_cfg.ckpt_every == 0) or last:
-                ckpt_dir = run_dir / "ckpt"
-                save_checkpoint(checkpoint_path(ckpt_dir, step), {
-                    "step": step, "model": model.state_dict(), "optimizer": optimizer.state_dict(),
-                    "scheduler": scheduler.state_dict(), "scaler": scaler.state_dict(),
-                    "ema": ema.state_dict() if ema is not None else None, "data": batches.state_dict(),
-                    "rng": {"cpu": torch.get_rng_state(),
-                            "cuda": torch.cuda.get_rng_state(device) if device.type == "cuda" else None},
-                    "state": [s.cpu() for s in state], "config": OmegaConf.to_container(cfg, resolve=True)})
-                prune_checkpoints(ckpt_dir, t_cfg.keep_ckpts)
+                states = gather([s.cpu() for s in state], world)         # every rank's carried state
+                if world.main:
+                    ckpt_dir = run_dir / "ckpt"
+                    save_checkpoint(checkpoint_path(ckpt_dir, step), {
+                        "step": step, "model": model.state_dict(), "optimizer": optimizer.state_dict(),
+                        "scheduler": scheduler.state_dict(), "scaler": scaler.state_dict(),
+                        "ema": ema.state_dict() if ema is not None else None, "data": batches.state_dict(),
+                        "rng": {"cpu": torch.get_rng_state(),
+                                "cuda": torch.cuda.get_rng_state(device) if device.type == "cuda" else None},
+                        "state": states, "config": OmegaConf.to_container(cfg, resolve=True)})
+                    prune_checkpoints(ckpt_dir, t_cfg.keep_ckpts)
             t_last = time.perf_counter()                       # tokens/s counts training time only
     except BaseException:
         board.close()                                      # no writer thread left behind

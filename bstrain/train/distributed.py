@@ -1,0 +1,89 @@
+"""Multi-GPU (and multi-process CPU) training through torchrun and DistributedDataParallel.
+
+``torchrun --nproc_per_node=N -m bstrain train ...`` starts N processes; each finds its rank in the
+environment torchrun sets, joins the process group (NCCL on GPUs, gloo on CPU) and trains on its
+own contiguous shard of the training bytes. DDP averages gradients; rank 0 alone writes logs,
+TensorBoard, validation results and checkpoints. Nothing here runs in a single process.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+
+@dataclass
+class World:
+    rank: int = 0
+    size: int = 1
+    local_rank: int = 0
+
+    @property
+    def main(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def active(self) -> bool:
+        return self.size > 1
+
+
+def init_world(device: torch.device) -> World:
+    """Joins the process group when started by torchrun (WORLD_SIZE > 1); else a world of one."""
+    size = int(os.environ.get("WORLD_SIZE", "1"))
+    if size <= 1:
+        return World()
+    world = World(int(os.environ["RANK"]), size, int(os.environ.get("LOCAL_RANK", "0")))
+    if not dist.is_initialized():
+        if device.type == "cuda":
+            torch.cuda.set_device(world.local_rank)
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    return world
+
+
+def device_for(world: World, device: torch.device) -> torch.device:
+    return torch.device("cuda", world.local_rank) if device.type == "cuda" and world.active else device
+
+
+def shard(data: np.ndarray, world: World) -> np.ndarray:
+    """This rank's contiguous 1/size of a split."""
+    n = len(data) // world.size
+    return data[world.rank * n:(world.rank + 1) * n]
+
+
+def broadcast(obj, world: World):
+    """rank 0's ``obj`` on every rank."""
+    if not world.active:
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def gather(obj, world: World) -> list:
+    """Every rank's ``obj``, in rank order (on every rank)."""
+    if not world.active:
+        return [obj]
+    out = [None] * world.size
+    dist.all_gather_object(out, obj)
+    return out
+
+
+def mean(value: float, world: World, device: torch.device) -> float:
+    if not world.active:
+        return value
+    t = torch.tensor([value], dtype=torch.float64, device=device)
+    dist.all_reduce(t)
+    return float(t) / world.size
+
+
+def barrier(world: World) -> None:
+    if world.active:
+        dist.barrier()
+
+
+def finish(world: World) -> None:
+    if world.active and dist.is_initialized():
+        dist.destroy_process_group()
