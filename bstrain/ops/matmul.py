@@ -294,7 +294,7 @@ class BlocksparseMatMul:
     def group_weight(self, W: torch.Tensor, group: "GradGroup") -> torch.Tensor:
         """Call once per sequence; pass the result to :meth:`grouped` at every timestep."""
         self._check_w(W)
-        return _group_weight(W, group)
+        return _GroupedWeight.apply(W, group)
 
     def grouped(self, I: torch.Tensor, W_grouped: torch.Tensor, group: "GradGroup") -> torch.Tensor:
         """Y = I·W for one timestep, with dW deferred to ``group`` (the seed's group_param_grads).
@@ -303,7 +303,7 @@ class BlocksparseMatMul:
         per launch and handed to W when the backward pass reaches the weight.
         """
         self._check_call(I, W_grouped, torch.float32)
-        return _grouped_call(self, _autocast_input(I), W_grouped, group)
+        return _StepMatMul.apply(_autocast_input(I), W_grouped, group)
 
     def __repr__(self) -> str:
         return (f"BlocksparseMatMul(C={self.C}, K={self.K}, block_size={self.block_size}, "
@@ -391,11 +391,3 @@ class _StepMatMul(torch.autograd.Function):
         if ctx.needs_input_grad[1]:
             ctx.group.add(x, dy)
         return dx, None, None
-
-
-def _grouped_call(op: "BlocksparseMatMul", I: torch.Tensor, W_grouped: torch.Tensor, group: GradGroup):
-    return _StepMatMul.apply(I, W_grouped, group)
-
-
-def _group_weight(W: torch.Tensor, group: GradGroup) -> torch.Tensor:
-    return _GroupedWeight.apply(W, group)
