@@ -1,8 +1,13 @@
 #!/usr/bin/env bash
 # One device call: GPU tests, the seed example, then a benchmark.
 # Usage: bash scripts/gpu_check.sh [matmul|ops] [bench args]   (SKIP_TESTS=1 to skip the tests)
+# The GPU machine lacks hydra-core/omegaconf/antlr4: stage their wheels in .whl/ first
+# (bash ../shared/tools/device-wheels.sh) and carry .whl with the call.
 set -o pipefail
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
+if [ -d .whl ]; then
+  python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl && export PYTHONPATH=$PYTHONPATH:/tmp/site
+fi
 OUT=${OUT:-/tmp/bstrain-out}; mkdir -p "$OUT"
 bench=matmul
 case "${1:-}" in matmul|ops) bench=$1; shift ;; esac
