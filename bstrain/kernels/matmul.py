@@ -400,23 +400,29 @@ def _desc(t: torch.Tensor, block: list[int]) -> TensorDescriptor:
 _KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
-def _check_operands(name_a: str, a: torch.Tensor, w: torch.Tensor, luts: BsmmLuts) -> None:
+def _check_activation(name: str, a: torch.Tensor, luts: BsmmLuts) -> None:
     if a.dtype not in _KERNEL_DTYPES:
-        raise TypeError(f"{name_a}: expected float32, float16 or bfloat16, got {a.dtype}")
+        raise TypeError(f"{name}: expected float32, float16 or bfloat16, got {a.dtype}")
+    if a.dim() != 2:
+        raise ValueError(f"{name}: expected a 2-D tensor, got shape {tuple(a.shape)}")
+    if luts.fwd.ptr.device != a.device:
+        raise ValueError(f"{name}: expected device {luts.fwd.ptr.device} (the lookup tables'), got {a.device}")
+    if a.numel() > _INT32_MAX:
+        raise ValueError(f"{name}: tensors over 2**31 elements are not supported")
+
+
+def _check_operands(name_a: str, a: torch.Tensor, w: torch.Tensor, luts: BsmmLuts) -> None:
+    """An activation and the (nnz, bs, bs) contiguous weight it meets."""
+    _check_activation(name_a, a, luts)
     if w.dtype != a.dtype:
         raise TypeError(f"w: expected dtype {a.dtype} (same as {name_a}), got {w.dtype}")
-    if a.dim() != 2:
-        raise ValueError(f"{name_a}: expected a 2-D tensor, got shape {tuple(a.shape)}")
     expect_w = (luts.nnz, luts.block_size, luts.block_size)
     if tuple(w.shape) != expect_w:
         raise ValueError(f"w: expected shape {expect_w}, got {tuple(w.shape)}")
-    if w.numel() and w.stride() != (luts.block_size ** 2, luts.block_size, 1) and w.stride(0) != 0:
+    if w.numel() and w.stride() != (luts.block_size ** 2, luts.block_size, 1):
         raise ValueError(f"w: expected a contiguous (nnz, bs, bs) tensor, got strides {w.stride()}")
-    if a.device != w.device or luts.fwd.ptr.device != a.device:
-        raise ValueError(f"{name_a}, w and the lookup tables must share one device, got "
-                         f"{a.device}, {w.device} and {luts.fwd.ptr.device}")
-    if a.numel() > _INT32_MAX or w.numel() > _INT32_MAX:
-        raise ValueError(f"{name_a}: tensors over 2**31 elements are not supported")
+    if w.device != a.device:
+        raise ValueError(f"w: expected device {a.device} (as {name_a}), got {w.device}")
 
 
 def _rows_view(t: torch.Tensor, feature_axis: int) -> torch.Tensor:
@@ -522,8 +528,7 @@ def bsmm_dx(dy: torch.Tensor, w: torch.Tensor, luts: BsmmLuts, feature_axis: int
 
 def _check_dw(x: torch.Tensor, dy: torch.Tensor, luts: BsmmLuts, feature_axis: int,
               dw_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    bs = luts.block_size
-    _check_operands("x", x, x.new_empty(()).expand(luts.nnz, bs, bs), luts)
+    _check_activation("x", x, luts)
     if dy.dtype != x.dtype or dy.device != x.device:
         raise TypeError(f"dy: expected {x.dtype} on {x.device} (like x), got {dy.dtype} on {dy.device}")
     xr, dyr = _rows_view(x, feature_axis), _rows_view(dy, feature_axis)   # (N, C), (N, K)
