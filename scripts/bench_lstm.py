@@ -1,131 +1,240 @@
-"""Sparse LSTM results on the GPU (issue 4):
+"""Sparse mLSTM results on the GPU (issue 4), in three sub-commands:
 
-1. Step time of the sparse mLSTM at hidden 8192 and >= 90% sparsity against density x the dense
-   step time (target: ratio <= 1.5).
-2. A sparse and a dense mLSTM of equal parameter count trained on the same real text (the
-   embedded default corpus) for the same number of steps: learning curves and validation bpb.
+    PYTHONPATH=$PWD python scripts/bench_lstm.py steptime --out DIR
+        Step time (forward + backward + clipping + AdamW, bf16) of the sparse mLSTM at hidden 8192
+        and >= 90% sparsity against density x the dense step time (target: ratio <= 1.5), with the
+        step captured in a CUDA graph (as trainer.cuda_graph=true runs it) and in eager mode.
+    PYTHONPATH=$PWD python scripts/bench_lstm.py curve --which sparse|dense --seconds 300 --out DIR
+        Trains one model of an equal-parameter pair for a fixed time on the same real text; writes
+        lstm_curve_<which>.json. Run the two on two GPUs at once (CUDA_VISIBLE_DEVICES).
+    python scripts/bench_lstm.py report --out DIR
+        lstm.md, lstm.csv and lstm.png from the JSON files in DIR.
 
-    PYTHONPATH=$PWD python scripts/bench_lstm.py [--out DIR] [--seconds S]
-Writes lstm.md, lstm.csv and lstm.png to --out.
+The text is this Python's standard library, every *.py below the stdlib directory in sorted
+order, concatenated up to 64 MiB (--corpus): a larger cut of the default corpus (which takes the
+top level only, 4 MiB), split 90/5/5.
 """
 from __future__ import annotations
 
 import argparse
-import csv
 import datetime
+import json
 import os
 import sys
-import time
+import sysconfig
+from pathlib import Path
 
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from hydra import compose, initialize_config_module  # noqa: E402
 
-from bstrain.configs.schema import register  # noqa: E402
-from bstrain.models.lstm import build_model  # noqa: E402
-from bstrain.train.trainer import make_optimizer, train  # noqa: E402
+PAIR = {   # equal total parameters: sparse is 2x wider at ~1/4 density
+    "sparse": ["model.hidden=4096", "model.density=0.25", "model.layout=barabasi_albert"],
+    "dense": ["model.hidden=2048", "model.sparse=false"],
+}
+CURVE_COMMON = ["data.seq_len=64", "data.batch_size=64", "trainer.precision=bf16", "trainer.cuda_graph=true",
+                "trainer.eval_every=1000", "trainer.eval_batches=20", "trainer.progress=false",
+                "trainer.ckpt_every=0", "trainer.log_every=100", "trainer.max_steps=1000000",
+                "optim.lr=1e-3", "optim.warmup_steps=200", "optim.schedule=constant", "model.embed=128",
+                "model.block_size=32", "model.depth=2"]
 
 
 def config(*overrides):
+    from hydra import compose, initialize_config_module
+
+    from bstrain.configs.schema import register
     register()
     with initialize_config_module(config_module="bstrain.configs", version_base="1.3"):
         return compose(config_name="train", overrides=list(overrides))
 
 
-def recurrent_params(model) -> int:
-    return sum(p.numel() for n, p in model.named_parameters()
+def recurrent(model) -> tuple[int, int]:
+    """(live recurrent weights, dense recurrent weights at this width)."""
+    H = model.cfg.hidden
+    live = sum(p.numel() for n, p in model.named_parameters()
                if n.startswith(("w_hm", "deep", "w_mg")) and n.endswith("weight"))
+    return live, (model.cfg.depth + 4) * H * H
 
 
-def step_time(cfg, batch: int, seq: int, group: int, reps: int = 3) -> float:
-    """Seconds per optimizer step (fwd + bwd + AdamW) in bf16 on random bytes."""
+def build_corpus(path: Path, max_bytes: int = 64 << 20) -> Path:
+    if not path.exists():
+        stdlib = Path(sysconfig.get_paths()["stdlib"])
+        with open(path.with_suffix(".tmp"), "wb") as f:
+            total = 0
+            for src in sorted(stdlib.rglob("*.py")):
+                if total >= max_bytes:
+                    break
+                chunk = src.read_bytes()[: max_bytes - total]
+                f.write(chunk)
+                total += len(chunk)
+        os.replace(path.with_suffix(".tmp"), path)
+    return path
+
+
+# --- step time ---------------------------------------------------------------------------------------
+def step_time(cfg, batch: int, seq: int, group: int, graph: bool) -> float:
+    """Median ms per optimizer step in bf16 on random bytes (events, triton.testing.do_bench)."""
+    import triton
+
+    from bstrain.models.lstm import build_model
+    from bstrain.train.graphs import CapturedStep
+    from bstrain.train.trainer import make_optimizer
+    dev = torch.device("cuda")
     torch.manual_seed(0)
-    model = build_model(cfg.model).cuda()
-    opt = make_optimizer(model, cfg.optim, torch.device("cuda"))
-    x = torch.randint(0, 256, (batch, seq), device="cuda")
-    times = []
-    for i in range(reps + 1):
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        with torch.autocast("cuda", dtype=torch.bfloat16):
-            logits, _ = model(x, None, group_size=group)
-        torch.nn.functional.cross_entropy(logits.float().reshape(-1, 256), x.reshape(-1)).backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        torch.cuda.synchronize()
-        if i:
-            times.append(time.perf_counter() - t0)
-    del model, opt
+    model = build_model(cfg.model).to(dev)
+    opt = make_optimizer(model, cfg.optim, dev, capturable=graph)
+    x = torch.randint(0, 256, (batch, seq), device=dev)
+    if graph:
+        cap = CapturedStep(model, opt, batch, seq, dev, torch.bfloat16, group, cfg.optim.grad_clip)
+
+        def fn():
+            cap.step(x, x, reset_state=False)
+    else:
+        params = list(model.parameters())
+
+        def fn():
+            with torch.autocast("cuda", dtype=torch.bfloat16):
+                logits, _ = model(x, None, group_size=group)
+            torch.nn.functional.cross_entropy(logits.float().reshape(-1, 256), x.reshape(-1)).backward()
+            torch.nn.utils.clip_grad_norm_(params, 1.0)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+    fn()
+    torch.cuda.synchronize()
+    ms = triton.testing.do_bench(fn, warmup=200, rep=1500, return_mode="median")
+    del model, opt, fn
     torch.cuda.empty_cache()
-    return sorted(times)[len(times) // 2]
+    return ms
+
+
+def cmd_steptime(args) -> None:
+    from bstrain.models.lstm import build_model
+    rows = []
+    seq = 32
+    for batch in (64, 256):
+        for graph in (True, False):
+            dense_cfg = config("model.hidden=8192", "model.sparse=false", "model.embed=256", "model.depth=2")
+            try:
+                td = step_time(dense_cfg, batch, seq, 1, graph)
+            except Exception as e:                         # keep the other measurements of this call
+                print(f"dense batch {batch} graph {graph}: {type(e).__name__}: {e}", flush=True)
+                continue
+            for dens in (0.05, 0.1):
+                cfg = config("model.hidden=8192", f"model.density={dens}", "model.layout=random",
+                             "model.embed=256", "model.depth=2", "model.block_size=32")
+                live, full = recurrent(build_model(cfg.model))
+                d = live / full
+                try:
+                    ts = step_time(cfg, batch, seq, 8, graph)
+                except Exception as e:
+                    print(f"sparse batch {batch} graph {graph}: {type(e).__name__}: {e}", flush=True)
+                    continue
+                rows.append(dict(batch=batch, seq=seq, graph=graph, density=round(d, 4), sparse_ms=round(ts, 2),
+                                 dense_ms=round(td, 2), ratio=round(ts / (d * td), 2)))
+                print(rows[-1], flush=True)
+    with open(os.path.join(args.out, "lstm_steptime.json"), "w") as f:
+        json.dump(rows, f, indent=1)
+
+
+# --- learning curves ---------------------------------------------------------------------------------
+def cmd_curve(args) -> None:
+    from bstrain.models.lstm import build_model
+    from bstrain.train.trainer import train
+    corpus = build_corpus(Path(args.corpus))
+    cfg = config(*CURVE_COMMON, *PAIR[args.which], f"data.path={corpus}",
+                 f"trainer.time_limit_s={args.seconds}", f"trainer.run_dir={args.runs}/{args.which}")
+    model = build_model(cfg.model)
+    live, full = recurrent(model)
+    res = train(cfg)
+    out = dict(which=args.which, hidden=cfg.model.hidden, density=live / full, recurrent_params=live,
+               total_params=model.num_params(), steps=res["steps"], seconds=args.seconds,
+               valid_bpb=res["valid_bpb"], history=res["history"], valid_history=res["valid_history"],
+               corpus_bytes=os.path.getsize(corpus), device=torch.cuda.get_device_name(),
+               overrides=CURVE_COMMON + PAIR[args.which])
+    with open(os.path.join(args.out, f"lstm_curve_{args.which}.json"), "w") as f:
+        json.dump(out, f)
+    print(f"{args.which}: {res['steps']} steps, valid {res['valid_bpb']:.4f} bits/byte", flush=True)
+
+
+# --- report --------------------------------------------------------------------------------------------
+def cmd_report(args) -> None:
+    out = Path(args.out)
+    curves = {w: json.loads((out / f"lstm_curve_{w}.json").read_text())
+              for w in ("sparse", "dense") if (out / f"lstm_curve_{w}.json").exists()}
+    steptime = json.loads((out / "lstm_steptime.json").read_text()) if (out / "lstm_steptime.json").exists() else []
+    device = next((c["device"] for c in curves.values()), "NVIDIA H200")
+    lines = [f"# sparse mLSTM: {device}, {datetime.date.today()}", ""]
+    if steptime:
+        lines += ["## Step time at hidden 8192 (bf16, depth 2, block 32, group 8; fwd + bwd + clip + AdamW)", "",
+                  "sparse / (density x dense); target <= 1.5. `graph`: the step replayed from a CUDA graph "
+                  "(trainer.cuda_graph=true); `eager`: launched op by op from Python.", "",
+                  "| batch x seq | mode | density | sparse ms | dense ms | ratio |", "|---|---|---|---|---|---|"]
+        lines += [f"| {r['batch']} x {r['seq']} | {'graph' if r['graph'] else 'eager'} | {r['density']:.3f} | "
+                  f"{r['sparse_ms']:.2f} | {r['dense_ms']:.2f} | {r['ratio']:.2f} |" for r in steptime]
+        lines.append("")
+    if curves:
+        c0 = next(iter(curves.values()))
+        lines += [f"## Equal parameters, {c0['seconds']:.0f} s each, same text", "",
+                  f"Text: stdlib sources ({c0['corpus_bytes'] / 2**20:.0f} MiB, 90/5/5 split). Shared settings: "
+                  f"`{' '.join(CURVE_COMMON)}`. Each run on its own H200, at the same time.", "",
+                  "| model | hidden | recurrent density | parameters | steps | valid bits/byte |", "|---|---|---|---|---|---|"]
+        for w, c in curves.items():
+            lines.append(f"| {w} | {c['hidden']} | {c['density']:.3f} | {c['total_params']:,} | {c['steps']} | "
+                         f"{c['valid_bpb']:.4f} |")
+        if len(curves) == 2:
+            s, d = curves["sparse"]["valid_history"], curves["dense"]["valid_history"]
+            common = sorted(set(st for st, _, _ in s) & set(st for st, _, _ in d))
+            if common:
+                k = common[-1]
+                sv = next(b for st, _, b in s if st == k)
+                dv = next(b for st, _, b in d if st == k)
+                lines += ["", f"At equal steps ({k}): sparse {sv:.4f}, dense {dv:.4f} valid bits/byte."]
+        lines.append("")
+        import csv
+        with open(out / "lstm.csv", "w", newline="") as f:
+            wr = csv.writer(f)
+            wr.writerow(["model", "kind", "step", "seconds", "value"])
+            for w, c in curves.items():
+                wr.writerows([w, "train_loss", st, "", v] for st, v in c["history"])
+                wr.writerows([w, "valid_bpb", st, round(sec, 2), v] for st, sec, v in c["valid_history"])
+        try:
+            import matplotlib
+            matplotlib.use("Agg")
+            import matplotlib.pyplot as plt
+            fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
+            for w, c in curves.items():
+                st, l = zip(*c["history"])
+                k = 50
+                smooth = [sum(l[max(0, i - k):i + 1]) / len(l[max(0, i - k):i + 1]) for i in range(len(l))]
+                label = f"{w} H={c['hidden']} d={c['density']:.2f} ({c['total_params'] / 1e6:.1f}M)"
+                axes[0].plot(st, [v / 0.6931 for v in smooth], label=label)
+                vs, vt, vb = zip(*c["valid_history"])
+                axes[1].plot(vt, vb, marker="o", label=f"{label}: {c['valid_bpb']:.3f}")
+            axes[0].set(xlabel="step", ylabel="train bits/byte (50-step mean)", ylim=(None, 3.0))
+            axes[1].set(xlabel="seconds", ylabel="valid bits/byte", ylim=(None, 3.0))
+            for ax in axes:
+                ax.legend()
+                ax.grid(alpha=0.3)
+            fig.suptitle(f"sparse vs dense mLSTM at equal parameters, {device}")
+            fig.tight_layout()
+            fig.savefig(out / "lstm.png", dpi=110)
+        except ImportError:
+            pass
+    (out / "lstm.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
 
 
 def main():
     ap = argparse.ArgumentParser()
+    ap.add_argument("command", choices=["steptime", "curve", "report"])
     ap.add_argument("--out", default="benchmarks")
-    ap.add_argument("--seconds", type=float, default=90.0, help="training time of the sparse run")
-    ap.add_argument("--runs", default="/tmp/bstrain-lstm-runs", help="run directories (checkpoints, logs)")
+    ap.add_argument("--which", choices=sorted(PAIR), default="sparse")
+    ap.add_argument("--seconds", type=float, default=300.0)
+    ap.add_argument("--corpus", default="/tmp/bstrain-stdlib-all.txt")
+    ap.add_argument("--runs", default="/tmp/bstrain-lstm-runs")
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
-    lines = []
-    # 1. step time at hidden 8192, ~5% density (95% sparse), block 32, against density x dense
-    sparse = config("model.hidden=8192", "model.density=0.05", "model.layout=random", "model.embed=256")
-    dense = config("model.hidden=8192", "model.sparse=false", "model.embed=256")
-    ts, td = step_time(sparse, 64, 32, 8), step_time(dense, 64, 32, 1)
-    probe = build_model(sparse.model)
-    dens = recurrent_params(probe) / (6 * 8192 * 8192)
-    del probe
-    ratio = ts / (dens * td)
-    lines.append(f"step time, hidden 8192, batch 64 x 32 steps, bf16: sparse {ts*1e3:.0f} ms at density "
-                 f"{dens:.3f} (group 8), dense {td*1e3:.0f} ms; sparse / (density x dense) = {ratio:.2f} "
-                 f"(target <= 1.5)")
-    print(lines[-1], flush=True)
-    # 2. equal parameters (7.2M each): sparse H=2048 at density 0.21 vs dense H=1024
-    common = ["data.seq_len=64", "data.batch_size=32", "trainer.precision=bf16", "trainer.eval_every=0",
-              "trainer.eval_batches=50", "trainer.progress=false", "trainer.ckpt_every=0", "optim.lr=2e-3",
-              "model.embed=128", "trainer.log_every=50"]
-    results = {}
-    sp = config(*common, "model.hidden=2048", "model.density=0.22", "model.layout=barabasi_albert",
-                "trainer.max_steps=100000", f"trainer.time_limit_s={args.seconds}",
-                f"trainer.run_dir={args.runs}/sparse")
-    results["sparse"] = train(sp)
-    steps = results["sparse"]["steps"]
-    dn = config(*common, "model.hidden=1024", "model.sparse=false", f"trainer.max_steps={steps}",
-                f"trainer.run_dir={args.runs}/dense")
-    results["dense"] = train(dn)
-    for name, cfg in (("sparse", sp), ("dense", dn)):
-        m = build_model(cfg.model)
-        r = results[name]
-        lines.append(f"{name}: hidden {cfg.model.hidden}, {recurrent_params(m):,} recurrent / {m.num_params():,} "
-                     f"total parameters, {r['steps']} steps, valid {r['valid_bpb']:.4f} bits/byte")
-        print(lines[-1], flush=True)
-    with open(os.path.join(args.out, "lstm.csv"), "w", newline="") as f:
-        w = csv.writer(f)
-        w.writerow(["model", "step", "train_loss"])
-        for name, r in results.items():
-            w.writerows([name, s, l] for s, l in r["history"])
-    with open(os.path.join(args.out, "lstm.md"), "w") as f:
-        f.write(f"# sparse mLSTM: {torch.cuda.get_device_name()}, {datetime.date.today()}\n\n")
-        f.write("\n".join(f"- {line}" for line in lines) + "\n")
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-        fig, ax = plt.subplots(figsize=(8, 4.5))
-        for name, r in results.items():
-            s, l = zip(*r["history"])
-            k = 20
-            smooth = [sum(l[max(0, i - k):i + 1]) / len(l[max(0, i - k):i + 1]) for i in range(len(l))]
-            ax.plot(s, [v / 0.6931 for v in smooth], label=f"{name} (valid {r['valid_bpb']:.3f} bpb)")
-        ax.set_xlabel("step")
-        ax.set_ylabel("train bits/byte (20-step mean)")
-        ax.set_title("sparse (H=2048, density 0.21) vs dense (H=1024), equal parameters")
-        ax.legend()
-        fig.tight_layout()
-        fig.savefig(os.path.join(args.out, "lstm.png"), dpi=110)
-    except ImportError:
-        pass
+    {"steptime": cmd_steptime, "curve": cmd_curve, "report": cmd_report}[args.command](args)
 
 
 if __name__ == "__main__":

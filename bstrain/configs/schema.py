@@ -67,6 +67,8 @@ class TrainerConfig:
                                                                 "seconds of training; 0: no limit"})
     run_dir: Optional[str] = field(default=None, metadata={"help": "null: Hydra's run dir (runs/DATE/TIME)"})
     progress: bool = field(default=True, metadata={"help": "tqdm bar when stderr is a terminal"})
+    cuda_graph: bool = field(default=False, metadata={"help": "capture each training step in a CUDA graph "
+                                                               "(CUDA, fp32/bf16, one process)"})
 
 
 @dataclass

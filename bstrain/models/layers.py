@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from bstrain import layout as layouts
-from bstrain.ops.matmul import BlocksparseMatMul, check_block_size
+from bstrain.ops.matmul import BlocksparseMatMul, _autocast_input, check_block_size
 
 __all__ = ["BlockSparseLinear"]
 
@@ -77,7 +77,7 @@ class BlockSparseLinear(nn.Module):
         if self._group is not None:
             group, w_grouped = self._group
             if w_grouped is None:                      # first call in the context
-                w_grouped = self.op.group_weight(self.weight, group)
+                w_grouped = self.op.group_weight(self.weight, group, _autocast_input(x).dtype)
                 self._group = (group, w_grouped)
             y = self.op.grouped(x, w_grouped, group)
         else:

@@ -53,11 +53,15 @@ class _Norm(nn.Module):
         self.g = nn.Parameter(torch.ones(features)) if enabled else None
         self.b = nn.Parameter(torch.zeros(features)) if enabled else None
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def cast(self, dtype: torch.dtype):
+        """(g, b) in ``dtype``: cast once per sequence, not at every timestep."""
+        return (self.g.to(dtype), self.b.to(dtype)) if self.enabled else None
+
+    def forward(self, x: torch.Tensor, params=None) -> torch.Tensor:
         if not self.enabled:
             return torch.relu(x) if self.relu else x
-        return norms.layer_norm(x, self.g.to(x.dtype), self.b.to(x.dtype), axis=1,
-                                relu=self.relu, segments=self.segments)
+        g, b = params if params is not None else self.cast(x.dtype)
+        return norms.layer_norm(x, g, b, axis=1, relu=self.relu, segments=self.segments)
 
 
 class SparseLSTM(nn.Module):
@@ -121,16 +125,22 @@ class SparseLSTM(nn.Module):
         xw = self.w_x(emb)                                                  # (B, T, 5H), one matmul
         c, h = state if state is not None else self.init_state(B, x.device, xw.dtype)
         c, h = c.to(xw.dtype), h.to(xw.dtype)
+        dt = xw.dtype
+        xm = self.norm_xm(xw[..., :H].reshape(B * T, H)).reshape(B, T, H)     # no recurrence: all T at once
+        # parameters cast once per sequence rather than at every timestep
+        p_hm, p_gates = self.norm_hm.cast(dt), self.norm_gates.cast(dt)
+        p_deep = [norm.cast(dt) for norm in self.norm_deep]
+        bias = self.gate_bias.to(dt)
         outputs = []
         with contextlib.ExitStack() as stack:
             for layer in self.sparse_layers():
                 stack.enter_context(layer.grad_group(group_size))
             for t in range(T):
-                m = self.norm_xm(xw[:, t, :H]) * self.norm_hm(self.w_hm(h).to(xw.dtype))   # (B, H)
-                for w_d, norm in zip(self.deep, self.norm_deep):
-                    m = norm(w_d(m).to(xw.dtype))
-                gates = xw[:, t, H:] + self.norm_gates(self.w_mg(m).to(xw.dtype))          # (B, 4H)
-                c, h = ew.fused_lstm_gates(c, gates, bias=self.gate_bias.to(gates.dtype))
+                m = xm[:, t] * self.norm_hm(self.w_hm(h).to(dt), p_hm)                    # (B, H)
+                for w_d, norm, p in zip(self.deep, self.norm_deep, p_deep):
+                    m = norm(w_d(m).to(dt), p)
+                gates = xw[:, t, H:] + self.norm_gates(self.w_mg(m).to(dt), p_gates)     # (B, 4H)
+                c, h = ew.fused_lstm_gates(c, gates, bias=bias)
                 outputs.append(h)
         hs = torch.stack(outputs, dim=1)                                    # (B, T, H)
         return self.head(hs), (c, h)

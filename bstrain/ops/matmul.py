@@ -291,10 +291,17 @@ class BlocksparseMatMul:
         """A group for one weight over one sequence: see :meth:`grouped`."""
         return GradGroup(self, group_size, dw_dtype)
 
-    def group_weight(self, W: torch.Tensor, group: "GradGroup") -> torch.Tensor:
-        """Call once per sequence; pass the result to :meth:`grouped` at every timestep."""
+    def group_weight(self, W: torch.Tensor, group: "GradGroup", dtype: torch.dtype | None = None) -> torch.Tensor:
+        """Call once per sequence; pass the result to :meth:`grouped` at every timestep.
+
+        ``dtype``: the activations' dtype (default: the autocast dtype under autocast, else W's).
+        W is cast to it here, once, rather than at every timestep.
+        """
         self._check_w(W)
-        return _GroupedWeight.apply(W, group)
+        if dtype is None:
+            dev = W.device.type
+            dtype = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else W.dtype
+        return _GroupedWeight.apply(W, group, dtype)
 
     def grouped(self, I: torch.Tensor, W_grouped: torch.Tensor, group: "GradGroup") -> torch.Tensor:
         """Y = I·W for one timestep, with dW deferred to ``group`` (the seed's group_param_grads).
@@ -359,18 +366,18 @@ class GradGroup:
 
 
 class _GroupedWeight(torch.autograd.Function):
-    """Identity on W. All timesteps hang off its output, so its backward runs after every step's
-    backward and hands W the grouped dW."""
+    """W cast to the compute dtype (once per sequence). All timesteps hang off its output, so its
+    backward runs after every step's backward and hands W the grouped dW."""
 
     @staticmethod
-    def forward(ctx, w, group):
+    def forward(ctx, w, group, dtype):
         ctx.group = group
-        return w.view_as(w)
+        return w.to(dtype).contiguous() if w.dtype != dtype else w.view_as(w)
 
     @staticmethod
     def backward(ctx, _unused):
         dw = ctx.group.take()
-        return dw, None
+        return dw, None, None
 
 
 class _StepMatMul(torch.autograd.Function):

@@ -22,6 +22,7 @@ from bstrain.data.text import BpttBatches, bits_per_byte, check_size, load_bytes
 from bstrain.models.lstm import build_model
 from bstrain.train.checkpoint import (checkpoint_path, latest_checkpoint, load_checkpoint, prune_checkpoints,
                                       save_checkpoint)
+from bstrain.train.graphs import CapturedStep, check_graph_config
 from bstrain.train.distributed import World, barrier, broadcast, device_for, finish, gather, init_world, mean, shard
 from bstrain.train.progress import Board, Progress, log, setup_logging
 
@@ -38,13 +39,31 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
-def make_optimizer(model: torch.nn.Module, cfg, device: torch.device) -> torch.optim.Optimizer:
-    """AdamW; weight decay on matrices and blocks only; fused kernels on CUDA, foreach elsewhere."""
+def make_optimizer(model: torch.nn.Module, cfg, device: torch.device,
+                   capturable: bool = False) -> torch.optim.Optimizer:
+    """AdamW; weight decay on matrices and blocks only; fused kernels on CUDA, foreach elsewhere.
+
+    capturable: for CUDA-graph capture (learning rates become device tensors the schedule fills).
+    """
     decay = [p for p in model.parameters() if p.dim() >= 2]
     rest = [p for p in model.parameters() if p.dim() < 2]
     groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": rest, "weight_decay": 0.0}]
     extra = {"fused": True} if device.type == "cuda" else {"foreach": True}
+    if capturable:
+        extra["capturable"] = True
+        for g in groups:
+            g["lr"] = torch.tensor(float(cfg.lr), device=device)
     return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, **extra)
+
+
+def _match_lr_kind(optimizer: torch.optim.Optimizer, capturable: bool, device: torch.device) -> None:
+    """After loading a state dict: tensor learning rates for graph capture, floats otherwise."""
+    for g in optimizer.param_groups:
+        lr = g["lr"]
+        if capturable and not isinstance(lr, torch.Tensor):
+            g["lr"] = torch.tensor(float(lr), device=device)
+        elif not capturable and isinstance(lr, torch.Tensor):
+            g["lr"] = float(lr)
 
 
 def lr_factor(step: int, cfg, max_steps: int) -> float:
@@ -144,7 +163,10 @@ def _train(cfg: DictConfig, run_dir: Path, device: torch.device, world: World) -
     if world.active:
         from torch.nn.parallel import DistributedDataParallel
         net = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
-    optimizer = make_optimizer(model, cfg.optim, device)
+    graphed = bool(t_cfg.cuda_graph)
+    if graphed:
+        check_graph_config(device, t_cfg.precision, world.size)
+    optimizer = make_optimizer(model, cfg.optim, device, capturable=graphed)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(s, cfg.optim, t_cfg.max_steps))
     amp_dtype = PRECISIONS[t_cfg.precision]
     scaler = torch.amp.GradScaler(device.type, init_scale=2.0**16, growth_interval=t_cfg.loss_scale_window,
@@ -161,6 +183,7 @@ def _train(cfg: DictConfig, run_dir: Path, device: torch.device, world: World) -
         ckpt = load_checkpoint(resume)
         model.load_state_dict(ckpt["model"])
         optimizer.load_state_dict(ckpt["optimizer"])
+        _match_lr_kind(optimizer, graphed, device)
         scheduler.load_state_dict(ckpt["scheduler"])
         scaler.load_state_dict(ckpt["scaler"])
         if ema is not None and ckpt.get("ema") is not None:
@@ -184,9 +207,15 @@ def _train(cfg: DictConfig, run_dir: Path, device: torch.device, world: World) -
     board.start(OmegaConf.to_yaml(cfg), " ".join(sys.argv),
                 {f"layer{i}": layer.op.layout for i, layer in enumerate(model.sparse_layers())})
     progress = Progress(t_cfg.max_steps, step, t_cfg.log_every, t_cfg.progress, world.rank)
-    history, valid = [], (float("nan"), float("nan"))
+    history, valid_history, valid = [], [], (float("nan"), float("nan"))
     tokens = cfg.data.batch_size * cfg.data.seq_len
     params = [p for p in model.parameters()]
+    captured = None
+    if graphed:
+        captured = CapturedStep(model, optimizer, cfg.data.batch_size, cfg.data.seq_len, device, amp_dtype,
+                                t_cfg.group_size, cfg.optim.grad_clip)
+        if state is not None:
+            captured.load_state(state)
     t_last = t_start = time.perf_counter()
     stop_at = t_cfg.max_steps
     try:
@@ -195,18 +224,22 @@ def _train(cfg: DictConfig, run_dir: Path, device: torch.device, world: World) -
             x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
             if wrapped:
                 state = None                                   # a new epoch starts from a fresh state
-            with torch.autocast(device.type, dtype=amp_dtype, enabled=amp_dtype is not None):
-                logits, state = net(x, state, group_size=t_cfg.group_size)
-            loss = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), y.reshape(-1))
-            state = tuple(s.detach() for s in state)
-            scaler.scale(loss).backward()
-            scaler.unscale_(optimizer)
-            grad_norm = torch.nn.utils.clip_grad_norm_(params, cfg.optim.grad_clip if cfg.optim.grad_clip > 0
-                                                       else float("inf"))
-            lr = optimizer.param_groups[0]["lr"]               # the lr this step uses
-            scaler.step(optimizer)                             # skipped (and the scale halved) on inf/NaN
-            scaler.update()
-            optimizer.zero_grad(set_to_none=True)
+            lr = float(optimizer.param_groups[0]["lr"])        # the lr this step uses
+            if captured is not None:                           # the whole step in one graph replay
+                loss, grad_norm = captured.step(x, y, reset_state=state is None)
+                state = captured.state
+            else:
+                with torch.autocast(device.type, dtype=amp_dtype, enabled=amp_dtype is not None):
+                    logits, state = net(x, state, group_size=t_cfg.group_size)
+                loss = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), y.reshape(-1))
+                state = tuple(s.detach() for s in state)
+                scaler.scale(loss).backward()
+                scaler.unscale_(optimizer)
+                grad_norm = torch.nn.utils.clip_grad_norm_(params, cfg.optim.grad_clip if cfg.optim.grad_clip > 0
+                                                           else float("inf"))
+                scaler.step(optimizer)                         # skipped (and the scale halved) on inf/NaN
+                scaler.update()
+                optimizer.zero_grad(set_to_none=True)
             scheduler.step()
             if ema is not None:
                 ema.update_parameters(model)
@@ -231,10 +264,11 @@ def _train(cfg: DictConfig, run_dir: Path, device: torch.device, world: World) -
                     valid = evaluate(ema.module if ema is not None else model, valid_data, cfg, device,
                                      t_cfg.eval_batches)
                     board.scalars(step, {"valid/loss": valid[0], "valid/bpb": valid[1]})
+                    valid_history.append((step, now - t_start, valid[1]))
                     progress.write(f"step {step}: valid loss {valid[0]:.4f}, {valid[1]:.4f} bits/byte")
                 valid = broadcast(valid, world)
             if (t_cfg.ckpt_every and step % t_cfg.ckpt_every == 0) or last:
-                states = gather([s.cpu() for s in state], world)         # every rank's carried state
+                states = gather([s.detach().cpu() for s in state], world)         # every rank's carried state
                 if world.main:
                     ckpt_dir = run_dir / "ckpt"
                     save_checkpoint(checkpoint_path(ckpt_dir, step), {
@@ -253,6 +287,7 @@ def _train(cfg: DictConfig, run_dir: Path, device: torch.device, world: World) -
         progress.close()
     result = {"steps": step, "train_loss": history[-1][1] if history else float("nan"),
               "valid_loss": valid[0], "valid_bpb": valid[1], "run_dir": str(run_dir), "history": history,
+              "valid_history": valid_history,
               "params": model.num_params()}
     board.finish({"hidden": cfg.model.hidden, "sparse": cfg.model.sparse, "density": cfg.model.density,
                   "block_size": cfg.model.block_size, "lr": cfg.optim.lr, "precision": t_cfg.precision},

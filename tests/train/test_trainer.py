@@ -189,3 +189,35 @@ def test_enwik8_experiment_config_on_a_small_enwik8_file(make_cfg, tmp_path):
     assert cfg.data.name == "enwik8" and cfg.trainer.precision == "bf16" and cfg.optim.ema == 0.999
     out = train(cfg)
     assert out["steps"] == 2 and math.isfinite(out["valid_bpb"])
+
+
+def test_cuda_graph_config_errors(make_cfg):
+    from bstrain.train.graphs import check_graph_config
+    with pytest.raises(ValueError, match="trainer.cuda_graph: needs a CUDA device"):
+        train(make_cfg(trainer__device="cpu", trainer__cuda_graph=True))
+    with pytest.raises(ValueError, match="trainer.cuda_graph: expected precision fp32 or bf16, got 'fp16'"):
+        check_graph_config(torch.device("cuda"), "fp16", 1)
+    with pytest.raises(ValueError, match="trainer.cuda_graph: expected a single process"):
+        check_graph_config(torch.device("cuda"), "bf16", 2)
+    check_graph_config(torch.device("cuda"), "bf16", 1)
+
+
+@pytest.mark.gpu
+def test_cuda_graph_follows_the_eager_trajectory(make_cfg):
+    """Replaying a captured step trains exactly like the eager loop, across evals, checkpoints
+    and a resume (the warm-up steps before capture are undone)."""
+    common = dict(trainer__max_steps=10, trainer__device="cuda", trainer__eval_every=5)
+    eager = train(make_cfg(**common, run="eager"))
+    graphed = train(make_cfg(**common, trainer__cuda_graph=True, run="graph"))
+    got, want = dict(graphed["history"]), dict(eager["history"])
+    assert sorted(got) == sorted(want) == list(range(1, 11))
+    for step in want:
+        assert got[step] == pytest.approx(want[step], rel=1e-4), f"step {step}: {got[step]} != {want[step]}"
+    assert graphed["valid_bpb"] == pytest.approx(eager["valid_bpb"], rel=1e-4)
+    # resume a graphed run from an eager checkpoint (float learning rates become tensors)
+    path = Path(eager["run_dir"]) / "ckpt" / "step_00000008.pt"
+    more = train(make_cfg(f"trainer.resume={path}", **common, trainer__cuda_graph=True, run="resumed"))
+    for step, loss in more["history"]:
+        assert loss == pytest.approx(want[step], rel=1e-4), f"resumed step {step}: {loss} != {want[step]}"
+    bf16 = train(make_cfg(**common, trainer__cuda_graph=True, trainer__precision="bf16", run="bf16"))
+    assert math.isfinite(bf16["valid_bpb"]) and bf16["history"][-1][1] < bf16["history"][0][1]

@@ -1,0 +1,101 @@
+"""One training step (forward, backward, clipping, AdamW, carried state) captured in a CUDA graph.
+
+A recurrent model launches tens of small kernels per timestep; in eager mode the host (Python,
+autograd, launch calls) rather than the GPU sets the pace. Replaying a captured graph launches
+the whole step at once. ``trainer.cuda_graph=true`` turns it on; ``scripts/bench_lstm.py`` uses it
+for the step-time measurement.
+
+Requirements, checked by :func:`check_graph_config`: a CUDA device, fp32 or bf16 (fp16's loss
+scaling skips steps with a host-side decision), one process (no DDP), and an optimizer built with
+``capturable=True`` and tensor learning rates (:func:`bstrain.train.trainer.make_optimizer`).
+"""
+from __future__ import annotations
+
+import copy
+
+import torch
+import torch.nn.functional as F
+
+
+def check_graph_config(device: torch.device, precision: str, world_size: int) -> None:
+    if device.type != "cuda":
+        raise ValueError(f"trainer.cuda_graph: needs a CUDA device, got device {device.type!r}")
+    if precision == "fp16":
+        raise ValueError("trainer.cuda_graph: expected precision fp32 or bf16, got 'fp16' (dynamic loss "
+                         "scaling decides on the host whether to skip a step)")
+    if world_size > 1:
+        raise ValueError(f"trainer.cuda_graph: expected a single process, got a world of {world_size} (DDP)")
+
+
+class CapturedStep:
+    """``step(x, y, reset_state) -> (loss, grad_norm)`` replays one captured training step.
+
+    The inputs and the recurrent state live in static buffers; the graph reads the state, trains
+    on (x, y) and writes the new state back, so consecutive batches carry it as the eager loop does.
+    Capturing needs warm-up steps (kernel compilation, lookup tables, optimizer state); they run on
+    the first batch and are undone (weights, optimizer state and RNG restored), so training with
+    and without the graph follows the same trajectory.
+    """
+
+    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch: int, seq: int,
+                 device: torch.device, amp_dtype: torch.dtype | None, group_size: int, grad_clip: float,
+                 warmup: int = 2):
+        self.model, self.optimizer = model, optimizer
+        self.device, self.amp_dtype, self.group_size = device, amp_dtype, group_size
+        self.max_norm = grad_clip if grad_clip > 0 else float("inf")
+        self.params = list(model.parameters())
+        self.x = torch.zeros(batch, seq, dtype=torch.long, device=device)
+        self.y = torch.zeros_like(self.x)
+        self.state = model.init_state(batch, device, amp_dtype or torch.float32)
+        self.warmup = warmup
+        self.graph: torch.cuda.CUDAGraph | None = None
+
+    def _step(self):
+        with torch.autocast(self.device.type, dtype=self.amp_dtype, enabled=self.amp_dtype is not None):
+            logits, state = self.model(self.x, self.state, group_size=self.group_size)
+        loss = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), self.y.reshape(-1))
+        loss.backward()
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.params, self.max_norm)
+        self.optimizer.step()
+        for buf, new in zip(self.state, state):
+            buf.copy_(new.detach())
+        return loss.detach(), grad_norm
+
+    def _capture(self) -> None:
+        saved_params = [p.detach().clone() for p in self.params]
+        saved_opt = copy.deepcopy(self.optimizer.state_dict())
+        saved_state = [s.clone() for s in self.state]
+        saved_rng = torch.cuda.get_rng_state(self.device)
+        side = torch.cuda.Stream(self.device)
+        side.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(side):
+            for _ in range(self.warmup):
+                self.optimizer.zero_grad(set_to_none=True)
+                self._step()
+        torch.cuda.current_stream(self.device).wait_stream(side)
+        with torch.no_grad():                              # undo the warm-up steps
+            for p, s in zip(self.params, saved_params):
+                p.copy_(s)
+            for buf, s in zip(self.state, saved_state):
+                buf.copy_(s)
+        self.optimizer.load_state_dict(saved_opt)
+        torch.cuda.set_rng_state(saved_rng, self.device)
+        self.optimizer.zero_grad(set_to_none=True)         # gradients get static buffers in the graph
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph):
+            self.loss, self.grad_norm = self._step()
+
+    def step(self, x: torch.Tensor, y: torch.Tensor, reset_state: bool):
+        self.x.copy_(x, non_blocking=True)
+        self.y.copy_(y, non_blocking=True)
+        if reset_state:
+            for s in self.state:
+                s.zero_()
+        if self.graph is None:
+            self._capture()
+        self.graph.replay()
+        return self.loss, self.grad_norm
+
+    def load_state(self, state) -> None:
+        for buf, s in zip(self.state, state):
+            buf.copy_(s)
