@@ -309,8 +309,10 @@ class BlocksparseMatMul:
         dX is computed at once in backward; dW is computed for up to group.group_size timesteps
         per launch and handed to W when the backward pass reaches the weight.
         """
+        if isinstance(I, torch.Tensor):
+            I = _autocast_input(I)                 # W_grouped is already in the compute dtype
         self._check_call(I, W_grouped, torch.float32)
-        return _StepMatMul.apply(_autocast_input(I), W_grouped, group)
+        return _StepMatMul.apply(I, W_grouped, group)
 
     def __repr__(self) -> str:
         return (f"BlocksparseMatMul(C={self.C}, K={self.K}, block_size={self.block_size}, "

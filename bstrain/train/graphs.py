@@ -11,8 +11,6 @@ scaling skips steps with a host-side decision), one process (no DDP), and an opt
 """
 from __future__ import annotations
 
-import copy
-
 import torch
 import torch.nn.functional as F
 
@@ -63,7 +61,9 @@ class CapturedStep:
 
     def _capture(self) -> None:
         saved_params = [p.detach().clone() for p in self.params]
-        saved_opt = copy.deepcopy(self.optimizer.state_dict())
+        opt_state = self.optimizer.state
+        saved_opt = {p: {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in opt_state[p].items()}
+                     for p in self.params if opt_state.get(p)}
         saved_state = [s.clone() for s in self.state]
         saved_rng = torch.cuda.get_rng_state(self.device)
         side = torch.cuda.Stream(self.device)
@@ -78,7 +78,17 @@ class CapturedStep:
                 p.copy_(s)
             for buf, s in zip(self.state, saved_state):
                 buf.copy_(s)
-        self.optimizer.load_state_dict(saved_opt)
+            # Optimizer state is restored in place: the warm-up created it outside the graph, and
+            # the graph must update those tensors, not re-create them at every replay. A state the
+            # warm-up created from nothing goes back to AdamW's initial one: all zeros, step 0.
+            for p in self.params:
+                for k, v in opt_state.get(p, {}).items():
+                    if not isinstance(v, torch.Tensor):
+                        continue
+                    if p in saved_opt:
+                        v.copy_(saved_opt[p][k])
+                    else:
+                        v.zero_()
         torch.cuda.set_rng_state(saved_rng, self.device)
         self.optimizer.zero_grad(set_to_none=True)         # gradients get static buffers in the graph
         self.graph = torch.cuda.CUDAGraph()

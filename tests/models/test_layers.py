@@ -70,6 +70,36 @@ def test_grad_group_matches_ungrouped(backend, group_size):
         assert group.launches == -(-7 // group_size), "one dW launch per group of timesteps"
 
 
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_grad_group_under_autocast_with_fp32_activations(backend):
+    """Under autocast, fp32 activations (CUDA's autocast layer norm returns fp32) meet the grouped
+    weight, which is cast to the autocast dtype once per sequence: same output and dW as ungrouped."""
+    from tests.conftest import kernel_device
+    dev = kernel_device() if backend == "triton" else "cpu"
+    dtype = torch.float16 if dev != "cpu" or backend == "triton" else torch.bfloat16
+    layer = BlockSparseLinear(64, 64, density=0.5, block_size=16, seed=2, bias=False).to(dev)
+    layer.op.backend = backend
+    xs = [torch.randn(4, 64, device=dev) for _ in range(5)]
+
+    def run(group_size):
+        layer.zero_grad()
+        h, outs = torch.zeros(4, 64, device=dev), []
+        with torch.autocast(torch.device(dev).type, dtype=dtype), layer.grad_group(group_size):
+            for x in xs:
+                y = layer(h.float())                        # fp32 in, autocast dtype out
+                assert y.dtype == dtype
+                h = torch.tanh(y.float() + x)
+                outs.append(h)
+        torch.stack(outs).square().sum().backward()
+        return torch.stack(outs), layer.weight.grad.clone()
+
+    h_ref, w_ref = run(1)
+    h_grp, w_grp = run(4)
+    torch.testing.assert_close(h_grp, h_ref, rtol=0, atol=0)
+    torch.testing.assert_close(w_grp, w_ref, rtol=2e-2, atol=2e-2)
+    assert layer.weight.grad.dtype == torch.float32
+
+
 def test_grad_group_survives_an_inputs_only_backward_pass():
     """autograd.grad w.r.t. inputs only must not leave stale dW behind for the next backward."""
     layer = BlockSparseLinear(32, 32, layout=[[1, 1], [0, 1]], block_size=16, bias=False).double()
