@@ -59,7 +59,8 @@ def recurrent(model) -> tuple[int, int]:
 def build_corpus(path: Path, max_bytes: int = 64 << 20) -> Path:
     if not path.exists():
         stdlib = Path(sysconfig.get_paths()["stdlib"])
-        with open(path.with_suffix(".tmp"), "wb") as f:
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")        # two runs may build it at once
+        with open(tmp, "wb") as f:
             total = 0
             for src in sorted(stdlib.rglob("*.py")):
                 if total >= max_bytes:
@@ -67,7 +68,7 @@ def build_corpus(path: Path, max_bytes: int = 64 << 20) -> Path:
                 chunk = src.read_bytes()[: max_bytes - total]
                 f.write(chunk)
                 total += len(chunk)
-        os.replace(path.with_suffix(".tmp"), path)
+        os.replace(tmp, path)
     return path
 
 
