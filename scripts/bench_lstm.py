@@ -112,29 +112,65 @@ def cmd_steptime(args) -> None:
     from bstrain.models.lstm import build_model
     rows = []
     seq = 32
-    for batch in (64, 256):
-        for graph in (True, False):
+    ints = lambda v: [int(x) for x in v.split(",")]          # noqa: E731
+    for batch in ints(args.batches):
+        for graph in [m == "graph" for m in args.modes.split(",")]:
             dense_cfg = config("model.hidden=8192", "model.sparse=false", "model.embed=256", "model.depth=2")
             try:
                 td = step_time(dense_cfg, batch, seq, 1, graph)
             except Exception as e:                         # keep the other measurements of this call
                 print(f"dense batch {batch} graph {graph}: {type(e).__name__}: {e}", flush=True)
                 continue
-            for dens in (0.05, 0.1):
-                cfg = config("model.hidden=8192", f"model.density={dens}", "model.layout=random",
-                             "model.embed=256", "model.depth=2", "model.block_size=32")
-                live, full = recurrent(build_model(cfg.model))
-                d = live / full
-                try:
-                    ts = step_time(cfg, batch, seq, 8, graph)
-                except Exception as e:
-                    print(f"sparse batch {batch} graph {graph}: {type(e).__name__}: {e}", flush=True)
-                    continue
-                rows.append(dict(batch=batch, seq=seq, graph=graph, density=round(d, 4), sparse_ms=round(ts, 2),
-                                 dense_ms=round(td, 2), ratio=round(ts / (d * td), 2)))
-                print(rows[-1], flush=True)
-    with open(os.path.join(args.out, "lstm_steptime.json"), "w") as f:
-        json.dump(rows, f, indent=1)
+            for bs in ints(args.block_sizes):
+                for dens in [float(x) for x in args.densities.split(",")]:
+                    cfg = config("model.hidden=8192", f"model.density={dens}", "model.layout=random",
+                                 "model.embed=256", "model.depth=2", f"model.block_size={bs}")
+                    live, full = recurrent(build_model(cfg.model))
+                    d = live / full
+                    try:
+                        ts = step_time(cfg, batch, seq, 8, graph)
+                    except Exception as e:
+                        print(f"sparse batch {batch} graph {graph}: {type(e).__name__}: {e}", flush=True)
+                        continue
+                    rows.append(dict(batch=batch, seq=seq, graph=graph, block=bs, density=round(d, 4),
+                                     sparse_ms=round(ts, 2), dense_ms=round(td, 2), ratio=round(ts / (d * td), 2)))
+                    print(rows[-1], flush=True)
+    path = os.path.join(args.out, "lstm_steptime.json")
+    old = json.loads(Path(path).read_text()) if args.append and os.path.exists(path) else []
+    with open(path, "w") as f:
+        json.dump(old + rows, f, indent=1)
+
+
+def cmd_profile(args) -> None:
+    """GPU time per kernel name of one eager sparse step (the same kernels a graph replays)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from bstrain.models.lstm import build_model
+    from bstrain.train.trainer import make_optimizer
+    dev = torch.device("cuda")
+    for bs in [int(x) for x in args.block_sizes.split(",")]:
+        cfg = config("model.hidden=8192", f"model.density={args.densities.split(',')[0]}", "model.layout=random",
+                     "model.embed=256", "model.depth=2", f"model.block_size={bs}")
+        model = build_model(cfg.model).to(dev)
+        opt = make_optimizer(model, cfg.optim, dev)
+        batch = int(args.batches.split(",")[0])
+        x = torch.randint(0, 256, (batch, 32), device=dev)
+
+        def fn():
+            with torch.autocast("cuda", dtype=torch.bfloat16):
+                logits, _ = model(x, None, group_size=8)
+            torch.nn.functional.cross_entropy(logits.float().reshape(-1, 256), x.reshape(-1)).backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        for _ in range(2):
+            fn()
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            fn()
+            torch.cuda.synchronize()
+        print(f"== block {bs}, batch {batch}, density {args.densities.split(',')[0]}")
+        print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=18, max_name_column_width=70))
+        del model, opt
 
 
 # --- learning curves ---------------------------------------------------------------------------------
@@ -166,11 +202,12 @@ def cmd_report(args) -> None:
     device = next((c["device"] for c in curves.values()), "NVIDIA H200")
     lines = [f"# sparse mLSTM: {device}, {datetime.date.today()}", ""]
     if steptime:
-        lines += ["## Step time at hidden 8192 (bf16, depth 2, block 32, group 8; fwd + bwd + clip + AdamW)", "",
+        lines += ["## Step time at hidden 8192 (bf16, depth 2, group 8; fwd + bwd + clip + AdamW)", "",
                   "sparse / (density x dense); target <= 1.5. `graph`: the step replayed from a CUDA graph "
                   "(trainer.cuda_graph=true); `eager`: launched op by op from Python.", "",
-                  "| batch x seq | mode | density | sparse ms | dense ms | ratio |", "|---|---|---|---|---|---|"]
-        lines += [f"| {r['batch']} x {r['seq']} | {'graph' if r['graph'] else 'eager'} | {r['density']:.3f} | "
+                  "| batch x seq | mode | block | density | sparse ms | dense ms | ratio |", "|---|---|---|---|---|---|---|"]
+        lines += [f"| {r['batch']} x {r['seq']} | {'graph' if r['graph'] else 'eager'} | {r.get('block', 32)} | "
+                  f"{r['density']:.3f} | "
                   f"{r['sparse_ms']:.2f} | {r['dense_ms']:.2f} | {r['ratio']:.2f} |" for r in steptime]
         lines.append("")
     if curves:
@@ -227,15 +264,21 @@ def cmd_report(args) -> None:
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("command", choices=["steptime", "curve", "report"])
+    ap.add_argument("command", choices=["steptime", "profile", "curve", "report"])
     ap.add_argument("--out", default="benchmarks")
     ap.add_argument("--which", choices=sorted(PAIR), default="sparse")
     ap.add_argument("--seconds", type=float, default=300.0)
     ap.add_argument("--corpus", default="/tmp/bstrain-stdlib-all.txt")
     ap.add_argument("--runs", default="/tmp/bstrain-lstm-runs")
+    ap.add_argument("--batches", default="64,256", help="steptime/profile: batch sizes")
+    ap.add_argument("--block-sizes", default="32", help="steptime/profile: block sizes")
+    ap.add_argument("--densities", default="0.05,0.1", help="steptime/profile: layout densities")
+    ap.add_argument("--modes", default="graph,eager", help="steptime: graph and/or eager")
+    ap.add_argument("--append", action="store_true", help="steptime: add rows to an existing JSON")
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
-    {"steptime": cmd_steptime, "curve": cmd_curve, "report": cmd_report}[args.command](args)
+    {"steptime": cmd_steptime, "profile": cmd_profile, "curve": cmd_curve,
+     "report": cmd_report}[args.command](args)
 
 
 if __name__ == "__main__":

@@ -61,7 +61,9 @@ class _Norm(nn.Module):
         if not self.enabled:
             return torch.relu(x) if self.relu else x
         g, b = params if params is not None else self.cast(x.dtype)
-        return norms.layer_norm(x, g, b, axis=1, relu=self.relu, segments=self.segments)
+        # in x's dtype: autocast would run torch's layer norm in fp32 and return fp32, adding casts
+        with torch.autocast(x.device.type, enabled=False):
+            return norms.layer_norm(x, g, b, axis=1, relu=self.relu, segments=self.segments)
 
 
 class SparseLSTM(nn.Module):
@@ -127,6 +129,9 @@ class SparseLSTM(nn.Module):
         c, h = c.to(xw.dtype), h.to(xw.dtype)
         dt = xw.dtype
         xm = self.norm_xm(xw[..., :H].reshape(B * T, H)).reshape(B, T, H)     # no recurrence: all T at once
+        # per-timestep views by unbind: its backward stacks the T gradients once, where indexing
+        # [:, t] would build and add a full-size gradient at every timestep
+        xm_t, xg_t = xm.unbind(1), xw[..., H:].unbind(1)
         # parameters cast once per sequence rather than at every timestep
         p_hm, p_gates = self.norm_hm.cast(dt), self.norm_gates.cast(dt)
         p_deep = [norm.cast(dt) for norm in self.norm_deep]
@@ -136,10 +141,10 @@ class SparseLSTM(nn.Module):
             for layer in self.sparse_layers():
                 stack.enter_context(layer.grad_group(group_size))
             for t in range(T):
-                m = xm[:, t] * self.norm_hm(self.w_hm(h).to(dt), p_hm)                    # (B, H)
+                m = xm_t[t] * self.norm_hm(self.w_hm(h).to(dt), p_hm)                     # (B, H)
                 for w_d, norm, p in zip(self.deep, self.norm_deep, p_deep):
                     m = norm(w_d(m).to(dt), p)
-                gates = xw[:, t, H:] + self.norm_gates(self.w_mg(m).to(dt), p_gates)     # (B, 4H)
+                gates = xg_t[t] + self.norm_gates(self.w_mg(m).to(dt), p_gates)          # (B, 4H)
                 c, h = ew.fused_lstm_gates(c, gates, bias=bias)
                 outputs.append(h)
         hs = torch.stack(outputs, dim=1)                                    # (B, T, H)

@@ -56,9 +56,11 @@ def make_optimizer(model: torch.nn.Module, cfg, device: torch.device,
     return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, **extra)
 
 
-def _match_lr_kind(optimizer: torch.optim.Optimizer, capturable: bool, device: torch.device) -> None:
-    """After loading a state dict: tensor learning rates for graph capture, floats otherwise."""
+def _match_graph_mode(optimizer: torch.optim.Optimizer, capturable: bool, device: torch.device) -> None:
+    """After loading a state dict (which may come from a run with or without CUDA graphs):
+    capturable groups with tensor learning rates for graph capture, floats otherwise."""
     for g in optimizer.param_groups:
+        g["capturable"] = capturable
         lr = g["lr"]
         if capturable and not isinstance(lr, torch.Tensor):
             g["lr"] = torch.tensor(float(lr), device=device)
@@ -183,7 +185,7 @@ def _train(cfg: DictConfig, run_dir: Path, device: torch.device, world: World) -
         ckpt = load_checkpoint(resume)
         model.load_state_dict(ckpt["model"])
         optimizer.load_state_dict(ckpt["optimizer"])
-        _match_lr_kind(optimizer, graphed, device)
+        _match_graph_mode(optimizer, graphed, device)
         scheduler.load_state_dict(ckpt["scheduler"])
         scaler.load_state_dict(ckpt["scaler"])
         if ema is not None and ckpt.get("ema") is not None:

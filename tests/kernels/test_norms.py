@@ -31,15 +31,17 @@ def test_layer_norm_kernel(dtype, axis, segments, relu):
     assert_close(db, b64.grad, None, dtype, "db")
 
 
-@pytest.mark.parametrize("axis", (0, 1), ids=lambda a: f"axis{a}")
-def test_layer_norm_loop_kernel(axis, monkeypatch):
+@pytest.mark.parametrize("axis, n, block_g", [(0, 37, 32), (1, 37, 1), (1, 531, 4)],
+                         ids=["axis0", "axis1-row-per-program", "axis1-4-rows"])
+def test_layer_norm_loop_kernel(axis, n, block_g, monkeypatch):
     """Segments too large for one tile: the three-pass kernels, with a ragged last slice."""
     monkeypatch.setattr(kernels, "TILE", 32)
     dev, dtype = kernel_device(), torch.float32
-    c, n = 2 * 45, 37
+    c = 2 * 45
     x = (torch.randn((n, c) if axis == 1 else (c, n), device=dev) * 2 + 3).to(dtype)
     g, b = torch.randn(c, device=dev), torch.randn(c, device=dev)
-    assert kernels._geometry(x, axis, 2)[6], "expected the looped kernels"
+    geometry = kernels._geometry(x, axis, 2)
+    assert geometry[6] and geometry[4] == block_g, f"expected the looped kernels, {block_g} groups per program"
     for relu in (False, True):
         y, mean, rstd = kernels.layer_norm_forward(x, g, b, axis, 1e-6, relu, 2)
         x64, g64, b64 = (t.double().cpu().requires_grad_() for t in (x, g, b))
