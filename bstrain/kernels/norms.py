@@ -196,11 +196,12 @@ def layer_norm_backward(dy, x, g, b, mean, rstd, axis: int, relu: bool, segments
     C = x.shape[axis]
     dx = torch.empty_like(x)
     n_prog = triton.cdiv(n_groups, block_g)
-    dg_part = torch.empty((n_prog, C), dtype=torch.float32, device=x.device)
-    db_part = torch.empty_like(dg_part)
+    parts = torch.empty((2, n_prog, C), dtype=torch.float32, device=x.device)   # dg, db per program
+    dg_part, db_part = parts[0], parts[1]
     kernel = _layer_norm_bwd_loop_kernel if looped else _layer_norm_bwd_kernel
     tile = dict(FCHUNK=ks) if looped else dict(KS=ks)
     if n_groups:
         kernel[(n_prog, segments)](x, g, b, dy, dx, mean, rstd, dg_part, db_part, n_groups, segments, seg_size, C,
                                    sg, sf, RELU=relu, BLOCK_G=block_g, num_warps=warps, **tile)
-    return dx, dg_part.sum(0).to(g.dtype), db_part.sum(0).to(b.dtype)
+    sums = parts.sum(1)                                                           # one reduction for both
+    return dx, sums[0].to(g.dtype), sums[1].to(b.dtype)

@@ -18,6 +18,7 @@ import contextlib
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from bstrain import layout as layouts
@@ -121,17 +122,20 @@ class SparseLSTM(nn.Module):
         """
         B, T = x.shape
         H = self.cfg.hidden
-        emb = embedding_lookup(self.embedding, x)                           # (B, T, E)
+        # time-major (T, B, .) so that every per-timestep slice below is contiguous
+        emb = embedding_lookup(self.embedding, x.t())                       # (T, B, E)
         if torch.is_autocast_enabled(x.device.type):
             emb = emb.to(torch.get_autocast_dtype(x.device.type))
-        xw = self.w_x(emb)                                                  # (B, T, 5H), one matmul
-        c, h = state if state is not None else self.init_state(B, x.device, xw.dtype)
-        c, h = c.to(xw.dtype), h.to(xw.dtype)
-        dt = xw.dtype
-        xm = self.norm_xm(xw[..., :H].reshape(B * T, H)).reshape(B, T, H)     # no recurrence: all T at once
+        w_x = self.w_x.weight                                               # (5H, E): rows [:H] -> m, [H:] -> gates
+        xm = F.linear(emb, w_x[:H])                                         # (T, B, H)
+        xg = F.linear(emb, w_x[H:])                                         # (T, B, 4H)
+        dt = xg.dtype
+        c, h = state if state is not None else self.init_state(B, x.device, dt)
+        c, h = c.to(dt), h.to(dt)
+        xm = self.norm_xm(xm.reshape(T * B, H)).reshape(T, B, H)           # no recurrence: all T at once
         # per-timestep views by unbind: its backward stacks the T gradients once, where indexing
-        # [:, t] would build and add a full-size gradient at every timestep
-        xm_t, xg_t = xm.unbind(1), xw[..., H:].unbind(1)
+        # [t] would build and add a full-size gradient at every timestep
+        xm_t, xg_t = xm.unbind(0), xg.unbind(0)
         # parameters cast once per sequence rather than at every timestep
         p_hm, p_gates = self.norm_hm.cast(dt), self.norm_gates.cast(dt)
         p_deep = [norm.cast(dt) for norm in self.norm_deep]
@@ -147,8 +151,8 @@ class SparseLSTM(nn.Module):
                 gates = xg_t[t] + self.norm_gates(self.w_mg(m).to(dt), p_gates)          # (B, 4H)
                 c, h = ew.fused_lstm_gates(c, gates, bias=bias)
                 outputs.append(h)
-        hs = torch.stack(outputs, dim=1)                                    # (B, T, H)
-        return self.head(hs), (c, h)
+        hs = torch.stack(outputs)                                           # (T, B, H)
+        return self.head(hs).transpose(0, 1), (c, h)                        # (B, T, 256)
 
     def num_params(self) -> int:
         return sum(p.numel() for p in self.parameters())

@@ -18,8 +18,9 @@ class _EmbeddingLookup(torch.autograd.Function):
         (idx,) = ctx.saved_tensors
         d = dy.shape[-1]
         # Rows that repeat (common tokens) sum many small fp16/bf16 terms: add them up in fp32.
-        grad = torch.zeros(ctx.num_rows, d, dtype=torch.float32, device=dy.device)
-        grad.index_add_(0, idx.reshape(-1), dy.reshape(-1, d).float())
+        acc = torch.promote_types(ctx.emb_dtype, torch.float32)         # fp32, or fp64 for fp64 tables
+        grad = torch.zeros(ctx.num_rows, d, dtype=acc, device=dy.device)
+        grad.index_add_(0, idx.reshape(-1), dy.reshape(-1, d).to(acc))
         return grad.to(ctx.emb_dtype), None
 
 
