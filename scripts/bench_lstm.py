@@ -33,7 +33,7 @@ PAIR = {   # equal total parameters: sparse is 2x wider at ~1/4 density
     "dense": ["model.hidden=2048", "model.sparse=false"],
 }
 CURVE_COMMON = ["data.seq_len=64", "data.batch_size=64", "trainer.precision=bf16", "trainer.cuda_graph=true",
-                "trainer.eval_every=1000", "trainer.eval_batches=20", "trainer.progress=false",
+                "trainer.eval_every=5000", "trainer.eval_batches=50", "trainer.progress=false",
                 "trainer.ckpt_every=0", "trainer.log_every=100", "trainer.max_steps=1000000",
                 "optim.lr=1e-3", "optim.warmup_steps=200", "optim.schedule=constant", "model.embed=128",
                 "model.block_size=32", "model.depth=2"]
