@@ -133,6 +133,36 @@ def test_small_m_splits_blocks_across_programs(bs, axis, monkeypatch):
     assert_close(rows(dx, axis), rows(dy, axis) @ wd.t(), torch_mm(rows(dy, axis), wd.t(), dtype), dtype, "dx")
 
 
+def _inside_nan(t: torch.Tensor) -> torch.Tensor:
+    """A copy of t carved out of NaN-filled storage: any read past its bounds turns results NaN."""
+    pad = 1024
+    store = torch.full((t.numel() + 2 * pad,), float("nan"), dtype=t.dtype, device=t.device)
+    inner = store[pad:pad + t.numel()].view(t.shape)
+    inner.copy_(t)
+    return inner
+
+
+@params("bs", (16, 64), ids=lambda b: f"bs{b}")
+@AX
+@params("n", (29, 48), ids=lambda n: f"n{n}")
+def test_kernels_read_only_their_operands(bs, axis, n):
+    """x, dy and w sit between NaNs: forward, dX and dW stay exact (no out-of-bounds reads)."""
+    dtype = torch.float16
+    lay, luts, x, dy, w = make_case(bs, axis, dtype, n=n)
+    x, dy, w = _inside_nan(x), _inside_nan(dy), _inside_nan(w)
+    wd = dense_weight(lay, w)
+    xr, dyr = rows(x, axis), rows(dy, axis)
+    y = kernels.bsmm_forward(x, w, luts, axis)
+    assert_close(rows(y, axis), xr @ wd, torch_mm(xr, wd, dtype), dtype, "y")
+    dx = kernels.bsmm_dx(dy, w, luts, axis)
+    assert_close(rows(dx, axis), dyr @ wd.t(), torch_mm(dyr, wd.t(), dtype), dtype, "dx")
+    dw = kernels.bsmm_dw(x, dy, luts, axis, torch.float32)
+    c_idx, k_idx = np.nonzero(lay)
+    cb, kb = lay.shape
+    ref = (xr.t() @ dyr).reshape(cb, bs, kb, bs)[c_idx, :, k_idx, :]
+    assert_close(dw, ref, None, torch.float32, "dw")
+
+
 def test_lut_orders_heaviest_first():
     lay = np.zeros((4, 3), dtype=bool)
     lay[:, 1] = True
