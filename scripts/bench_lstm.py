@@ -21,7 +21,6 @@ import datetime
 import json
 import os
 import sys
-import sysconfig
 from pathlib import Path
 
 import torch
@@ -57,17 +56,10 @@ def recurrent(model) -> tuple[int, int]:
 
 
 def build_corpus(path: Path, max_bytes: int = 64 << 20) -> Path:
+    from bstrain.data.text import default_corpus
     if not path.exists():
-        stdlib = Path(sysconfig.get_paths()["stdlib"])
         tmp = path.with_suffix(f".{os.getpid()}.tmp")        # two runs may build it at once
-        with open(tmp, "wb") as f:
-            total = 0
-            for src in sorted(stdlib.rglob("*.py")):
-                if total >= max_bytes:
-                    break
-                chunk = src.read_bytes()[: max_bytes - total]
-                f.write(chunk)
-                total += len(chunk)
+        tmp.write_bytes(default_corpus(max_bytes, recursive=True))
         os.replace(tmp, path)
     return path
 

@@ -31,7 +31,7 @@ class DataError(ValueError):
     """One-line, user-facing data problem (bad path, too small a file)."""
 
 
-def default_corpus(max_bytes: int = DEFAULT_CORPUS_BYTES) -> bytes:
+def default_corpus(max_bytes: int = DEFAULT_CORPUS_BYTES, recursive: bool = False) -> bytes:
     """Real text that ships without a download: this Python's own standard-library sources.
 
     The file list is ``sorted(Path(sysconfig.get_paths()['stdlib']).glob('*.py'))`` (top level
@@ -41,13 +41,15 @@ def default_corpus(max_bytes: int = DEFAULT_CORPUS_BYTES) -> bytes:
 
     Args:
         max_bytes: upper bound on the returned length (> 0).
+        recursive: every *.py below the stdlib directory (``rglob``, sorted), not just the top
+            level: a larger cut for GPU-sized runs (scripts/bench_lstm.py).
     Returns: the corpus, ``len <= max_bytes``.
     """
     if isinstance(max_bytes, bool) or not isinstance(max_bytes, int) or max_bytes <= 0:
         raise ValueError(f"max_bytes: expected a positive int, got {max_bytes!r}")
     stdlib = Path(sysconfig.get_paths()["stdlib"])
     chunks, total = [], 0
-    for source in sorted(stdlib.glob("*.py")):
+    for source in sorted(stdlib.rglob("*.py") if recursive else stdlib.glob("*.py")):
         if total >= max_bytes:
             break
         chunk = source.read_bytes()[: max_bytes - total]

@@ -36,6 +36,18 @@ def test_default_corpus_respects_max_bytes(max_bytes):
     assert default_corpus().startswith(small)
 
 
+def test_recursive_corpus_reaches_into_packages():
+    """recursive=True reads every *.py below the stdlib in sorted order: more text than the top level."""
+    import sysconfig
+    from pathlib import Path
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    files = sorted(stdlib.rglob("*.py"))
+    first = files[0].read_bytes()
+    big = default_corpus(len(first) + 5000, recursive=True)
+    assert big.startswith(first) and len(big) == len(first) + 5000
+    assert len(default_corpus(1 << 30, recursive=True)) > len(default_corpus(1 << 30))
+
+
 def test_default_corpus_rejects_bad_max_bytes():
     with pytest.raises(ValueError, match=r"max_bytes: expected a positive int, got 0"):
         default_corpus(0)
