@@ -11,6 +11,8 @@ import torch
 import triton
 import triton.language as tl
 
+from bstrain.kernels.matmul import _sm_count
+
 MAX_SEGMENT = 8192  # features per segment the one-tile kernel handles
 
 
@@ -170,7 +172,7 @@ def _geometry(x: torch.Tensor, axis: int, segments: int):
         return n_groups, seg_size, stride_g, stride_f, max(min_g, min(64, TILE // ks)), ks, False, 4
     # axis 0 needs 32 groups per program to coalesce; axis 1 takes 4 rows per program only when
     # that still leaves enough programs to fill the GPU (few rows: one row per program)
-    block_g = 32 if axis == 0 else (4 if n_groups * segments >= 4 * 264 else 1)
+    block_g = 32 if axis == 0 else (4 if n_groups * segments >= 4 * 2 * _sm_count(x.device) else 1)
     return n_groups, seg_size, stride_g, stride_f, block_g, max(2, TILE // block_g), True, 8
 
 

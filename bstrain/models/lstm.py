@@ -45,6 +45,32 @@ def small_world_layout(n: int, density: float, kind: str, seed: int) -> np.ndarr
     raise ValueError(f"model.layout: expected barabasi_albert, watts_strogatz or random, got {kind!r}")
 
 
+class _SharedCast(torch.autograd.Function):
+    """One use of a parameter's copy cast once per sequence (``cast``, made without autograd).
+
+    Forward launches nothing. Backward hands each use's gradient back to the fp32 parameter, so
+    autograd sums the T timesteps' gradients in fp32 (one cast node shared by all timesteps would
+    sum them in bf16 first).
+    """
+
+    @staticmethod
+    def forward(ctx, param, cast):
+        ctx.dtype = param.dtype
+        return cast.view_as(cast)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad.to(ctx.dtype), None
+
+
+def shared_cast(param: torch.Tensor, dtype: torch.dtype):
+    """A per-timestep accessor of ``param`` in ``dtype``: cast once, gradients summed in fp32."""
+    if param.dtype == dtype:
+        return lambda: param
+    cast = param.detach().to(dtype)
+    return lambda: _SharedCast.apply(param, cast)
+
+
 class _Norm(nn.Module):
     """Layer norm over features (optionally per segment), casting its params to x's dtype."""
 
@@ -55,13 +81,16 @@ class _Norm(nn.Module):
         self.b = nn.Parameter(torch.zeros(features)) if enabled else None
 
     def cast(self, dtype: torch.dtype):
-        """(g, b) in ``dtype``: cast once per sequence, not at every timestep."""
-        return (self.g.to(dtype), self.b.to(dtype)) if self.enabled else None
+        """(g, b) accessors in ``dtype``: cast once per sequence, not at every timestep."""
+        return (shared_cast(self.g, dtype), shared_cast(self.b, dtype)) if self.enabled else None
 
     def forward(self, x: torch.Tensor, params=None) -> torch.Tensor:
         if not self.enabled:
             return torch.relu(x) if self.relu else x
-        g, b = params if params is not None else self.cast(x.dtype)
+        if params is None:
+            g, b = self.g.to(x.dtype), self.b.to(x.dtype)
+        else:
+            g, b = params[0](), params[1]()
         # in x's dtype: autocast would run torch's layer norm in fp32 and return fp32, adding casts
         with torch.autocast(x.device.type, enabled=False):
             return norms.layer_norm(x, g, b, axis=1, relu=self.relu, segments=self.segments)
@@ -139,7 +168,7 @@ class SparseLSTM(nn.Module):
         # parameters cast once per sequence rather than at every timestep
         p_hm, p_gates = self.norm_hm.cast(dt), self.norm_gates.cast(dt)
         p_deep = [norm.cast(dt) for norm in self.norm_deep]
-        bias = self.gate_bias.to(dt)
+        bias = shared_cast(self.gate_bias, dt)
         outputs = []
         with contextlib.ExitStack() as stack:
             for layer in self.sparse_layers():
@@ -149,7 +178,7 @@ class SparseLSTM(nn.Module):
                 for w_d, norm, p in zip(self.deep, self.norm_deep, p_deep):
                     m = norm(w_d(m).to(dt), p)
                 gates = xg_t[t] + self.norm_gates(self.w_mg(m).to(dt), p_gates)          # (B, 4H)
-                c, h = ew.fused_lstm_gates(c, gates, bias=bias)
+                c, h = ew.fused_lstm_gates(c, gates, bias=bias())
                 outputs.append(h)
         hs = torch.stack(outputs)                                           # (T, B, H)
         return self.head(hs).transpose(0, 1), (c, h)                        # (B, T, 256)

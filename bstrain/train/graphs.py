@@ -59,7 +59,15 @@ class CapturedStep:
             buf.copy_(new.detach())
         return loss.detach(), grad_norm
 
+    def _check_optimizer(self) -> None:
+        for i, g in enumerate(self.optimizer.param_groups):
+            lr = g["lr"]
+            if not g.get("capturable") or not isinstance(lr, torch.Tensor) or lr.device.type != "cuda":
+                raise ValueError(f"optimizer: param group {i} needs capturable=True and a CUDA tensor lr for "
+                                 f"graph capture, got capturable={g.get('capturable')}, lr={lr!r}")
+
     def _capture(self) -> None:
+        self._check_optimizer()
         saved_params = [p.detach().clone() for p in self.params]
         opt_state = self.optimizer.state
         saved_opt = {p: {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in opt_state[p].items()}

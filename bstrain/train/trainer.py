@@ -57,15 +57,20 @@ def make_optimizer(model: torch.nn.Module, cfg, device: torch.device,
 
 
 def _match_graph_mode(optimizer: torch.optim.Optimizer, capturable: bool, device: torch.device) -> None:
-    """After loading a state dict (which may come from a run with or without CUDA graphs):
-    capturable groups with tensor learning rates for graph capture, floats otherwise."""
+    """After loading a state dict, which brings the saving run's group settings (another device,
+    with or without CUDA graphs): this run's fused/foreach/capturable choice, learning rates as
+    device tensors for graph capture (floats otherwise), and step counters where AdamW wants them.
+    """
+    fused = device.type == "cuda"
     for g in optimizer.param_groups:
-        g["capturable"] = capturable
-        lr = g["lr"]
-        if capturable and not isinstance(lr, torch.Tensor):
-            g["lr"] = torch.tensor(float(lr), device=device)
-        elif not capturable and isinstance(lr, torch.Tensor):
-            g["lr"] = float(lr)
+        g["capturable"], g["fused"], g["foreach"] = capturable, fused or None, None if fused else True
+        # a checkpoint's tensor lr comes back on the CPU: the graph must read a device tensor
+        g["lr"] = torch.tensor(float(g["lr"]), device=device) if capturable else float(g["lr"])
+        for p in g["params"]:
+            st = optimizer.state.get(p, {})
+            if isinstance(st.get("step"), torch.Tensor):
+                on_device = capturable or fused
+                st["step"] = st["step"].to(device=p.device if on_device else "cpu", dtype=torch.float32)
 
 
 def lr_factor(step: int, cfg, max_steps: int) -> float:

@@ -104,3 +104,18 @@ def test_kernels_on_cuda_match_the_float64_recurrence(group_size):
     for (name, p), rp in zip(model.named_parameters(), ref_model.parameters()):
         torch.testing.assert_close(p.grad.double().cpu(), rp.grad, rtol=5e-4, atol=5e-4,
                                    msg=lambda m, n=name: f"{n}: {m}")
+
+
+def test_shared_cast_sums_timestep_gradients_in_fp32():
+    """A parameter cast to bf16 once and used at 256 timesteps gets the fp32 sum of its per-step
+    gradients (a shared cast node would add them up in bf16 first: errors of about 1e-2)."""
+    from bstrain.models.lstm import shared_cast
+    torch.manual_seed(0)
+    p = torch.randn(512, requires_grad=True)
+    xs = torch.randn(256, 512).to(torch.bfloat16)
+    use = shared_cast(p, torch.bfloat16)
+    loss = sum((use() * x).float().sum() for x in xs)
+    loss.backward()
+    want = xs.double().sum(0)                     # each step's gradient is x_t, exact in bf16
+    torch.testing.assert_close(p.grad.double(), want, rtol=1e-5, atol=1e-5)
+    assert shared_cast(p, torch.float32)() is p   # same dtype: the parameter itself

@@ -219,5 +219,37 @@ def test_cuda_graph_follows_the_eager_trajectory(make_cfg):
     more = train(make_cfg(f"trainer.resume={path}", **common, trainer__cuda_graph=True, run="resumed"))
     for step, loss in more["history"]:
         assert loss == pytest.approx(want[step], rel=1e-4), f"resumed step {step}: {loss} != {want[step]}"
+    # graph -> graph (a checkpoint's lr tensors load on the CPU and must become device tensors
+    # again, or the schedule would stop reaching the graph) and graph -> eager
+    gpath = Path(graphed["run_dir"]) / "ckpt" / "step_00000008.pt"
+    for run, graph in (("regraphed", True), ("degraphed", False)):
+        more = train(make_cfg(f"trainer.resume={gpath}", **common, trainer__cuda_graph=graph, run=run))
+        for step, loss in more["history"]:
+            assert loss == pytest.approx(want[step], rel=1e-4), f"{run} step {step}: {loss} != {want[step]}"
     bf16 = train(make_cfg(**common, trainer__cuda_graph=True, trainer__precision="bf16", run="bf16"))
     assert math.isfinite(bf16["valid_bpb"]) and bf16["history"][-1][1] < bf16["history"][0][1]
+
+
+def test_loaded_optimizer_groups_follow_this_run(make_cfg):
+    """A checkpoint's param groups carry the saving run's settings; this run's choice wins."""
+    cfg = make_cfg()
+    model = torch.nn.Linear(3, 2)
+    opt = trainer_mod.make_optimizer(model, cfg.optim, torch.device("cpu"))
+    model(torch.randn(4, 3)).sum().backward()
+    opt.step()
+    saved = opt.state_dict()
+    for g in saved["param_groups"]:
+        g["lr"], g["capturable"], g["fused"], g["foreach"] = torch.tensor(0.01), True, True, None
+    fresh = trainer_mod.make_optimizer(model, cfg.optim, torch.device("cpu"))
+    fresh.load_state_dict(saved)
+    trainer_mod._match_graph_mode(fresh, False, torch.device("cpu"))
+    for g in fresh.param_groups:
+        assert g["lr"] == pytest.approx(0.01) and isinstance(g["lr"], float)
+        assert (g["capturable"], g["fused"], g["foreach"]) == (False, None, True)
+    steps = [st["step"] for st in fresh.state.values()]
+    assert all(s.device.type == "cpu" and s.dtype == torch.float32 and float(s) == 1.0 for s in steps)
+    trainer_mod._match_graph_mode(fresh, True, torch.device("cpu"))
+    assert all(isinstance(g["lr"], torch.Tensor) and g["capturable"] for g in fresh.param_groups)
+    trainer_mod._match_graph_mode(fresh, False, torch.device("cpu"))
+    fresh.step()                                         # still a working optimizer
+    assert all(float(st["step"]) == 2.0 for st in fresh.state.values())
