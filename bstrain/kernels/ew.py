@@ -28,10 +28,10 @@ def _tanh(x):
 
 
 @triton.jit
-def _lstm_gates_fwd_kernel(C, I, U, F, O, BIAS, CN, HN, numel, K,
-                           stride_c, stride_i, stride_u, stride_f, stride_o, forget_bias,
-                           HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr):
-    """new_c = σ(f + fb)·c + σ(i)·tanh(u); new_h = σ(o)·tanh(new_c). Outputs are (N, K) contiguous."""
+def _load_cell(C, I, U, F, O, BIAS, numel, K, stride_c, stride_i, stride_u, stride_f, stride_o,
+               HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr):
+    """This program's BLOCK elements of the (N, K) cell: flat offsets, mask, row, col, then c and
+    the four gate pre-activations (bias added) in fp32."""
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < numel
     row = offs // K
@@ -46,6 +46,16 @@ def _lstm_gates_fwd_kernel(C, I, U, F, O, BIAS, CN, HN, numel, K,
         u += tl.load(BIAS + K + col, mask=mask, other=0.0).to(tl.float32)
         f += tl.load(BIAS + 2 * K + col, mask=mask, other=0.0).to(tl.float32)
         o += tl.load(BIAS + 3 * K + col, mask=mask, other=0.0).to(tl.float32)
+    return offs, mask, row, col, c, i, u, f, o
+
+
+@triton.jit
+def _lstm_gates_fwd_kernel(C, I, U, F, O, BIAS, CN, HN, numel, K,
+                           stride_c, stride_i, stride_u, stride_f, stride_o, forget_bias,
+                           HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr):
+    """new_c = σ(f + fb)·c + σ(i)·tanh(u); new_h = σ(o)·tanh(new_c). Outputs are (N, K) contiguous."""
+    offs, mask, row, col, c, i, u, f, o = _load_cell(C, I, U, F, O, BIAS, numel, K, stride_c, stride_i,
+                                                      stride_u, stride_f, stride_o, HAS_BIAS, BLOCK)
     new_c = _sigmoid(f + forget_bias) * c + _sigmoid(i) * _tanh(u)
     new_h = _sigmoid(o) * _tanh(new_c)
     tl.store(CN + offs, new_c.to(CN.dtype.element_ty), mask=mask)
@@ -57,20 +67,8 @@ def _lstm_gates_bwd_kernel(C, I, U, F, O, BIAS, DCN, DHN, DC, DG, numel, K,
                            stride_c, stride_i, stride_u, stride_f, stride_o, forget_bias,
                            HAS_BIAS: tl.constexpr, HAS_DC: tl.constexpr, BLOCK: tl.constexpr):
     """dc and the four pre-activation grads, written to DG as (N, 4K) in gate order i, u, f, o."""
-    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    mask = offs < numel
-    row = offs // K
-    col = offs % K
-    c = tl.load(C + row * stride_c + col, mask=mask, other=0.0).to(tl.float32)
-    i = tl.load(I + row * stride_i + col, mask=mask, other=0.0).to(tl.float32)
-    u = tl.load(U + row * stride_u + col, mask=mask, other=0.0).to(tl.float32)
-    f = tl.load(F + row * stride_f + col, mask=mask, other=0.0).to(tl.float32)
-    o = tl.load(O + row * stride_o + col, mask=mask, other=0.0).to(tl.float32)
-    if HAS_BIAS:
-        i += tl.load(BIAS + col, mask=mask, other=0.0).to(tl.float32)
-        u += tl.load(BIAS + K + col, mask=mask, other=0.0).to(tl.float32)
-        f += tl.load(BIAS + 2 * K + col, mask=mask, other=0.0).to(tl.float32)
-        o += tl.load(BIAS + 3 * K + col, mask=mask, other=0.0).to(tl.float32)
+    offs, mask, row, col, c, i, u, f, o = _load_cell(C, I, U, F, O, BIAS, numel, K, stride_c, stride_i,
+                                                      stride_u, stride_f, stride_o, HAS_BIAS, BLOCK)
     si = _sigmoid(i)
     tu = _tanh(u)
     sf = _sigmoid(f + forget_bias)

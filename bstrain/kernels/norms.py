@@ -17,6 +17,17 @@ MAX_SEGMENT = 8192  # features per segment the one-tile kernel handles
 
 
 @triton.jit
+def _normalize_store(x, mean, rstd, G, B, Y, feat, fmask, offs, mask, RELU: tl.constexpr):
+    """Y[offs] = (x - mean)·rstd·g + b, then ReLU if asked, for one (BLOCK_G, width) tile."""
+    g = tl.load(G + feat, mask=fmask, other=0.0).to(tl.float32)
+    b = tl.load(B + feat, mask=fmask, other=0.0).to(tl.float32)
+    y = (x - mean[:, None]) * rstd[:, None] * g[None, :] + b[None, :]
+    if RELU:
+        y = tl.maximum(y, 0.0)
+    tl.store(Y + offs, y.to(Y.dtype.element_ty), mask=mask)
+
+
+@triton.jit
 def _layer_norm_fwd_kernel(X, G, B, Y, MEAN, RSTD, n_groups, n_seg, seg_size,
                            stride_g, stride_f, eps,
                            RELU: tl.constexpr, BLOCK_G: tl.constexpr, KS: tl.constexpr):
@@ -31,12 +42,7 @@ def _layer_norm_fwd_kernel(X, G, B, Y, MEAN, RSTD, n_groups, n_seg, seg_size,
     mean = tl.sum(x, axis=1) / seg_size
     xc = tl.where(mask, x - mean[:, None], 0.0)
     rstd = 1.0 / tl.sqrt(tl.sum(xc * xc, axis=1) / seg_size + eps)
-    g = tl.load(G + feat, mask=fmask, other=0.0).to(tl.float32)
-    b = tl.load(B + feat, mask=fmask, other=0.0).to(tl.float32)
-    y = xc * rstd[:, None] * g[None, :] + b[None, :]
-    if RELU:
-        y = tl.maximum(y, 0.0)
-    tl.store(Y + offs, y.to(Y.dtype.element_ty), mask=mask)
+    _normalize_store(x, mean, rstd, G, B, Y, feat, fmask, offs, mask, RELU)
     tl.store(MEAN + grp * n_seg + seg, mean, mask=gmask)
     tl.store(RSTD + grp * n_seg + seg, rstd, mask=gmask)
 
@@ -100,12 +106,7 @@ def _layer_norm_fwd_loop_kernel(X, G, B, Y, MEAN, RSTD, n_groups, n_seg, seg_siz
         mask = gmask[:, None] & fmask[None, :]
         offs = grp[:, None].to(tl.int64) * stride_g + (seg * seg_size + j)[None, :].to(tl.int64) * stride_f
         x = tl.load(X + offs, mask=mask, other=0.0).to(tl.float32)
-        g = tl.load(G + seg * seg_size + j, mask=fmask, other=0.0).to(tl.float32)
-        b = tl.load(B + seg * seg_size + j, mask=fmask, other=0.0).to(tl.float32)
-        y = (x - mean[:, None]) * rstd[:, None] * g[None, :] + b[None, :]
-        if RELU:
-            y = tl.maximum(y, 0.0)
-        tl.store(Y + offs, y.to(Y.dtype.element_ty), mask=mask)
+        _normalize_store(x, mean, rstd, G, B, Y, seg * seg_size + j, fmask, offs, mask, RELU)
     tl.store(MEAN + grp * n_seg + seg, mean, mask=gmask)
     tl.store(RSTD + grp * n_seg + seg, rstd, mask=gmask)
 
