@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from bstrain import layout as layouts
-from bstrain.ops.matmul import BlocksparseMatMul, _autocast_input, check_block_size
+from bstrain.ops.matmul import BlocksparseMatMul, check_block_size, compute_dtype
 
 __all__ = ["BlockSparseLinear"]
 
@@ -60,12 +60,15 @@ class BlockSparseLinear(nn.Module):
         """Within this context, calls share one dW computed for up to group_size calls per launch.
 
         For weights applied at many timesteps (recurrent weights): wrap the time loop, then call
-        backward as usual; W.grad equals the ungrouped result. group_size <= 1 is a no-op.
+        backward as usual; W.grad equals the ungrouped result. group_size <= 1 is a no-op when
+        gradients are on. Without autograd (evaluation, sampling) there is no dW to group, and the
+        context only casts the weight once for all its calls instead of at each call.
         """
-        if group_size <= 1 or not torch.is_grad_enabled() or self._group is not None:
+        grad = torch.is_grad_enabled()
+        if self._group is not None or (grad and group_size <= 1):
             yield None
             return
-        group = self.op.grad_group(group_size)
+        group = self.op.grad_group(group_size) if grad else None
         self._group = (group, None)
         try:
             yield group
@@ -75,11 +78,12 @@ class BlockSparseLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: (N, C) or (C, N); returns (N, K) or (K, N). Under autocast, runs in its dtype."""
         if self._group is not None:
-            group, w_grouped = self._group
-            if w_grouped is None:                      # first call in the context
-                w_grouped = self.op.group_weight(self.weight, group, _autocast_input(x).dtype)
-                self._group = (group, w_grouped)
-            y = self.op.grouped(x, w_grouped, group)
+            group, w = self._group
+            if w is None:                              # first call in the context: cast W once
+                dtype = compute_dtype(x)
+                w = self.weight.to(dtype) if group is None else self.op.group_weight(self.weight, group, dtype)
+                self._group = (group, w)
+            y = self.op(x, w) if group is None else self.op.grouped(x, w, group)
         else:
             y = self.op(x, self.weight)
         if self.bias is not None:

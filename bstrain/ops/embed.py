@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import torch
 
+from bstrain.ops.ew import check_index_range
+
 __all__ = ["embedding_lookup"]
 
 
@@ -36,9 +38,5 @@ def embedding_lookup(emb: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
         raise TypeError(f"idx: expected an int64 or int32 tensor, got {getattr(idx, 'dtype', type(idx).__name__)}")
     if idx.device != emb.device:
         raise ValueError(f"idx: expected device {emb.device} (as emb), got {idx.device}")
-    # The range check reads idx on the host: skipped while a CUDA graph is being captured.
-    if idx.numel() and not (idx.is_cuda and torch.cuda.is_current_stream_capturing()):
-        lo, hi = torch.stack(torch.aminmax(idx)).tolist()
-        if lo < 0 or hi >= emb.shape[0]:
-            raise ValueError(f"idx: expected values in [0, {emb.shape[0]}), got [{lo}, {hi}]")
+    check_index_range("idx", idx, emb.shape[0])
     return _EmbeddingLookup.apply(emb, idx.long())

@@ -8,6 +8,7 @@ PyTorch.
 """
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -31,6 +32,15 @@ def _use_kernel(*tensors: torch.Tensor) -> bool:
     if t.is_cuda:
         return True
     return os.environ.get("BSTRAIN_FORCE_TRITON") == "1" and os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def check_index_range(name: str, idx: torch.Tensor, n: int) -> None:
+    """ValueError unless every value of ``idx`` lies in [0, n). One host sync; skipped while a CUDA
+    graph is being captured (the values are not known then)."""
+    if idx.numel() and not (idx.is_cuda and torch.cuda.is_current_stream_capturing()):
+        lo, hi = torch.stack(torch.aminmax(idx)).tolist()
+        if lo < 0 or hi >= n:
+            raise ValueError(f"{name}: expected values in [0, {n}), got [{lo}, {hi}]")
 
 
 def _check_tensor(name: str, x) -> None:
@@ -206,7 +216,6 @@ def fused_lstm_gates(c: torch.Tensor, *args: torch.Tensor, bias: torch.Tensor | 
             _check_same(("h", "bias"), h, bias)
             if tuple(bias.shape) != (h.shape[1],):
                 raise ValueError(f"bias: expected shape ({h.shape[1]},), got {tuple(bias.shape)}")
-            h = h + bias
         gates = h.chunk(4, dim=1)
     elif len(args) == 4:
         _check_same(("c", "i", "u", "f", "o"), c, *args)
@@ -220,9 +229,9 @@ def fused_lstm_gates(c: torch.Tensor, *args: torch.Tensor, bias: torch.Tensor | 
         raise ValueError(f"args: expected one (N, 4K) gate tensor or four (N, K) tensors i, u, f, o, "
                          f"got {len(args)} tensors")
     if _use_kernel(c):
-        raw_bias = bias if len(args) == 1 else None
-        gates = args[0].chunk(4, dim=1) if len(args) == 1 else args   # bias goes to the kernel
-        return _LstmGates.apply(c, raw_bias, float(forget_bias), *gates)
+        return _LstmGates.apply(c, bias, float(forget_bias), *gates)           # the kernel adds the bias
+    if bias is not None:
+        gates = (args[0] + bias).chunk(4, dim=1)
     return fused_lstm_gates_ref(c, *gates, forget_bias=forget_bias)
 
 
@@ -271,7 +280,10 @@ def float_cast(x: torch.Tensor, dtype: torch.dtype, dx_dtype: torch.dtype | None
     return _FloatCast.apply(x, dtype, dx_dtype or x.dtype)
 
 
-_BIT_WEIGHTS = torch.tensor([1, 2, 4, 8, 16, 32, 64, 128], dtype=torch.uint8)
+@functools.lru_cache(maxsize=None)
+def _bit_weights(device: torch.device) -> torch.Tensor:
+    """1, 2, 4, ..., 128 as uint8 on ``device``, copied there once."""
+    return torch.tensor([1, 2, 4, 8, 16, 32, 64, 128], dtype=torch.uint8, device=device)
 
 
 def _pack_bits(keep: torch.Tensor) -> torch.Tensor:
@@ -280,12 +292,12 @@ def _pack_bits(keep: torch.Tensor) -> torch.Tensor:
     pad = (-flat.numel()) % 8
     if pad:
         flat = torch.cat([flat, flat.new_zeros(pad)])
-    w = _BIT_WEIGHTS.to(flat.device)
+    w = _bit_weights(flat.device)
     return (flat.view(-1, 8).to(torch.uint8) * w).sum(dim=1, dtype=torch.uint8)
 
 
 def _unpack_bits(mask: torch.Tensor, n: int) -> torch.Tensor:
-    w = _BIT_WEIGHTS.to(mask.device)
+    w = _bit_weights(mask.device)
     return ((mask.view(-1, 1) & w) != 0).view(-1)[:n]
 
 
@@ -356,7 +368,5 @@ def softmax_cross_entropy(logits: torch.Tensor, labels: torch.Tensor) -> torch.T
                          f"{tuple(labels.shape)}")
     if labels.device != logits.device:
         raise ValueError(f"labels: expected device {logits.device} (as logits), got {labels.device}")
-    if labels.numel() and (int(labels.min()) < 0 or int(labels.max()) >= logits.shape[1]):
-        raise ValueError(f"labels: expected values in [0, {logits.shape[1]}), got "
-                         f"[{int(labels.min())}, {int(labels.max())}]")
+    check_index_range("labels", labels, logits.shape[1])
     return softmax_cross_entropy_ref(logits, labels.long())

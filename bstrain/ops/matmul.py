@@ -80,13 +80,19 @@ def bsmm_dw_ref(x: torch.Tensor, dy: torch.Tensor, c_idx: torch.Tensor, k_idx: t
     return torch.cat(parts) if parts else xr.new_zeros(0, block_size, block_size)
 
 
-def _autocast_input(I: torch.Tensor) -> torch.Tensor:
-    """Under torch.autocast, floating activations run in the autocast dtype (weights follow)."""
+def compute_dtype(I: torch.Tensor) -> torch.dtype:
+    """The dtype the op runs in for activation I: the autocast dtype under torch.autocast for
+    floating activations, else I's own."""
     dev = I.device.type
     if I.dtype in (torch.float32, torch.float16, torch.bfloat16) and dev in ("cuda", "cpu") \
             and torch.is_autocast_enabled(dev):
-        return I.to(torch.get_autocast_dtype(dev))
-    return I
+        return torch.get_autocast_dtype(dev)
+    return I.dtype
+
+
+def _autocast_input(I: torch.Tensor) -> torch.Tensor:
+    """Under torch.autocast, floating activations run in the autocast dtype (weights follow)."""
+    return I.to(compute_dtype(I))
 
 
 class _BlocksparseMatMulFn(torch.autograd.Function):
@@ -220,8 +226,9 @@ class BlocksparseMatMul:
                              f"{self.feature_axis}), got {tuple(I.shape)}")
         if I.dtype not in _FLOAT_DTYPES:
             raise TypeError(f"I: expected float32, float16, bfloat16 or float64, got {I.dtype}")
-        if W.dtype != I.dtype and W.dtype != torch.float32:
-            raise TypeError(f"W: expected dtype {I.dtype} (as I) or float32 master weights, got {W.dtype}")
+        dt = compute_dtype(I)                      # I's dtype, or the autocast dtype it runs in
+        if W.dtype != dt and W.dtype != torch.float32:
+            raise TypeError(f"W: expected dtype {dt} (the compute dtype) or float32 master weights, got {W.dtype}")
         if I.device != W.device:
             raise ValueError(f"W: expected device {I.device} (as I), got {W.device}")
         if dw_dtype not in _FLOAT_DTYPES:
@@ -309,10 +316,8 @@ class BlocksparseMatMul:
         dX is computed at once in backward; dW is computed for up to group.group_size timesteps
         per launch and handed to W when the backward pass reaches the weight.
         """
-        if isinstance(I, torch.Tensor):
-            I = _autocast_input(I)                 # W_grouped is already in the compute dtype
         self._check_call(I, W_grouped, torch.float32)
-        return _StepMatMul.apply(I, W_grouped, group)
+        return _StepMatMul.apply(_autocast_input(I), W_grouped, group)
 
     def __repr__(self) -> str:
         return (f"BlocksparseMatMul(C={self.C}, K={self.K}, block_size={self.block_size}, "

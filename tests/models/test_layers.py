@@ -100,6 +100,28 @@ def test_grad_group_under_autocast_with_fp32_activations(backend):
     assert layer.weight.grad.dtype == torch.float32
 
 
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_without_autograd_the_context_casts_the_weight_once(backend):
+    """Evaluation: inside grad_group (any size) the weight is cast to the autocast dtype once and
+    reused by every call, with the same outputs as calls outside the context."""
+    from tests.conftest import kernel_device
+    dev = kernel_device() if backend == "triton" else "cpu"
+    dtype = torch.float16 if dev != "cpu" or backend == "triton" else torch.bfloat16
+    layer = BlockSparseLinear(64, 64, density=0.5, block_size=16, seed=3).to(dev)
+    layer.op.backend = backend
+    xs = [torch.randn(4, 64, device=dev) for _ in range(3)]
+    with torch.no_grad(), torch.autocast(torch.device(dev).type, dtype=dtype):
+        want = [layer(x) for x in xs]
+        for size in (1, 8):
+            with layer.grad_group(size) as group:
+                assert group is None
+                got = [layer(x) for x in xs]                 # fp32 activations meet the cached weight
+                assert layer._group[1].dtype == dtype         # the weight, cast once for the context
+            for g, w in zip(got, want):
+                torch.testing.assert_close(g, w, rtol=0, atol=0)
+    assert layer._group is None
+
+
 def test_grad_group_survives_an_inputs_only_backward_pass():
     """autograd.grad w.r.t. inputs only must not leave stale dW behind for the next backward."""
     layer = BlockSparseLinear(32, 32, layout=[[1, 1], [0, 1]], block_size=16, bias=False).double()
