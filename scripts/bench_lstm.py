@@ -65,8 +65,18 @@ def build_corpus(path: Path, max_bytes: int = 64 << 20) -> Path:
 
 
 # --- step time ---------------------------------------------------------------------------------------
-def step_time(cfg, batch: int, seq: int, group: int, graph: bool) -> float:
-    """Median ms per optimizer step in bf16 on random bytes (events, triton.testing.do_bench)."""
+def eager_step(model, opt, x: torch.Tensor, group: int, grad_clip: float):
+    """The eager training step, as the trainer runs it in bf16 (without loss scaling)."""
+    from bstrain.train.step import clip_grads, lm_loss
+    loss, _ = lm_loss(model, x, x, None, torch.bfloat16, group)
+    loss.backward()
+    clip_grads(model.parameters(), grad_clip)
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+
+
+def step_time(cfg, batch: int, seq: int, group: int, graph: bool) -> tuple[float, float]:
+    """(median ms per optimizer step in bf16 on random bytes, recurrent density of the model)."""
     import triton
 
     from bstrain.models.lstm import build_model
@@ -83,33 +93,26 @@ def step_time(cfg, batch: int, seq: int, group: int, graph: bool) -> float:
         def fn():
             cap.step(x, x, reset_state=False)
     else:
-        params = list(model.parameters())
-
         def fn():
-            with torch.autocast("cuda", dtype=torch.bfloat16):
-                logits, _ = model(x, None, group_size=group)
-            torch.nn.functional.cross_entropy(logits.float().reshape(-1, 256), x.reshape(-1)).backward()
-            torch.nn.utils.clip_grad_norm_(params, 1.0)
-            opt.step()
-            opt.zero_grad(set_to_none=True)
+            eager_step(model, opt, x, group, cfg.optim.grad_clip)
     fn()
     torch.cuda.synchronize()
     ms = triton.testing.do_bench(fn, warmup=200, rep=1500, return_mode="median")
+    live, full = recurrent(model)
     del model, opt, fn
     torch.cuda.empty_cache()
-    return ms
+    return ms, live / full
 
 
 def cmd_steptime(args) -> None:
-    from bstrain.models.lstm import build_model
     rows = []
     seq = 32
     ints = lambda v: [int(x) for x in v.split(",")]          # noqa: E731
+    dense_cfg = config("model.hidden=8192", "model.sparse=false", "model.embed=256", "model.depth=2")
     for batch in ints(args.batches):
         for graph in [m == "graph" for m in args.modes.split(",")]:
-            dense_cfg = config("model.hidden=8192", "model.sparse=false", "model.embed=256", "model.depth=2")
             try:
-                td = step_time(dense_cfg, batch, seq, 1, graph)
+                td, _ = step_time(dense_cfg, batch, seq, 1, graph)
             except Exception as e:                         # keep the other measurements of this call
                 print(f"dense batch {batch} graph {graph}: {type(e).__name__}: {e}", flush=True)
                 continue
@@ -117,10 +120,8 @@ def cmd_steptime(args) -> None:
                 for dens in [float(x) for x in args.densities.split(",")]:
                     cfg = config("model.hidden=8192", f"model.density={dens}", "model.layout=random",
                                  "model.embed=256", "model.depth=2", f"model.block_size={bs}")
-                    live, full = recurrent(build_model(cfg.model))
-                    d = live / full
                     try:
-                        ts = step_time(cfg, batch, seq, 8, graph)
+                        ts, d = step_time(cfg, batch, seq, 8, graph)
                     except Exception as e:
                         print(f"sparse batch {batch} graph {graph}: {type(e).__name__}: {e}", flush=True)
                         continue
@@ -149,11 +150,7 @@ def cmd_profile(args) -> None:
         x = torch.randint(0, 256, (batch, 32), device=dev)
 
         def fn():
-            with torch.autocast("cuda", dtype=torch.bfloat16):
-                logits, _ = model(x, None, group_size=8)
-            torch.nn.functional.cross_entropy(logits.float().reshape(-1, 256), x.reshape(-1)).backward()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
+            eager_step(model, opt, x, 8, cfg.optim.grad_clip)
         for _ in range(2):
             fn()
         torch.cuda.synchronize()

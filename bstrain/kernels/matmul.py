@@ -430,16 +430,15 @@ def _rows_view(t: torch.Tensor, feature_axis: int) -> torch.Tensor:
     return t if feature_axis == 1 else t.t()
 
 
-def _launch_ds_tma(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, lut: SegmentLut, bs: int,
-                   transpose_w: bool, cfg: DsConfig) -> None:
-    """TMA path: a, out are (rows, features) views; their transposes are read when they are t() views."""
+def _launch_ds_tma(a: torch.Tensor, out: torch.Tensor, a_src: torch.Tensor, y_src: torch.Tensor,
+                   trans: bool, w: torch.Tensor, lut: SegmentLut, bs: int, transpose_w: bool, cfg: DsConfig) -> None:
+    """TMA path: a, out are (rows, features) views; a_src, y_src the tensors read and written
+    (their transposes when trans, for axis-0 activations)."""
     M = a.shape[0]
-    trans = a.stride(0) == 1 and a.stride(1) != 1                # axis-0 activations
     num_m = triton.cdiv(M, cfg.block_m)
     bn = bs
     while bn > 32 and num_m * lut.n_out * (bs // bn) < _sm_count(a.device):
         bn //= 2                                                  # small M: split blocks across programs
-    a_src, y_src = (a.t(), out.t()) if trans else (a, out)
     a_desc = _desc(a_src, [cfg.kc, cfg.block_m] if trans else [cfg.block_m, cfg.kc])
     y_desc = _desc(y_src, [bn, cfg.block_m] if trans else [cfg.block_m, bn])
     w_desc = _desc(w.view(-1, bs), [bn, cfg.kc] if transpose_w else [cfg.kc, bn])
@@ -459,10 +458,11 @@ def _launch_ds(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, lut: Segment
         return
     mean_steps = lut.blk.numel() / max(1, lut.n_out) * max(1, bs // GPU_DS[bs].kc)
     cfg = ds_config(bs, M, a.device, mean_steps)
-    a_src, y_src = (a.t(), out.t()) if a.stride(0) == 1 and a.stride(1) != 1 else (a, out)
+    trans = a.stride(0) == 1 and a.stride(1) != 1                # axis-0 activations
+    a_src, y_src = (a.t(), out.t()) if trans else (a, out)
     if cfg.tma and cfg.kc <= bs and split in (None, 1) and lut.max_count <= MAX_REGISTER_LUT \
             and _tma_ok(a_src, y_src, w):
-        return _launch_ds_tma(a, w, out, lut, bs, transpose_w, cfg)
+        return _launch_ds_tma(a, out, a_src, y_src, trans, w, lut, bs, transpose_w, cfg)
     group = max(1, cfg.kc // bs)
     sub = max(1, bs // cfg.kc)
     num_m = triton.cdiv(M, cfg.block_m)

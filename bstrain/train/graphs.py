@@ -12,7 +12,8 @@ scaling skips steps with a host-side decision), one process (no DDP), and an opt
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
+
+from bstrain.train.step import clip_grads, lm_loss
 
 
 def check_graph_config(device: torch.device, precision: str, world_size: int) -> None:
@@ -40,7 +41,7 @@ class CapturedStep:
                  warmup: int = 2):
         self.model, self.optimizer = model, optimizer
         self.device, self.amp_dtype, self.group_size = device, amp_dtype, group_size
-        self.max_norm = grad_clip if grad_clip > 0 else float("inf")
+        self.grad_clip = grad_clip
         self.params = list(model.parameters())
         self.x = torch.zeros(batch, seq, dtype=torch.long, device=device)
         self.y = torch.zeros_like(self.x)
@@ -49,11 +50,9 @@ class CapturedStep:
         self.graph: torch.cuda.CUDAGraph | None = None
 
     def _step(self):
-        with torch.autocast(self.device.type, dtype=self.amp_dtype, enabled=self.amp_dtype is not None):
-            logits, state = self.model(self.x, self.state, group_size=self.group_size)
-        loss = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), self.y.reshape(-1))
+        loss, state = lm_loss(self.model, self.x, self.y, self.state, self.amp_dtype, self.group_size)
         loss.backward()
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.params, self.max_norm)
+        grad_norm = clip_grads(self.params, self.grad_clip)
         self.optimizer.step()
         for buf, new in zip(self.state, state):
             buf.copy_(new.detach())

@@ -15,16 +15,16 @@ import time
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 from omegaconf import DictConfig, OmegaConf
 
 from bstrain.data.text import BpttBatches, bits_per_byte, check_size, load_bytes
 from bstrain.models.lstm import build_model
 from bstrain.train.checkpoint import (checkpoint_path, latest_checkpoint, load_checkpoint, prune_checkpoints,
                                       save_checkpoint)
-from bstrain.train.graphs import CapturedStep, check_graph_config
 from bstrain.train.distributed import World, barrier, broadcast, device_for, finish, gather, init_world, mean, shard
+from bstrain.train.graphs import CapturedStep, check_graph_config
 from bstrain.train.progress import Board, Progress, log, setup_logging
+from bstrain.train.step import clip_grads, lm_loss
 
 PRECISIONS = {"fp32": None, "fp16": torch.float16, "bf16": torch.bfloat16}
 
@@ -39,6 +39,17 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
+def _optimizer_flags(device: torch.device, capturable: bool) -> dict:
+    """Fused AdamW on CUDA, foreach elsewhere; capturable for CUDA-graph capture."""
+    fused = device.type == "cuda"
+    return {"fused": True if fused else None, "foreach": None if fused else True, "capturable": capturable}
+
+
+def _lr(value, capturable: bool, device: torch.device):
+    """Graph capture reads the learning rate from a device tensor the schedule fills; else a float."""
+    return torch.tensor(float(value), device=device) if capturable else float(value)
+
+
 def make_optimizer(model: torch.nn.Module, cfg, device: torch.device,
                    capturable: bool = False) -> torch.optim.Optimizer:
     """AdamW; weight decay on matrices and blocks only; fused kernels on CUDA, foreach elsewhere.
@@ -47,29 +58,26 @@ def make_optimizer(model: torch.nn.Module, cfg, device: torch.device,
     """
     decay = [p for p in model.parameters() if p.dim() >= 2]
     rest = [p for p in model.parameters() if p.dim() < 2]
-    groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": rest, "weight_decay": 0.0}]
-    extra = {"fused": True} if device.type == "cuda" else {"foreach": True}
-    if capturable:
-        extra["capturable"] = True
-        for g in groups:
-            g["lr"] = torch.tensor(float(cfg.lr), device=device)
-    return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, **extra)
+    groups = [{"params": ps, "weight_decay": wd, "lr": _lr(cfg.lr, capturable, device)}
+              for ps, wd in ((decay, cfg.weight_decay), (rest, 0.0))]
+    return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps,
+                             **_optimizer_flags(device, capturable))
 
 
 def _match_graph_mode(optimizer: torch.optim.Optimizer, capturable: bool, device: torch.device) -> None:
     """After loading a state dict, which brings the saving run's group settings (another device,
-    with or without CUDA graphs): this run's fused/foreach/capturable choice, learning rates as
-    device tensors for graph capture (floats otherwise), and step counters where AdamW wants them.
+    with or without CUDA graphs): this run's optimizer flags and learning-rate kind (a checkpoint's
+    tensor lr comes back on the CPU, where a graph would not see the schedule), and step counters
+    where AdamW wants them.
     """
-    fused = device.type == "cuda"
+    flags = _optimizer_flags(device, capturable)
     for g in optimizer.param_groups:
-        g["capturable"], g["fused"], g["foreach"] = capturable, fused or None, None if fused else True
-        # a checkpoint's tensor lr comes back on the CPU: the graph must read a device tensor
-        g["lr"] = torch.tensor(float(g["lr"]), device=device) if capturable else float(g["lr"])
+        g.update(flags)
+        g["lr"] = _lr(g["lr"], capturable, device)
         for p in g["params"]:
             st = optimizer.state.get(p, {})
             if isinstance(st.get("step"), torch.Tensor):
-                on_device = capturable or fused
+                on_device = capturable or flags["fused"]
                 st["step"] = st["step"].to(device=p.device if on_device else "cpu", dtype=torch.float32)
 
 
@@ -123,9 +131,8 @@ def evaluate(model, data, cfg, device, n_batches: int) -> tuple[float, float]:
     state, total = None, 0.0
     for i in range(n):
         x, y = (t.to(device) for t in batches.batch(i))
-        with torch.autocast(device.type, dtype=dtype, enabled=dtype is not None):
-            logits, state = model(x, state)
-        total += F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), y.reshape(-1)).item()
+        loss, state = lm_loss(model, x, y, state, dtype)
+        total += loss.item()
     model.train()
     loss = total / max(1, n)
     return loss, bits_per_byte(loss)
@@ -236,14 +243,11 @@ def _train(cfg: DictConfig, run_dir: Path, device: torch.device, world: World) -
                 loss, grad_norm = captured.step(x, y, reset_state=state is None)
                 state = captured.state
             else:
-                with torch.autocast(device.type, dtype=amp_dtype, enabled=amp_dtype is not None):
-                    logits, state = net(x, state, group_size=t_cfg.group_size)
-                loss = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), y.reshape(-1))
+                loss, state = lm_loss(net, x, y, state, amp_dtype, t_cfg.group_size)
                 state = tuple(s.detach() for s in state)
                 scaler.scale(loss).backward()
                 scaler.unscale_(optimizer)
-                grad_norm = torch.nn.utils.clip_grad_norm_(params, cfg.optim.grad_clip if cfg.optim.grad_clip > 0
-                                                           else float("inf"))
+                grad_norm = clip_grads(params, cfg.optim.grad_clip)
                 scaler.step(optimizer)                         # skipped (and the scale halved) on inf/NaN
                 scaler.update()
                 optimizer.zero_grad(set_to_none=True)

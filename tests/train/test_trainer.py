@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from bstrain.train import checkpoint as ckpt_mod
+from bstrain.train import step as step_mod
 from bstrain.train import trainer as trainer_mod
 from bstrain.train.trainer import train
 
@@ -119,7 +120,7 @@ def test_fp16_overflow_skips_the_step_and_never_writes_nan(make_cfg, monkeypatch
             calls["n"] += 1
             loss = real_ce(*args, **kwargs)
             return loss * float("inf") if inject and calls["n"] == 3 else loss    # step 3 overflows
-        monkeypatch.setattr(trainer_mod.F, "cross_entropy", maybe_overflowing_ce)
+        monkeypatch.setattr(step_mod.F, "cross_entropy", maybe_overflowing_ce)
         cfg = make_cfg(trainer__max_steps=5, trainer__precision="fp16", trainer__eval_every=0,
                        trainer__ckpt_every=0, run=run)
         out = train(cfg)
