@@ -6,12 +6,18 @@ TRITON_INTERPRET=1 before anything imports triton.
 from __future__ import annotations
 
 import os
+import random
 
+import numpy as np
 import pytest
 import torch
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+# Every kernel output and workspace starts as NaN, so an element a kernel fails to write fails
+# its test every time (bstrain.kernels.alloc). Set before any kernel module is imported.
+os.environ["BSTRAIN_POISON_OUTPUTS"] = "1"
+SEED_ENV = "BSTRAIN_TEST_SEED"
 
 # Error floor per dtype, relative to the reference's largest magnitude. The kernel's error may be
 # at most 2x the error of the same product done by PyTorch in that dtype, plus this floor.
@@ -37,10 +43,10 @@ def assert_close(out: torch.Tensor, ref: torch.Tensor, base: torch.Tensor | None
     out64, ref64 = out.detach().double().cpu(), ref.detach().double().cpu()
     assert torch.isfinite(out64).all(), f"{name}: non-finite value at {_worst(~torch.isfinite(out64))}"
     err = (out64 - ref64).abs()
-    scale = ref64.abs().max().item() or 1.0
+    scale = (ref64.abs().max().item() if ref64.numel() else 0.0) or 1.0
     allowed = TOL_FLOOR[dtype] * scale
     if base is not None:
-        allowed += 2.0 * (base.detach().double().cpu() - ref64).abs().max().item()
+        allowed += 2.0 * (base.detach().double().cpu() - ref64).abs().max().item() if ref64.numel() else 0.0
     worst = err.max().item() if err.numel() else 0.0
     if worst > allowed:
         i = _worst(err)
@@ -51,6 +57,34 @@ def assert_close(out: torch.Tensor, ref: torch.Tensor, base: torch.Tensor | None
 def _worst(t: torch.Tensor) -> tuple:
     flat = int(t.double().flatten().argmax())
     return tuple(int(v) for v in torch.unravel_index(torch.tensor(flat), t.shape))
+
+
+@pytest.fixture(autouse=True)
+def test_seed(request) -> int:
+    """Every test draws fresh random inputs from its own seed, reported when it fails.
+
+    ``BSTRAIN_TEST_SEED=<seed> pytest <test id>`` replays a failure exactly.
+    """
+    seed = int(os.environ.get(SEED_ENV) or np.random.SeedSequence().entropy % (1 << 31))
+    torch.manual_seed(seed)
+    np.random.seed(seed)
+    random.seed(seed)
+    request.node.bstrain_seed = seed
+    return seed
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item, call):
+    report = yield
+    seed = getattr(item, "bstrain_seed", None)
+    if report.failed and seed is not None:
+        report.sections.append(("seed", f"{SEED_ENV}={seed} pytest '{item.nodeid}'  # replays this run"))
+    return report
+
+
+def fresh_seed() -> int:
+    """A seed for numpy or a layout builder, drawn from the test's seeded torch generator."""
+    return int(torch.randint(0, 1 << 30, ()))
 
 
 def pytest_collection_modifyitems(config, items):

@@ -14,6 +14,8 @@ import torch
 import triton
 import triton.language as tl
 
+from bstrain.kernels.alloc import empty
+
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
@@ -104,8 +106,8 @@ def lstm_gates_forward(c, i, u, f, o, bias=None, forget_bias=1.0, block=1024):
     """c, i, u, f, o: (N, K); bias: (4K,) or None. Returns (new_c, new_h), (N, K) contiguous."""
     _check_gates(c, (i, u, f, o), bias)
     n, k = c.shape
-    cn = torch.empty((n, k), dtype=c.dtype, device=c.device)
-    hn = torch.empty((n, k), dtype=c.dtype, device=c.device)
+    cn = empty((n, k), c.dtype, c.device)
+    hn = empty((n, k), c.dtype, c.device)
     if c.numel():
         _lstm_gates_fwd_kernel[(triton.cdiv(c.numel(), block),)](
             c, i, u, f, o, bias if bias is not None else c, cn, hn, c.numel(), k,
@@ -120,8 +122,8 @@ def lstm_gates_backward(c, i, u, f, o, dc_new, dh_new, bias=None, forget_bias=1.
     dh_new = dh_new.contiguous()
     dc_new = dc_new.contiguous() if dc_new is not None else None
     n, k = c.shape
-    dc = torch.empty((n, k), dtype=c.dtype, device=c.device)
-    dg = torch.empty((n, 4 * k), dtype=c.dtype, device=c.device)
+    dc = empty((n, k), c.dtype, c.device)
+    dg = empty((n, 4 * k), c.dtype, c.device)
     if c.numel():
         _lstm_gates_bwd_kernel[(triton.cdiv(c.numel(), block),)](
             c, i, u, f, o, bias if bias is not None else c, dc_new if dc_new is not None else dh_new,

@@ -34,6 +34,8 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
+from bstrain.kernels.alloc import empty
+
 BLOCK_SIZES = (8, 16, 32, 64, 128)
 _INT32_MAX = 2**31 - 1
 
@@ -470,8 +472,7 @@ def _launch_ds(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, lut: Segment
     max_iter = lut.max_count * sub if group == 1 else triton.cdiv(lut.max_count, group)
     if split is None:
         split = max(1, min(triton.cdiv(2 * _sm_count(a.device), n_prog), max_iter)) if max_iter else 1
-    target = out if split == 1 else torch.empty((split,) + tuple(out.shape), device=a.device,
-                                                dtype=torch.float32)
+    target = out if split == 1 else empty((split,) + tuple(out.shape), torch.float32, a.device)
     ys = target.stride(0) if split > 1 else 0
     ym, yn = (target.stride(1), target.stride(2)) if split > 1 else (out.stride(0), out.stride(1))
     wr, wc = (1, bs) if transpose_w else (bs, 1)
@@ -490,7 +491,7 @@ def _alloc_out(out: torch.Tensor | None, shape: tuple[int, int], like: torch.Ten
                dtype: torch.dtype | None = None) -> torch.Tensor:
     dtype = dtype or like.dtype
     if out is None:
-        return torch.empty(shape, device=like.device, dtype=dtype)
+        return empty(shape, dtype, like.device)
     if tuple(out.shape) != shape or out.dtype != dtype or out.device != like.device:
         raise ValueError(f"out: expected {shape} {dtype} on {like.device}, got "
                          f"{tuple(out.shape)} {out.dtype} on {out.device}")
@@ -559,7 +560,7 @@ def bsmm_dw(x: torch.Tensor, dy: torch.Tensor, luts: BsmmLuts, feature_axis: int
     cols, starts, counts = luts.dw_items(1 if use_tma else cfg.group)
     if split is None:
         split = max(1, min(triton.cdiv(2 * _sm_count(x.device), cols.numel()), triton.cdiv(n, 4 * cfg.block_n)))
-    target = dw if split == 1 else torch.empty((split, luts.nnz, bs, bs), device=x.device, dtype=torch.float32)
+    target = dw if split == 1 else empty((split, luts.nnz, bs, bs), torch.float32, x.device)
     prec = _precision(x.dtype)
     if use_tma:
         blk = [bs, cfg.block_n] if trans else [cfg.block_n, bs]

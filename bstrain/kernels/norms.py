@@ -11,6 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
+from bstrain.kernels.alloc import empty, empty_like
 from bstrain.kernels.matmul import _sm_count
 
 MAX_SEGMENT = 8192  # features per segment the one-tile kernel handles
@@ -25,6 +26,19 @@ def _normalize_store(x, mean, rstd, G, B, Y, feat, fmask, offs, mask, RELU: tl.c
     if RELU:
         y = tl.maximum(y, 0.0)
     tl.store(Y + offs, y.to(Y.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _relu_grad(xhat, g, B, feat, fmask, dy, DX):
+    """dy where the forward's stored output y > 0, else 0.
+
+    y is recomputed as the forward computed it and rounded to the stored dtype (DX's, which is
+    x's and y's), so the gradient follows the forward's own ReLU decision even where y lies
+    within rounding of zero.
+    """
+    b = tl.load(B + feat, mask=fmask, other=0.0).to(tl.float32)
+    y = (xhat * g[None, :] + b[None, :]).to(DX.dtype.element_ty)
+    return tl.where(y > 0.0, dy, 0.0)
 
 
 @triton.jit
@@ -66,8 +80,7 @@ def _layer_norm_bwd_kernel(X, G, B, DY, DX, MEAN, RSTD, DG_PART, DB_PART, n_grou
     g = tl.load(G + feat, mask=fmask, other=0.0).to(tl.float32)
     xhat = tl.where(mask, (x - mean[:, None]) * rstd[:, None], 0.0)
     if RELU:
-        b = tl.load(B + feat, mask=fmask, other=0.0).to(tl.float32)
-        dy = tl.where(xhat * g[None, :] + b[None, :] > 0.0, dy, 0.0)
+        dy = _relu_grad(xhat, g, B, feat, fmask, dy, DX)
     tl.store(DG_PART + pid * C + feat, tl.sum(dy * xhat, axis=0), mask=fmask)
     tl.store(DB_PART + pid * C + feat, tl.sum(dy, axis=0), mask=fmask)
     dxhat = dy * g[None, :]
@@ -136,8 +149,7 @@ def _layer_norm_bwd_loop_kernel(X, G, B, DY, DX, MEAN, RSTD, DG_PART, DB_PART, n
             g = tl.load(G + feat, mask=fmask, other=0.0).to(tl.float32)
             xhat = tl.where(mask, (x - mean[:, None]) * rstd[:, None], 0.0)
             if RELU:
-                b = tl.load(B + feat, mask=fmask, other=0.0).to(tl.float32)
-                dy = tl.where(xhat * g[None, :] + b[None, :] > 0.0, dy, 0.0)
+                dy = _relu_grad(xhat, g, B, feat, fmask, dy, DX)
             dxhat = dy * g[None, :]
             if pass_ == 0:
                 s1 += dxhat * xhat
@@ -180,9 +192,9 @@ def _geometry(x: torch.Tensor, axis: int, segments: int):
 def layer_norm_forward(x, g, b, axis: int, eps: float, relu: bool, segments: int):
     """x: contiguous (N, C) for axis=1 or (C, N) for axis=0; g, b: (C,). Returns (y like x, mean (groups, segments) fp32, rstd (groups, segments) fp32)."""
     n_groups, seg_size, sg, sf, block_g, ks, looped, warps = _geometry(x, axis, segments)
-    y = torch.empty_like(x)
-    mean = torch.empty((n_groups, segments), dtype=torch.float32, device=x.device)
-    rstd = torch.empty_like(mean)
+    y = empty_like(x)
+    mean = empty((n_groups, segments), torch.float32, x.device)
+    rstd = empty_like(mean)
     grid = (triton.cdiv(n_groups, block_g), segments)
     if n_groups and looped:
         _layer_norm_fwd_loop_kernel[grid](x, g, b, y, mean, rstd, n_groups, segments, seg_size, sg, sf,
@@ -197,9 +209,9 @@ def layer_norm_backward(dy, x, g, b, mean, rstd, axis: int, relu: bool, segments
     """dy, x: contiguous, same shape. Returns (dx like x, dg (C,), db (C,)) with dg/db in g's dtype."""
     n_groups, seg_size, sg, sf, block_g, ks, looped, warps = _geometry(x, axis, segments)
     C = x.shape[axis]
-    dx = torch.empty_like(x)
+    dx = empty_like(x)
     n_prog = triton.cdiv(n_groups, block_g)
-    parts = torch.empty((2, n_prog, C), dtype=torch.float32, device=x.device)   # dg, db per program
+    parts = empty((2, n_prog, C), torch.float32, x.device)   # dg, db per program
     dg_part, db_part = parts[0], parts[1]
     kernel = _layer_norm_bwd_loop_kernel if looped else _layer_norm_bwd_kernel
     tile = dict(FCHUNK=ks) if looped else dict(KS=ks)

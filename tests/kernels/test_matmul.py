@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 import torch
 
-from tests.conftest import DTYPE_IDS, assert_close, kernel_device, kernel_dtypes
+from tests.conftest import DTYPE_IDS, assert_close, fresh_seed, kernel_device, kernel_dtypes
 
 kernels = pytest.importorskip("bstrain.kernels.matmul")
 
@@ -38,7 +38,7 @@ def torch_mm(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype) -> torch.Tens
 
 
 def make_case(bs, axis, dtype, n=37, cb=3, kb=5, seed=None):
-    seed = int(np.random.default_rng().integers(1 << 30)) if seed is None else seed
+    seed = fresh_seed() if seed is None else seed
     lay = ragged_layout(cb, kb, seed)
     dev = kernel_device()
     luts = kernels.make_luts(lay, bs, dev)

@@ -10,6 +10,41 @@ from tests.conftest import DTYPE_IDS, assert_close, kernel_device, kernel_dtypes
 kernels = pytest.importorskip("bstrain.kernels.norms")
 
 
+def check_kernel(x, g, b, axis, relu, segments, dtype, base=None):
+    """Forward and backward kernels against float64 autograd of layer_norm_ref.
+
+    With ReLU, the reference gradient passes where the kernel's stored output is > 0: an output
+    within rounding of zero may fall on either side of it in fp32 and in float64, and the
+    gradient must follow the forward the kernel actually computed (as torch's ReLU does).
+    """
+    y, mean, rstd = kernels.layer_norm_forward(x, g, b, axis, 1e-6, relu, segments)
+    x64, g64, b64 = (t.double().cpu().requires_grad_() for t in (x, g, b))
+    pre = layer_norm_ref(x64, g64, b64, axis, 1e-6, False, segments)
+    assert_close(y, pre.clamp_min(0) if relu else pre, base() if base else None, dtype, "y")
+    ref = pre * (y.double().cpu() > 0) if relu else pre
+    dy = torch.randn_like(x)
+    ref.backward(dy.double().cpu())
+    dx, dg, db = kernels.layer_norm_backward(dy, x, g, b, mean, rstd, axis, relu, segments)
+    assert_close(dx, x64.grad, None, dtype, "dx")
+    assert_close(dg, g64.grad, None, dtype, "dg")
+    assert_close(db, b64.grad, None, dtype, "db")
+
+
+def test_relu_gradient_follows_the_stored_output():
+    """Outputs that round to zero in fp16 carry no gradient, as the stored output says."""
+    dev = kernel_device()
+    x = torch.randn(64, 40, device=dev).half()
+    g = torch.full((40,), 1e-3, device=dev)               # fp32 params, small outputs
+    _, mean, rstd = kernels.layer_norm_forward(x, g, torch.zeros_like(g), 1, 1e-6, False, 1)
+    xhat_g = (x[0].float() - mean[0]) * rstd[0] * g                 # row 0 before its bias
+    tiny = torch.tensor([1e-8, -1e-8], device=dev).repeat(20)       # in fp32 > 0 or < 0; 0 in fp16
+    b = tiny - xhat_g
+    y, mean, rstd = kernels.layer_norm_forward(x, g, b, 1, 1e-6, True, 1)
+    assert (y[0] == 0).all(), "row 0 should round to zero in fp16"
+    dx, dg, db = kernels.layer_norm_backward(torch.ones_like(x), x, g, b, mean, rstd, 1, True, 1)
+    torch.testing.assert_close(db, (y > 0).float().sum(0), rtol=0, atol=0)
+
+
 @pytest.mark.parametrize("dtype", kernel_dtypes(), ids=lambda d: DTYPE_IDS[d])
 @pytest.mark.parametrize("axis", (0, 1), ids=lambda a: f"axis{a}")
 @pytest.mark.parametrize("segments", (1, 4), ids=lambda s: f"seg{s}")
@@ -19,16 +54,8 @@ def test_layer_norm_kernel(dtype, axis, segments, relu):
     c, n = 4 * 37, 23                                   # ragged segment size and group count
     x = (torch.randn((n, c) if axis == 1 else (c, n), device=dev) * 3 + 1).to(dtype)
     g, b = torch.randn(c, device=dev).to(dtype), torch.randn(c, device=dev).to(dtype)
-    y, mean, rstd = kernels.layer_norm_forward(x, g, b, axis, 1e-6, relu, segments)
-    x64, g64, b64 = (t.double().cpu().requires_grad_() for t in (x, g, b))
-    ref = layer_norm_ref(x64, g64, b64, axis, 1e-6, relu, segments)
-    assert_close(y, ref, layer_norm_ref(x, g, b, axis, 1e-6, relu, segments), dtype, "y")
-    dy = torch.randn_like(x)
-    ref.backward(dy.double().cpu())
-    dx, dg, db = kernels.layer_norm_backward(dy, x, g, b, mean, rstd, axis, relu, segments)
-    assert_close(dx, x64.grad, None, dtype, "dx")
-    assert_close(dg, g64.grad, None, dtype, "dg")
-    assert_close(db, b64.grad, None, dtype, "db")
+    check_kernel(x, g, b, axis, relu, segments, dtype,
+                 base=lambda: layer_norm_ref(x, g, b, axis, 1e-6, relu, segments))
 
 
 @pytest.mark.parametrize("axis, n, block_g", [(0, 37, 32), (1, 37, 1), (1, 531, 4)],
@@ -44,16 +71,7 @@ def test_layer_norm_loop_kernel(axis, n, block_g, monkeypatch):
     geometry = kernels._geometry(x, axis, 2)
     assert geometry[6] and geometry[4] == block_g, f"expected the looped kernels, {block_g} groups per program"
     for relu in (False, True):
-        y, mean, rstd = kernels.layer_norm_forward(x, g, b, axis, 1e-6, relu, 2)
-        x64, g64, b64 = (t.double().cpu().requires_grad_() for t in (x, g, b))
-        ref = layer_norm_ref(x64, g64, b64, axis, 1e-6, relu, 2)
-        assert_close(y, ref, None, dtype, "y")
-        dy = torch.randn_like(x)
-        ref.backward(dy.double().cpu())
-        dx, dg, db = kernels.layer_norm_backward(dy, x, g, b, mean, rstd, axis, relu, 2)
-        assert_close(dx, x64.grad, None, dtype, "dx")
-        assert_close(dg, g64.grad, None, dtype, "dg")
-        assert_close(db, b64.grad, None, dtype, "db")
+        check_kernel(x, g, b, axis, relu, 2, dtype)
 
 
 def test_segment_limit_is_a_clear_error():

@@ -39,6 +39,8 @@ def test_layer_norm(backend, dtype, axis, segments, relu, monkeypatch):
     x64, g64, b64 = (t.detach().cpu().double().requires_grad_() for t in (x, g, b))
     ref = seed_layer_norm(x64, g64, b64, axis, 1e-6, relu, segments)
     assert_close(y, ref, None, dtype, "y")
+    if relu:    # the gradient follows the op's own ReLU decision (outputs near zero: either side)
+        ref = seed_layer_norm(x64, g64, b64, axis, 1e-6, False, segments) * (y.detach().cpu() > 0)
     dy = torch.randn(ref.shape, dtype=torch.float64)
     (y.cpu().double() * dy).sum().backward()
     (ref * dy).sum().backward()
@@ -46,15 +48,76 @@ def test_layer_norm(backend, dtype, axis, segments, relu, monkeypatch):
         assert_close(got.grad, want.grad, None, dtype, name)
 
 
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("shape, axis", [((3, 5, 8), -1), ((3, 5, 8), 2), ((8, 3, 5), 0), ((3, 8, 5), 1), ((3, 8, 5), -2)],
+                         ids=["BTC-last", "BTC-2", "CBT-first", "middle", "middle-neg"])
+@pytest.mark.parametrize("segments, relu", [(1, False), (2, True)])
+def test_layer_norm_any_rank_and_axis(backend, shape, axis, segments, relu, monkeypatch):
+    """The seed's transformer calls layer_norm(x, g, b, axis=-1) on (B, T, C): any rank, any axis."""
+    monkeypatch.setenv("BSTRAIN_FORCE_TRITON", "1" if backend == "triton" else "0")
+    dev = kernel_device() if backend == "triton" else "cpu"
+    x = torch.randn(shape, device=dev, requires_grad=True)
+    C = shape[axis]
+    g, b = torch.randn(C, device=dev, requires_grad=True), torch.randn(C, device=dev, requires_grad=True)
+    y = norms.layer_norm(x, g, b, axis=axis, segments=segments, relu=relu)
+    assert y.shape == x.shape
+    x64, g64, b64 = (t.detach().double().cpu().requires_grad_() for t in (x, g, b))
+    moved = x64.movedim(axis, -1)
+    ref = seed_layer_norm(moved.reshape(-1, C), g64, b64, 1, 1e-6, False, segments).reshape(moved.shape).movedim(-1, axis)
+    keep = y.detach().cpu() > 0 if relu else torch.ones(shape, dtype=torch.bool)
+    assert_close(y, ref.clamp_min(0) if relu else ref, None, torch.float32, "y")
+    dy = torch.randn(shape, dtype=torch.float64)
+    (y.cpu().double() * dy).sum().backward()
+    (ref * keep * dy).sum().backward()
+    for name, got, want in (("dx", x, x64), ("dg", g, g64), ("db", b, b64)):
+        assert_close(got.grad, want.grad, None, torch.float32, name)
+
+
+def test_layer_norm_seed_positional_order():
+    """layer_norm(x, g, b, axis, segments, epsilon, relu): the seed's fifth argument is segments."""
+    x, g, b = torch.randn(6, 8, dtype=torch.float64), torch.randn(8, dtype=torch.float64), torch.randn(8, dtype=torch.float64)
+    torch.testing.assert_close(norms.layer_norm(x, g, b, 1, 2, 1e-3, True),
+                               norms.layer_norm(x, g, b, axis=1, segments=2, epsilon=1e-3, relu=True))
+    torch.testing.assert_close(norms.layer_norm(x, g, b, 1, 2), seed_layer_norm(x, g, b, 1, 1e-6, False, 2))
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=lambda d: DTYPE_IDS[d])
+@pytest.mark.parametrize("axis, relu", [(1, False), (1, True), (0, False)], ids=["axis1", "axis1-relu", "axis0"])
+def test_layer_norm_fp32_params_with_16_bit_x(backend, dtype, axis, relu, monkeypatch):
+    """The seed's mixed precision: fp32 gain and bias, shaped (1, C) and (C, 1), with fp16/bf16 x."""
+    if backend == "triton" and dtype == torch.bfloat16 and not torch.cuda.is_available():
+        pytest.skip("bf16 kernels are checked on the GPU (the interpreter's bf16 is unreliable)")
+    monkeypatch.setenv("BSTRAIN_FORCE_TRITON", "1" if backend == "triton" else "0")
+    dev = kernel_device() if backend == "triton" else "cpu"
+    x = torch.randn((7, 24) if axis == 1 else (24, 7), device=dev).to(dtype).requires_grad_()
+    g = (torch.rand(1, 24, device=dev) + 0.5).requires_grad_()
+    b = torch.randn(24, 1, device=dev).requires_grad_()
+    y = norms.layer_norm(x, g, b, axis=axis, relu=relu)
+    assert y.dtype == dtype
+    x64, g64, b64 = (t.detach().double().cpu().requires_grad_() for t in (x, g, b))
+    ref = seed_layer_norm(x64, g64.view(-1), b64.view(-1), axis, 1e-6, False, 1)
+    assert_close(y, ref.clamp_min(0) if relu else ref, None, dtype, "y")
+    ((ref * (y.detach().cpu() > 0)) if relu else ref).sum().backward()
+    y.float().sum().backward()
+    assert g.grad.dtype == torch.float32 and g.grad.shape == (1, 24) and b.grad.shape == (24, 1)
+    assert_close(g.grad, g64.grad, None, dtype, "dg")
+    assert_close(b.grad, b64.grad, None, dtype, "db")
+
+
 @pytest.mark.parametrize("call, exc, match", [
-    (lambda: norms.layer_norm(torch.ones(2, 4), torch.ones(3), torch.ones(4)), ValueError, r"g: expected shape \(4,\)"),
+    (lambda: norms.layer_norm(torch.ones(2, 4), torch.ones(3), torch.ones(4)), ValueError, r"g: expected 4 elements"),
     (lambda: norms.layer_norm(torch.ones(2, 4), torch.ones(4), torch.ones(4), segments=3), ValueError,
      "segments: expected a positive divisor"),
-    (lambda: norms.layer_norm(torch.ones(2, 4), torch.ones(4), torch.ones(4), axis=2), ValueError, "axis"),
-    (lambda: norms.layer_norm(torch.ones(2, 4, 1), torch.ones(4), torch.ones(4)), ValueError, "x: expected a 2-D"),
+    (lambda: norms.layer_norm(torch.ones(2, 4), torch.ones(4), torch.ones(4), axis=2), ValueError,
+     r"axis: expected an int axis in \[-2, 2\)"),
+    (lambda: norms.layer_norm(torch.ones(2, 0), torch.ones(0), torch.ones(0), axis=1), ValueError,
+     "x: expected at least one feature"),
     (lambda: norms.layer_norm(torch.ones(2, 4), torch.ones(4).half(), torch.ones(4)), TypeError,
      "g: expected dtype torch.float32"),
-    (lambda: norms.batch_norm(torch.ones(2, 3, 4), torch.ones(2), torch.ones(3)), ValueError, r"g: expected shape \(3,\)"),
+    (lambda: norms.layer_norm(torch.ones(2, 4).half(), torch.ones(4).double(), torch.ones(4).half()), TypeError,
+     "g: expected dtype torch.float16"),
+    (lambda: norms.batch_norm(torch.ones(2, 3, 4), torch.ones(2), torch.ones(3)), ValueError, r"g: expected 3 elements"),
     (lambda: norms.batch_norm(torch.ones(3), torch.ones(3), torch.ones(3)), ValueError, "x: expected"),
 ])
 def test_bad_input(call, exc, match):
@@ -80,9 +143,12 @@ def test_batch_norm(shape):
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-def test_batch_norm_statistics_feed_inference_in_16_bit(dtype):
+@pytest.mark.parametrize("params", ["same", "fp32"])
+def test_batch_norm_statistics_feed_inference_in_16_bit(dtype, params):
     imgs = torch.randn(2, 3, 8, 8).to(dtype)
-    g, b = torch.ones(3, dtype=dtype), torch.zeros(3, dtype=dtype)
+    pdt = dtype if params == "same" else torch.float32
+    g, b = torch.ones(1, 3, dtype=pdt), torch.zeros(3, 1, dtype=pdt)
     y, mean, var = norms.batch_norm(imgs, g, b)
     y_inf = norms.batch_norm_inference(imgs, g, b, mean, var)
+    assert y.dtype == y_inf.dtype == dtype and mean.dtype == torch.float32
     torch.testing.assert_close(y_inf.float(), y.float(), rtol=2e-2, atol=2e-2)
