@@ -13,9 +13,17 @@ import numpy as np
 import torch
 
 __all__ = [
-    "as_layout", "validate", "from_array", "dense", "random", "block_diagonal",
-    "barabasi_albert", "watts_strogatz", "density",
+    "as_layout", "validate", "from_array", "dense", "random", "balanced", "block_diagonal",
+    "barabasi_albert", "watts_strogatz", "density", "z_order_rank",
 ]
+
+
+def _rng(seed: int | None) -> np.random.Generator:
+    """numpy generator for a builder: from ``seed``, or, when None, seeded from torch's global
+    RNG, so that ``torch.manual_seed`` reproduces every layout drawn without a seed."""
+    if seed is None:
+        seed = int(torch.randint(0, 2**62, (), dtype=torch.int64))
+    return np.random.default_rng(seed)
 
 
 def as_layout(layout, name: str = "layout") -> np.ndarray:
@@ -75,14 +83,55 @@ def dense(shape: tuple[int, int]) -> np.ndarray:
     return np.ones(shape, dtype=bool)
 
 
+def _check_density(density) -> float:
+    if isinstance(density, bool) or not isinstance(density, (int, float)) or not 0.0 < density <= 1.0:
+        raise ValueError(f"density: expected a value in (0, 1], got {density!r}")
+    return float(density)
+
+
 def random(shape: tuple[int, int], density: float, seed: int | None = None) -> np.ndarray:
-    """Each block live with probability ``density``; at least one block is always live."""
-    if not 0.0 < density <= 1.0:
-        raise ValueError(f"density: expected a value in (0, 1], got {density}")
-    rng = np.random.default_rng(seed)
+    """Each block live with probability ``density``, independently; at least one block is live.
+
+    The realised density varies around ``density`` and some rows or columns may be empty; see
+    :func:`balanced` for an exact, even draw. Without a seed the draw follows torch's RNG.
+    """
+    density = _check_density(density)
+    rng = _rng(seed)
     lay = rng.random(shape) < density
     if not lay.any():
         lay[rng.integers(shape[0]), rng.integers(shape[1])] = True
+    return lay
+
+
+def _spread(n: int, parts: int, rng: np.random.Generator) -> np.ndarray:
+    """n items over ``parts`` bins as evenly as possible: n // parts each, one more in a random n % parts."""
+    counts = np.full(parts, n // parts, dtype=np.int64)
+    counts[rng.permutation(parts)[:n % parts]] += 1
+    return counts
+
+
+def balanced(shape: tuple[int, int], density: float, seed: int | None = None) -> np.ndarray:
+    """Exactly ``round(density · Cb·Kb)`` live blocks (at least one), spread evenly and at random.
+
+    Every output block-column gets ⌊n/Kb⌋ or ⌈n/Kb⌉ live blocks and every input block-row
+    ⌊n/Cb⌋ or ⌈n/Cb⌉, so no output unit is left without inputs (and no input unused) once
+    n >= max(Cb, Kb). Without a seed the draw follows torch's RNG.
+    """
+    density = _check_density(density)
+    cb, kb = shape
+    n = min(cb * kb, max(1, int(round(density * cb * kb))))
+    rng = _rng(seed)
+    col_need, row_left = _spread(n, kb, rng), _spread(n, cb, rng)
+    lay = np.zeros((cb, kb), dtype=bool)
+    # Ryser's construction: fullest columns first, each into the rows with the most room left
+    # (random order among equals), which always succeeds for margins this even.
+    for k in sorted(rng.permutation(kb), key=lambda j: -col_need[j]):
+        need = int(col_need[k])
+        if need:
+            rows = np.argsort(-(row_left + rng.random(cb)), kind="stable")[:need]
+            lay[rows, k] = True
+            row_left[rows] -= 1
+    assert (row_left == 0).all() and lay.sum() == n, "balanced layout: margins not met"
     return lay
 
 
@@ -104,7 +153,7 @@ def barabasi_albert(n: int, m: int, seed: int | None = None, self_loops: bool = 
     """
     if not 1 <= m < n:
         raise ValueError(f"barabasi_albert: expected 1 <= m < n, got m={m}, n={n}")
-    rng = np.random.default_rng(seed)
+    rng = _rng(seed)
     adj = np.zeros((n, n), dtype=bool)
     adj[0, 1:m + 1] = adj[1:m + 1, 0] = True
     ends = [0] * m + list(range(1, m + 1))  # each node repeated once per edge end
@@ -128,7 +177,7 @@ def watts_strogatz(n: int, k: int, p: float, seed: int | None = None, self_loops
     """
     if not (k % 2 == 0 and 2 <= k < n) or not 0.0 <= p <= 1.0:
         raise ValueError(f"watts_strogatz: expected even 2 <= k < n and 0 <= p <= 1, got n={n}, k={k}, p={p}")
-    rng = np.random.default_rng(seed)
+    rng = _rng(seed)
     adj = np.zeros((n, n), dtype=bool)
     for j in range(1, k // 2 + 1):
         idx = np.arange(n)
@@ -145,3 +194,15 @@ def watts_strogatz(n: int, k: int, p: float, seed: int | None = None, self_loops
     if self_loops:
         np.fill_diagonal(adj, True)
     return adj
+
+
+def z_order_rank(c_idx: np.ndarray, k_idx: np.ndarray) -> np.ndarray:
+    """Each block's position when blocks (c, k) are sorted in Morton (z-) order, the seed's
+    default weight block order: bit i of c goes to bit 2i of the key, bit i of k to bit 2i+1."""
+    c, k = np.asarray(c_idx, dtype=np.int64), np.asarray(k_idx, dtype=np.int64)
+    key = np.zeros_like(c)
+    for bit in range(int(max(c.max(initial=0), k.max(initial=0))).bit_length()):
+        key |= ((c >> bit) & 1) << (2 * bit) | ((k >> bit) & 1) << (2 * bit + 1)
+    rank = np.empty_like(key)
+    rank[np.argsort(key, kind="stable")] = np.arange(key.size)
+    return rank

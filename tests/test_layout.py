@@ -16,6 +16,38 @@ def test_random_density_and_seed():
     assert L.random((4, 4), 1e-9, seed=0).sum() == 1, "a random layout always keeps one block"
 
 
+@pytest.mark.parametrize("build", [
+    lambda: L.random((16, 16), 0.3), lambda: L.balanced((16, 24), 0.3),
+    lambda: L.barabasi_albert(30, 2), lambda: L.watts_strogatz(30, 4, 0.3)], ids=["random", "balanced", "ba", "ws"])
+def test_unseeded_builders_follow_torch_manual_seed(build):
+    torch.manual_seed(11)
+    a = build()
+    torch.manual_seed(11)
+    assert (build() == a).all()
+
+
+@pytest.mark.parametrize("shape, density", [((16, 16), 0.25), ((10, 7), 0.3), ((7, 40), 0.2), ((40, 3), 0.5),
+                                            ((5, 5), 1.0), ((3, 50), 0.1)])
+def test_balanced_is_exact_and_even(shape, density):
+    lay = L.balanced(shape, density)
+    n = round(density * shape[0] * shape[1])
+    assert lay.sum() == n
+    for sums, parts in ((lay.sum(0), shape[1]), (lay.sum(1), shape[0])):
+        assert set(np.unique(sums)) <= {n // parts, -(-n // parts)}, "each column and row gets floor or ceil"
+    assert (L.balanced(shape, density, seed=3) == L.balanced(shape, density, seed=3)).all()
+
+
+def test_balanced_draws_differ_and_cover_all_positions():
+    hits = sum(L.balanced((8, 8), 0.25, seed=s).astype(int) for s in range(200))
+    assert (hits > 0).all() and hits.std() < 0.3 * hits.mean(), "no position is favoured"
+
+
+def test_z_order_rank_is_morton_order():
+    c, k = np.array([0, 0, 1, 1, 2, 3]), np.array([0, 1, 0, 1, 0, 3])
+    # Morton keys (bit i of c at 2i, of k at 2i+1): 0, 2, 1, 3, 4, 15
+    assert L.z_order_rank(c, k).tolist() == [0, 2, 1, 3, 4, 5]
+
+
 def test_dense_and_block_diagonal():
     assert L.dense((3, 5)).all()
     bd = L.block_diagonal(6, group=2)
@@ -66,6 +98,7 @@ def test_validate_shape_against_features():
 
 @pytest.mark.parametrize("call, match", [
     (lambda: L.random((2, 2), 0.0), "density"),
+    (lambda: L.balanced((2, 2), 1.5), "density"),
     (lambda: L.barabasi_albert(5, 5), "m < n"),
     (lambda: L.watts_strogatz(10, 3, 0.1), "even"),
     (lambda: L.block_diagonal(0), "n >= 1"),

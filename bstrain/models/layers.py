@@ -1,8 +1,9 @@
-"""nn.Modules that research code composes."""
+"""nn.Modules that research code composes: BlockSparseLinear, and helpers to convert dense models."""
 from __future__ import annotations
 
 import contextlib
-import math
+import fnmatch
+from collections.abc import Callable, Iterator
 
 import numpy as np
 import torch
@@ -11,50 +12,81 @@ from torch import nn
 from bstrain import layout as layouts
 from bstrain.ops.matmul import BlocksparseMatMul, check_block_size, compute_dtype
 
-__all__ = ["BlockSparseLinear"]
+__all__ = ["BlockSparseLinear", "block_sparse_layouts", "sparsify"]
 
 
 class BlockSparseLinear(nn.Module):
-    """Linear layer with a block-sparse weight: y = x·W (+ b).
+    """Linear layer with a block-sparse weight: y = x·W + b, with ``nn.Linear``'s conventions.
 
     Args:
         in_features, out_features: C and K, multiples of block_size.
-        layout: (C/bs, K/bs) 0/1 array; or None to draw a random layout of ``density``.
-        density: fraction of live blocks for the random layout (used only when layout is None).
-        block_size: 8, 16, 32, 64 or 128.
         bias: add a learned (K,) bias.
-        feature_axis: 1 for (N, C) inputs, 0 for (C, N).
-        seed: seed of the random layout.
+        block_size: bs, one of 8, 16, 32, 64, 128.
+        density: fraction of live blocks of a drawn layout (when ``layout`` is None).
+        layout: a (C/bs, K/bs) 0/1 array; overrides ``density``.
+        balanced: draw exactly ``round(density·blocks)`` live blocks spread evenly over output
+            columns and input rows (:func:`bstrain.layout.balanced`, the default); False draws
+            each block independently (:func:`bstrain.layout.random`).
+        feature_axis: 1 for (*, C) inputs (as nn.Linear), 0 for (C, *).
+        seed: seed of the drawn layout; None follows torch's RNG (``torch.manual_seed``).
+        device, dtype: of the parameters, as for nn.Linear (``device="meta"`` builds no storage).
+
+    Parameters: ``weight`` (nnz, bs, bs), the live blocks in row-major layout order, and
+    ``bias`` (K,). The layout is kept as the ``layout`` buffer, so state dicts carry it.
     """
 
-    def __init__(self, in_features: int, out_features: int, layout=None, density: float | None = None,
-                 block_size: int = 32, bias: bool = True, feature_axis: int = 1, seed: int | None = None):
+    def __init__(self, in_features: int, out_features: int, bias: bool = True, *, block_size: int = 32,
+                 density: float | None = None, layout=None, balanced: bool = True, feature_axis: int = 1,
+                 seed: int | None = None, device=None, dtype=None):
         super().__init__()
         bs = check_block_size(block_size)
         for name, feat in (("in_features", in_features), ("out_features", out_features)):
-            if not isinstance(feat, int) or feat <= 0 or feat % bs:
+            if isinstance(feat, bool) or not isinstance(feat, int) or feat <= 0 or feat % bs:
                 raise ValueError(f"{name}: expected a positive multiple of block_size={bs}, got {feat!r}")
-        if layout is None:
+        if not isinstance(bias, bool):
+            raise TypeError(f"bias: expected True or False (nn.Linear's third argument), got {bias!r}")
+        drawn = layout is None
+        if drawn:
             if density is None:
                 raise ValueError("layout: expected a layout or a density, got neither")
-            layout = layouts.random((in_features // bs, out_features // bs), density, seed=seed)
+            draw = layouts.balanced if balanced else layouts.random
+            layout = draw((in_features // bs, out_features // bs), density, seed=seed)
         lay = layouts.validate(layout, in_features, out_features, bs)
         self.in_features, self.out_features = in_features, out_features
+        self.requested_density = density if drawn else None     # shown beside the realised one
         self.op = BlocksparseMatMul(lay, bs, feature_axis)
-        self.weight = nn.Parameter(torch.empty(self.op.w_shape))
-        self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
-        self.register_buffer("layout", torch.as_tensor(lay), persistent=True)
+        factory = {"device": device, "dtype": dtype}
+        self.weight = nn.Parameter(torch.empty(self.op.w_shape, **factory))
+        self.bias = nn.Parameter(torch.empty(out_features, **factory)) if bias else None
+        self.register_buffer("layout", torch.as_tensor(lay, device=device), persistent=True)
         self._group = None          # (GradGroup, grouped weight) inside grad_group()
         self.reset_parameters()
 
-    def reset_parameters(self) -> None:
-        """Uniform(-1/sqrt(fan_in), 1/sqrt(fan_in)) with fan_in the mean live inputs per output."""
-        fan_in = max(1.0, float(np.asarray(self.op.layout).sum(0).mean()) * self.op.block_size)
-        bound = 1.0 / math.sqrt(fan_in)
-        nn.init.uniform_(self.weight, -bound, bound)
-        if self.bias is not None:
-            nn.init.uniform_(self.bias, -bound, bound)
+    # --- initialisation ---------------------------------------------------------------------------
+    def fan_in(self) -> torch.Tensor:
+        """(K,) float: live inputs of each output unit (bs × live blocks in its block-column)."""
+        per_col = np.asarray(self.op.layout).sum(0) * self.op.block_size      # (Kb,)
+        return torch.as_tensor(np.repeat(per_col, self.op.block_size), dtype=torch.float32)
 
+    def reset_parameters(self) -> None:
+        """nn.Linear's init with each output unit's true fan-in: weight and bias of output unit k
+        uniform in ±1/sqrt(fan_in[k]). Also rewrites the layout buffer from the op (after
+        ``to_empty()`` it holds uninitialised memory).
+
+        ``nn.init`` functions that derive fans from the weight's shape see fan_in = bs² and
+        fan_out = nnz·bs for the (nnz, bs, bs) weight: kaiming_*/xavier_* give wrong scales, and
+        orthogonal_ mixes blocks. Use this method, ``op.ortho_init()`` or ``op.identity_init()``.
+        """
+        with torch.no_grad():
+            self.layout.copy_(torch.as_tensor(self.op.layout))
+            bound = self.fan_in().clamp_min(1).rsqrt().to(self.weight.device, self.weight.dtype)   # (K,)
+            k_idx = self.op._coords[1].to(self.weight.device)
+            block_bound = bound.view(-1, self.op.block_size)[k_idx]                # (nnz, bs) per column
+            self.weight.uniform_(-1.0, 1.0).mul_(block_bound[:, None, :])
+            if self.bias is not None:
+                self.bias.uniform_(-1.0, 1.0).mul_(bound)
+
+    # --- forward ----------------------------------------------------------------------------------
     @contextlib.contextmanager
     def grad_group(self, group_size: int = 8):
         """Within this context, calls share one dW computed for up to group_size calls per launch.
@@ -76,7 +108,8 @@ class BlockSparseLinear(nn.Module):
             self._group = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x: (N, C) or (C, N); returns (N, K) or (K, N). Under autocast, runs in its dtype."""
+        """x: (*, C) (or (C, *) with feature_axis=0); returns (*, K) (or (K, *)). Under autocast,
+        runs in its dtype."""
         if self._group is not None:
             group, w = self._group
             if w is None:                              # first call in the context: cast W once
@@ -88,23 +121,133 @@ class BlockSparseLinear(nn.Module):
             y = self.op(x, self.weight)
         if self.bias is not None:
             b = self.bias.to(y.dtype)
-            y = y + (b if self.op.feature_axis == 1 else b[:, None])
+            y = y + (b if self.op.feature_axis == 1 else b.view(-1, *([1] * (y.dim() - 1))))
         return y
 
-    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
-        """A loaded layout replaces the op's, so weights always meet the layout they were trained on."""
+    # --- dense conversion -------------------------------------------------------------------------
+    def dense_weight(self) -> torch.Tensor:
+        """The (out_features, in_features) dense weight, as nn.Linear holds it. Differentiable."""
+        return self.op.to_dense(self.weight).t()
+
+    def to_dense(self) -> nn.Linear:
+        """An nn.Linear computing the same function on (*, C) inputs, on this layer's device and dtype."""
+        linear = nn.Linear(self.in_features, self.out_features, bias=self.bias is not None,
+                           device=self.weight.device, dtype=self.weight.dtype)
+        with torch.no_grad():
+            linear.weight.copy_(self.dense_weight())
+            if self.bias is not None:
+                linear.bias.copy_(self.bias)
+        return linear
+
+    @classmethod
+    def from_dense(cls, linear: nn.Linear, *, block_size: int = 32, density: float | None = None,
+                   layout=None, feature_axis: int = 1) -> "BlockSparseLinear":
+        """A block-sparse copy of ``linear``: its weights on the live blocks, its bias.
+
+        The live blocks are ``layout``, or, with ``density``, the round(density·blocks) blocks of
+        largest L2 norm in the dense weight (magnitude pruning at block granularity).
+        """
+        if not isinstance(linear, nn.Linear):
+            raise TypeError(f"linear: expected an nn.Linear, got {type(linear).__name__}")
+        bs = check_block_size(block_size)
+        C, K = linear.in_features, linear.out_features
+        if layout is None:
+            if density is None:
+                raise ValueError("layout: expected a layout or a density, got neither")
+            if C % bs or K % bs:
+                raise ValueError(f"linear: expected in/out features that are multiples of block_size={bs}, "
+                                 f"got {C} and {K}")
+            norms = linear.weight.detach().float().t().reshape(C // bs, bs, K // bs, bs).square().sum((1, 3))
+            keep = min(norms.numel(), max(1, round(layouts._check_density(density) * norms.numel())))
+            layout = np.zeros(tuple(norms.shape), dtype=bool)
+            layout.flat[norms.flatten().argsort(descending=True, stable=True)[:keep].cpu().numpy()] = True
+        layer = cls(C, K, linear.bias is not None, block_size=bs, layout=layout, feature_axis=feature_axis,
+                    device=linear.weight.device, dtype=linear.weight.dtype)
+        layer.requested_density = density
+        with torch.no_grad():
+            layer.weight.copy_(layer.op.from_dense(linear.weight.t()))
+            if linear.bias is not None:
+                layer.bias.copy_(linear.bias)
+        return layer
+
+    # --- state dicts ------------------------------------------------------------------------------
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys,
+                              unexpected_keys, error_msgs):
+        """A loaded layout replaces the op's, so weights always meet the layout they were trained on.
+
+        The weight Parameter is kept (an optimizer may hold it): a layout with the same number of
+        live blocks is taken in place; another count is an error naming the layer, unless
+        ``load_state_dict(..., assign=True)`` asks for the checkpoint's tensors.
+        """
         key = prefix + "layout"
         if key in state_dict:
-            new = np.asarray(state_dict[key].cpu(), dtype=bool)
-            if new.shape != self.op.layout.shape or (new != self.op.layout).any():
-                backend = self.op.backend
-                self.op = BlocksparseMatMul(new, self.op.block_size, self.op.feature_axis, backend=backend)
-                self.layout = torch.as_tensor(new, device=self.layout.device)
-                if tuple(self.weight.shape) != self.op.w_shape:
-                    self.weight = nn.Parameter(self.weight.new_empty(self.op.w_shape))
-        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+            new = np.asarray(state_dict[key].detach().cpu(), dtype=bool)
+            if new.shape != self.op.layout.shape:
+                error_msgs.append(f"{prefix.rstrip('.') or 'BlockSparseLinear'}: the checkpoint's layout has shape {new.shape}, "
+                                  f"this layer's {self.op.layout.shape} (in/out features differ)")
+                return
+            if (new != self.op.layout).any():
+                self._adopt_layout(new, prefix, bool(local_metadata.get("assign_to_params_buffers")), error_msgs)
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys,
+                                      unexpected_keys, error_msgs)
+
+    def _adopt_layout(self, new: np.ndarray, prefix: str, assign: bool, error_msgs: list) -> None:
+        nnz = int(new.sum())
+        if nnz != self.op.blocks and not assign:
+            error_msgs.append(
+                f"{prefix.rstrip('.') or 'BlockSparseLinear'}: the checkpoint's layout has {nnz} live blocks, this "
+                f"layer's {self.op.blocks}; build the layer with the checkpoint's layout "
+                f"(layout=state_dict['{prefix}layout']) or load with assign=True")
+            return
+        self.op = BlocksparseMatMul(new, self.op.block_size, self.op.feature_axis, backend=self.op.backend)
+        if nnz != self.weight.shape[0]:        # assign=True: the checkpoint's weight replaces ours
+            self.weight = nn.Parameter(self.weight.new_empty(self.op.w_shape, device="meta"))
+        self.requested_density = None
 
     def extra_repr(self) -> str:
-        return (f"in_features={self.in_features}, out_features={self.out_features}, "
-                f"block_size={self.op.block_size}, density={self.op.density:.3f}, "
-                f"feature_axis={self.op.feature_axis}, bias={self.bias is not None}")
+        density = (f"density={self.op.density:.3f}" if self.requested_density is None else
+                   f"density={self.requested_density:g} (realised {self.op.density:.3f})")
+        return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
+                f"block_size={self.op.block_size}, {density}, blocks={self.op.blocks}, "
+                f"feature_axis={self.op.feature_axis}")
+
+
+def block_sparse_layouts(module: nn.Module) -> Iterator[tuple[str, np.ndarray]]:
+    """(qualified name, (C/bs, K/bs) bool layout) of every BlockSparseLinear in ``module``."""
+    for name, sub in module.named_modules():
+        if isinstance(sub, BlockSparseLinear):
+            yield name, sub.op.layout
+
+
+def sparsify(model: nn.Module, include: str | Callable[[str, nn.Linear], bool], *, block_size: int = 32,
+             density: float, keep_weights: bool = True, balanced: bool = True) -> list[str]:
+    """Replaces, in place, the nn.Linear layers of ``model`` chosen by ``include`` with BlockSparseLinear.
+
+    Args:
+        include: a glob on qualified module names (``"blocks.*.mlp.*"``, ``"*"``), or a function
+            ``(name, linear) -> bool``.
+        density: fraction of live blocks of each new layer.
+        keep_weights: True keeps the largest-norm blocks of the dense weights and the biases
+            (:meth:`BlockSparseLinear.from_dense`); False draws a fresh (balanced) layout and
+            initialises it (:meth:`BlockSparseLinear.reset_parameters`).
+    Returns the names replaced. A chosen layer whose features are not multiples of block_size is
+    a ValueError naming it, raised before any layer is replaced.
+    """
+    match = include if callable(include) else (lambda name, _m: fnmatch.fnmatchcase(name, include))
+    chosen = [(name, m) for name, m in model.named_modules()
+              if name and type(m) is nn.Linear and match(name, m)]
+    for name, m in chosen:
+        if m.in_features % block_size or m.out_features % block_size:
+            raise ValueError(f"{name}: expected in/out features that are multiples of block_size={block_size}, "
+                             f"got {m.in_features} and {m.out_features}")
+    for name, m in chosen:
+        if keep_weights:
+            new = BlockSparseLinear.from_dense(m, block_size=block_size, density=density)
+        else:
+            new = BlockSparseLinear(m.in_features, m.out_features, m.bias is not None, block_size=block_size,
+                                    density=density, balanced=balanced, device=m.weight.device,
+                                    dtype=m.weight.dtype)
+        parent, _, child = name.rpartition(".")
+        setattr(model.get_submodule(parent) if parent else model, child, new)
+    return [name for name, _ in chosen]
+

@@ -1,4 +1,23 @@
-"""Seed-compatible ops on torch tensors: autograd Functions, functional wrappers and references."""
-from bstrain.ops.matmul import BlocksparseMatMul, bsmm_ref
+"""Seed-compatible ops on torch tensors, in one flat namespace like the seed's.
 
-__all__ = ["BlocksparseMatMul", "bsmm_ref"]
+``import bstrain.ops as bs`` gives the names ``import blocksparse as bs`` gave, for the ops bstrain
+provides (the README lists the seed names it does not). The submodules stay importable:
+``bstrain.ops.matmul``, ``.ew``, ``.norms``, ``.embed``, ``.proj``.
+"""
+from bstrain.ops.embed import embedding_lookup
+from bstrain.ops.ew import (
+    add, add_n, add_n8, bias_relu, ceil_div, concat4, divide, dropout, elu, exp, fast_gelu, filter_tensor,
+    float_cast, fused_lstm_gates, gelu, log, maximum, minimum, multiply, negative, reciprocal, reduce_mul, relu,
+    scale_tensor, sigmoid, softmax_cross_entropy, split4, sqrt, square, subtract, swish, tanh,
+)
+from bstrain.ops.matmul import BlocksparseMatMul, GradGroup, SparseProj, bsmm_ref
+from bstrain.ops.norms import batch_norm, batch_norm_inference, layer_norm
+
+__all__ = [
+    "BlocksparseMatMul", "SparseProj", "GradGroup", "bsmm_ref",
+    "add", "multiply", "subtract", "divide", "maximum", "minimum", "negative", "reciprocal", "square", "sqrt",
+    "exp", "log", "sigmoid", "tanh", "relu", "elu", "gelu", "swish", "fast_gelu", "bias_relu",
+    "filter_tensor", "scale_tensor", "float_cast", "dropout", "add_n8", "add_n",
+    "split4", "concat4", "fused_lstm_gates", "softmax_cross_entropy", "embedding_lookup",
+    "layer_norm", "batch_norm", "batch_norm_inference", "ceil_div", "reduce_mul",
+]

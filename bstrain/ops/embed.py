@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from bstrain.ops.ew import check_index_range
+from bstrain.ops.ew import as_index
 
 __all__ = ["embedding_lookup"]
 
@@ -26,17 +26,19 @@ class _EmbeddingLookup(torch.autograd.Function):
         return grad.to(ctx.emb_dtype), None
 
 
-def embedding_lookup(emb: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
-    """y = emb[idx]. emb: (V, D); idx: int tensor of any shape; returns (*idx.shape, D).
+def embedding_lookup(emb: torch.Tensor, idx: torch.Tensor, sort_grad: bool = True) -> torch.Tensor:
+    """y = emb[idx]. The seed's signature.
 
-    The gradient of emb is accumulated in fp32 even for fp16/bf16 tables, then cast to emb's dtype.
+    Args:
+        emb: (V, D) table.
+        idx: integer ids of any shape (int64/32/16, uint16, uint8), each in [0, V).
+        sort_grad: accepted for the seed's signature; the gradient here needs no sorting.
+    Returns (*idx.shape, D). The gradient of emb is accumulated in fp32 even for fp16/bf16
+    tables, then cast to emb's dtype.
     """
     if not isinstance(emb, torch.Tensor) or emb.dim() != 2 or not emb.is_floating_point():
         raise ValueError(f"emb: expected a 2-D floating (V, D) tensor, got "
                          f"{getattr(emb, 'shape', type(emb).__name__)}")
-    if not isinstance(idx, torch.Tensor) or idx.dtype not in (torch.int64, torch.int32):
-        raise TypeError(f"idx: expected an int64 or int32 tensor, got {getattr(idx, 'dtype', type(idx).__name__)}")
-    if idx.device != emb.device:
+    if isinstance(idx, torch.Tensor) and idx.device != emb.device:
         raise ValueError(f"idx: expected device {emb.device} (as emb), got {idx.device}")
-    check_index_range("idx", idx, emb.shape[0])
-    return _EmbeddingLookup.apply(emb, idx.long())
+    return _EmbeddingLookup.apply(emb, as_index("idx", idx, emb.shape[0]))

@@ -9,6 +9,7 @@ PyTorch.
 from __future__ import annotations
 
 import functools
+import math
 import os
 
 import torch
@@ -18,6 +19,7 @@ __all__ = [
     "add", "multiply", "subtract", "divide", "maximum", "minimum", "negative", "reciprocal", "square",
     "sqrt", "exp", "log", "sigmoid", "tanh", "relu", "elu", "gelu", "fast_gelu", "swish", "bias_relu",
     "split4", "concat4", "fused_lstm_gates", "fused_lstm_gates_ref", "float_cast", "dropout",
+    "filter_tensor", "scale_tensor", "ceil_div", "reduce_mul",
     "add_n8", "add_n", "softmax_cross_entropy", "softmax_cross_entropy_ref",
 ]
 
@@ -48,6 +50,46 @@ def _check_tensor(name: str, x) -> None:
         raise TypeError(f"{name}: expected a torch.Tensor, got {type(x).__name__}")
     if x.dtype not in _FLOATS:
         raise TypeError(f"{name}: expected a floating tensor, got {x.dtype}")
+
+
+_HALF = (torch.float16, torch.bfloat16)
+INDEX_DTYPES = (torch.int64, torch.int32, torch.int16, torch.uint16, torch.uint8)
+
+
+def check_param(name: str, p, x: torch.Tensor, numel: int) -> torch.Tensor:
+    """A seed-style parameter (bias, gain, gate bias) of activation x, as a flat (numel,) tensor.
+
+    As in the seed, any shape with ``numel`` elements is accepted ((K,), (1, K), (K, 1), ...), in
+    x's dtype or, for fp16/bf16 activations, in float32 (mixed-precision master parameters; the
+    op then computes in fp32 and returns x's dtype).
+    """
+    _check_tensor(name, p)
+    if p.numel() != numel:
+        raise ValueError(f"{name}: expected {numel} elements (shape ({numel},), (1, {numel}) or any shape of "
+                         f"that size) for x {tuple(x.shape)}, got shape {tuple(p.shape)}")
+    if p.dtype != x.dtype and not (p.dtype == torch.float32 and x.dtype in _HALF):
+        raise TypeError(f"{name}: expected dtype {x.dtype} (as x), or float32 with 16-bit x, got {p.dtype}")
+    if p.device != x.device:
+        raise ValueError(f"{name}: expected device {x.device} (as x), got {p.device}")
+    return p.reshape(numel)
+
+
+def check_axis(name: str, axis, ndim: int) -> int:
+    """A feature axis of an ndim-D tensor, negative values counted from the end, as 0..ndim-1."""
+    if isinstance(axis, bool) or not isinstance(axis, int) or not -ndim <= axis < ndim:
+        raise ValueError(f"{name}: expected an int axis in [{-ndim}, {ndim}) for a {ndim}-D x, got {axis!r}")
+    return axis % ndim
+
+
+def as_index(name: str, idx, n: int) -> torch.Tensor:
+    """An integer index tensor (int64/32/16, uint16 or uint8, as the seed's) checked to lie in
+    [0, n), as int64. uint8 is converted before use: torch would read it as a boolean mask."""
+    if not isinstance(idx, torch.Tensor) or idx.dtype not in INDEX_DTYPES:
+        raise TypeError(f"{name}: expected an int64, int32, int16, uint16 or uint8 tensor, got "
+                        f"{getattr(idx, 'dtype', type(idx).__name__)}")
+    idx = idx.long()
+    check_index_range(name, idx, n)
+    return idx
 
 
 def _check_same(names: tuple[str, ...], *xs: torch.Tensor) -> None:
@@ -131,9 +173,11 @@ def elu(x, alpha: float = 1.0):
     return F.elu(x, alpha=alpha)
 
 
-def gelu(x):
-    """The tanh approximation of GELU, as in the seed."""
-    return F.gelu(x, approximate="tanh")
+def gelu(x, alpha: float = 0.044715):
+    """The tanh approximation of GELU, as in the seed: 0.5·x·(1 + tanh(√(2/π)·(x + alpha·x³)))."""
+    if alpha == 0.044715:
+        return F.gelu(x, approximate="tanh")
+    return 0.5 * x * (1.0 + torch.tanh(math.sqrt(2.0 / math.pi) * (x + alpha * x * x * x)))
 
 
 def swish(x, alpha: float = 1.0):
@@ -146,25 +190,30 @@ def fast_gelu(x):
     return swish(x, alpha=1.702)
 
 
-def bias_relu(x: torch.Tensor, b: torch.Tensor, relu: bool = True, fast_gelu: bool = False,
-              axis: int = -1) -> torch.Tensor:
-    """y = act(x + b) with b broadcast along ``axis`` of x (the feature axis).
+def bias_relu(x: torch.Tensor, b: torch.Tensor, axis: int = -1, relu: bool = False,
+              fast_gelu: bool = False) -> torch.Tensor:
+    """y = act(x + b), b broadcast along the feature ``axis`` of x. The seed's signature.
 
-    Args: x (..., K) for axis=-1, or (K, N) with axis=0; b (K,). act is ReLU (relu=True),
-    x·σ(1.702x) (fast_gelu=True) or the identity.
+    Args:
+        x: activations of any rank; ``axis`` (negative counts from the end) is the feature axis,
+            e.g. (N, K) with axis=-1 or (K, N) with axis=0.
+        b: K elements of any shape ((K,), (1, K), (K, 1)); x's dtype, or float32 with 16-bit x
+            (then computed in fp32, returned in x's dtype).
+        relu: act is ReLU. fast_gelu: act is x·σ(1.702x). Neither: the identity (plain bias add).
     """
-    _check_same(("x", "b"), x, b)
+    _check_tensor("x", x)
     if relu and fast_gelu:
         raise ValueError("relu, fast_gelu: expected at most one of them, got both")
-    if b.dim() != 1 or b.shape[0] != x.shape[axis]:
-        raise ValueError(f"b: expected shape ({x.shape[axis]},) for x {tuple(x.shape)} on axis {axis}, "
-                         f"got {tuple(b.shape)}")
+    axis = check_axis("axis", axis, x.dim())
+    b = check_param("b", b, x, x.shape[axis])
     shape = [1] * x.dim()
     shape[axis] = -1
-    y = x + b.view(shape)
+    y = x + b.view(shape)                                     # fp32 when b is fp32 master params
     if relu:
-        return torch.relu(y)
-    return y * torch.sigmoid(1.702 * y) if fast_gelu else y
+        y = torch.relu(y)
+    elif fast_gelu:
+        y = y * torch.sigmoid(1.702 * y)
+    return y.to(x.dtype)
 
 
 # --- LSTM gates ------------------------------------------------------------------------------------
@@ -202,8 +251,9 @@ def fused_lstm_gates(c: torch.Tensor, *args: torch.Tensor, bias: torch.Tensor | 
         c: (N, K) cell state.
         *args: one (N, 4K) tensor holding the four gate pre-activations side by side, or four
             (N, K) tensors i, u, f, o.
-        bias: (4K,) added to the fused gates (one-tensor form only).
-    Returns (new_c, new_h), each (N, K).
+        bias: 4K elements of any shape ((4K,), (1, 4K), ...), added to the fused gates
+            (one-tensor form only); c's dtype, or float32 with 16-bit gates.
+    Returns (new_c, new_h), each (N, K) in c's dtype. The math is fp32 for 16-bit inputs.
     """
     _check_tensor("c", c)
     if len(args) == 1:
@@ -213,9 +263,7 @@ def fused_lstm_gates(c: torch.Tensor, *args: torch.Tensor, bias: torch.Tensor | 
             raise ValueError(f"h: expected shape (N, 4K) = {(c.shape[0], 4 * c.shape[1])} for c "
                              f"{tuple(c.shape)}, got {tuple(h.shape)}")
         if bias is not None:
-            _check_same(("h", "bias"), h, bias)
-            if tuple(bias.shape) != (h.shape[1],):
-                raise ValueError(f"bias: expected shape ({h.shape[1]},), got {tuple(bias.shape)}")
+            bias = check_param("bias", bias, h, h.shape[1])
         gates = h.chunk(4, dim=1)
     elif len(args) == 4:
         _check_same(("c", "i", "u", "f", "o"), c, *args)
@@ -231,8 +279,11 @@ def fused_lstm_gates(c: torch.Tensor, *args: torch.Tensor, bias: torch.Tensor | 
     if _use_kernel(c):
         return _LstmGates.apply(c, bias, float(forget_bias), *gates)           # the kernel adds the bias
     if bias is not None:
-        gates = (args[0] + bias).chunk(4, dim=1)
-    return fused_lstm_gates_ref(c, *gates, forget_bias=forget_bias)
+        gates = (args[0] + bias).chunk(4, dim=1)                             # fp32 with an fp32 bias
+    elif c.dtype in _HALF:
+        gates = tuple(g.float() for g in gates)
+    new_c, new_h = fused_lstm_gates_ref(c.to(gates[0].dtype), *gates, forget_bias=forget_bias)
+    return new_c.to(c.dtype), new_h.to(c.dtype)
 
 
 class _LstmGates(torch.autograd.Function):
@@ -240,6 +291,7 @@ class _LstmGates(torch.autograd.Function):
     def forward(ctx, c, bias, forget_bias, i, u, f, o):
         from bstrain.kernels.ew import lstm_gates_forward
         c, i, u, f, o = (t if t.stride(1) == 1 else t.contiguous() for t in (c, i, u, f, o))
+        bias = bias.contiguous() if bias is not None else None
         ctx.save_for_backward(c, bias, i, u, f, o)
         ctx.forget_bias = forget_bias
         return lstm_gates_forward(c, i, u, f, o, bias, forget_bias)
@@ -280,6 +332,52 @@ def float_cast(x: torch.Tensor, dtype: torch.dtype, dx_dtype: torch.dtype | None
     return _FloatCast.apply(x, dtype, dx_dtype or x.dtype)
 
 
+def _filter(x: torch.Tensor, scale, saturate: float, zero_infs: bool, zero_nans: bool) -> torch.Tensor:
+    if zero_infs:
+        x = torch.where(torch.isinf(x), 0.0, x)
+    if zero_nans:
+        x = torch.nan_to_num(x, nan=0.0, posinf=float("inf"), neginf=float("-inf"))
+    x = x * scale
+    return x.clamp(-saturate, saturate) if saturate else x
+
+
+class _FilterTensor(torch.autograd.Function):
+    """The seed's filter: the gradient passes through the same filter (it sanitises gradients too)."""
+
+    @staticmethod
+    def forward(ctx, x, scale, saturate, zero_infs, zero_nans):
+        ctx.args = (scale, saturate, zero_infs, zero_nans)
+        return _filter(x, *ctx.args)
+
+    @staticmethod
+    def backward(ctx, dy):
+        return _filter(dy, *ctx.args), None, None, None, None
+
+
+def filter_tensor(x: torch.Tensor, scale: float = 1.0, saturate: float = 0.0, zero_infs: bool = False,
+                  zero_nans: bool = False) -> torch.Tensor:
+    """The seed's filter_tensor: y = clamp(x·scale, ±saturate) (no clamp when saturate is 0), with
+    infs and/or NaNs zeroed first. ``saturate=65504.0`` saturates fp16 infinities. As in the seed,
+    the backward applies the same filter to the gradient."""
+    _check_tensor("x", x)
+    return _FilterTensor.apply(x, scale, float(saturate), bool(zero_infs), bool(zero_nans))
+
+
+def scale_tensor(x: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
+    """filter_tensor with scaling only."""
+    return filter_tensor(x, scale)
+
+
+def ceil_div(x: int, y: int) -> int:
+    """⌈x / y⌉ for integers (the seed's utility)."""
+    return -(-x // y)
+
+
+def reduce_mul(vals, init=1):
+    """The product of ``vals`` (the seed's utility)."""
+    return functools.reduce(lambda a, b: a * b, vals, init)
+
+
 @functools.lru_cache(maxsize=None)
 def _bit_weights(device: torch.device) -> torch.Tensor:
     """1, 2, 4, ..., 128 as uint8 on ``device``, copied there once."""
@@ -301,27 +399,45 @@ def _unpack_bits(mask: torch.Tensor, n: int) -> torch.Tensor:
     return ((mask.view(-1, 1) & w) != 0).view(-1)[:n]
 
 
-def dropout(x: torch.Tensor, keep_prob: float = 0.8, mask: torch.Tensor | None = None,
-            generator: torch.Generator | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Inverted dropout: y = x·m/keep_prob. Returns (y, mask).
+def _mask_shape(mask_shape, x: torch.Tensor) -> tuple[int, ...]:
+    """The shape the keep mask is drawn at: x's, or the seed's broadcastable ``mask_shape``."""
+    if mask_shape is None or len(mask_shape) == 0:
+        return tuple(x.shape)
+    shape = tuple(int(m) for m in mask_shape)
+    if len(shape) != x.dim() or any(m not in (1, d) for m, d in zip(shape, x.shape)):
+        raise ValueError(f"mask_shape: expected {x.dim()} dims, each 1 or x's size (x {tuple(x.shape)}), "
+                         f"got {tuple(mask_shape)}")
+    return shape
 
-    The mask is bit-packed (uint8, one bit per element of x, 8x smaller than a bool mask); pass it
-    back to reproduce exactly the same drop, e.g. when a layer is recomputed.
+
+def dropout(x: torch.Tensor, keep_prob: float, mask: torch.Tensor | None = None, mask_shape=None, *,
+            generator: torch.Generator | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Inverted dropout: y = x·m/keep_prob. Returns (y, mask). The seed's signature.
+
+    Args:
+        keep_prob: probability of keeping an element, in (0, 1].
+        mask: a mask returned by an earlier call: the same drop again (e.g. when a layer is
+            recomputed). Bit-packed uint8, one bit per mask element.
+        mask_shape: draw the mask at this shape and broadcast it over x: one decision per row
+            ``(N, 1)``, per channel ``(1, C)``, and so on. Same rank as x; each dim 1 or x's.
+        generator: torch.Generator for the draw (default: torch's global one).
     """
     _check_tensor("x", x)
     if not 0.0 < keep_prob <= 1.0:
         raise ValueError(f"keep_prob: expected a value in (0, 1], got {keep_prob}")
-    n = x.numel()
+    shape = _mask_shape(mask_shape, x)
+    n = math.prod(shape)
     if mask is None:
-        keep = torch.rand(x.shape, device=x.device, generator=generator) < keep_prob
+        keep = torch.rand(shape, device=x.device, generator=generator) < keep_prob
         mask = _pack_bits(keep)
     else:
-        if mask.dtype != torch.uint8 or mask.numel() != (n + 7) // 8 or mask.device != x.device:
-            raise ValueError(f"mask: expected a uint8 tensor of {(n + 7) // 8} bytes on {x.device} "
-                             f"(bit-packed, for x of {n} elements), got {mask.dtype} of {mask.numel()} "
-                             f"on {mask.device}")
-        keep = _unpack_bits(mask, n).view(x.shape)
-    return x * keep.to(x.dtype) * (1.0 / keep_prob), mask
+        if not isinstance(mask, torch.Tensor) or mask.dtype != torch.uint8 or mask.numel() != (n + 7) // 8 \
+                or mask.device != x.device:
+            raise ValueError(f"mask: expected a uint8 tensor of {(n + 7) // 8} bytes on {x.device} (bit-packed, "
+                             f"for a mask of {n} elements), got {getattr(mask, 'dtype', type(mask).__name__)} "
+                             f"of {getattr(mask, 'numel', lambda: '?')()} on {getattr(mask, 'device', '?')}")
+        keep = _unpack_bits(mask, n).view(shape)
+    return x * (keep.to(x.dtype) * (1.0 / keep_prob)), mask
 
 
 def add_n8(xs) -> torch.Tensor:
@@ -352,21 +468,28 @@ def softmax_cross_entropy_ref(logits: torch.Tensor, labels: torch.Tensor) -> tor
 
 
 def softmax_cross_entropy(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """Softmax + cross-entropy. logits: (N, V) fp32/fp16/bf16; labels: (N,) int.
+    """Softmax + cross-entropy over the last axis. The seed's signature.
 
-    Returns the (N,) fp32 loss. Works in fp32 internally, so fp16/bf16 logits of vocabularies up
-    to 65,536 (and beyond) never overflow; the gradient comes back in the logits' dtype. This is
-    PyTorch's cross_entropy: a hand-written Triton kernel did not beat torch.compile of it
-    (benchmarks/ops.md), so wrap your loss in torch.compile for the fused speed at large V.
+    Args:
+        logits: (..., V) fp32/fp16/bf16, any rank >= 1.
+        labels: integer class ids (int64/32/16, uint16, uint8), one per row of logits: any shape
+            with logits.numel() // V elements.
+    Returns the fp32 loss of shape logits.shape[:-1]. Works in fp32 internally, so fp16/bf16
+    logits of vocabularies up to 65,536 (and beyond) never overflow; the gradient comes back in
+    the logits' dtype. This is PyTorch's cross_entropy: a hand-written Triton kernel did not beat
+    torch.compile of it (benchmarks/ops.md), so wrap your loss in torch.compile for the fused
+    speed at large V.
     """
     _check_tensor("logits", logits)
-    if not isinstance(labels, torch.Tensor) or labels.dtype not in (torch.int64, torch.int32):
-        raise TypeError(f"labels: expected an int64 or int32 tensor, got "
-                        f"{getattr(labels, 'dtype', type(labels).__name__)}")
-    if logits.dim() != 2 or labels.shape != (logits.shape[0],):
-        raise ValueError(f"logits, labels: expected (N, V) and (N,), got {tuple(logits.shape)} and "
-                         f"{tuple(labels.shape)}")
+    if logits.dim() < 1:
+        raise ValueError("logits: expected at least 1 dim (..., V), got a scalar")
+    rows = logits.shape[:-1]
+    if not isinstance(labels, torch.Tensor) or labels.numel() != math.prod(rows):
+        raise ValueError(f"logits, labels: expected labels with one id per row of logits "
+                         f"({math.prod(rows)} for logits {tuple(logits.shape)}), got "
+                         f"{tuple(labels.shape) if isinstance(labels, torch.Tensor) else type(labels).__name__}")
     if labels.device != logits.device:
         raise ValueError(f"labels: expected device {logits.device} (as logits), got {labels.device}")
-    check_index_range("labels", labels, logits.shape[1])
-    return softmax_cross_entropy_ref(logits, labels.long())
+    labels = as_index("labels", labels, logits.shape[-1])
+    flat = softmax_cross_entropy_ref(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1))
+    return flat.reshape(rows)

@@ -36,6 +36,24 @@ def check_block_size(block_size) -> int:
     return int(block_size)
 
 
+def tracing(*tensors: torch.Tensor) -> bool:
+    """True under torch.compile or torch.export (or any fake-tensor tracing): nothing created then
+    may be cached, since it is not a real tensor."""
+    from torch._subclasses.fake_tensor import is_fake
+    return torch.compiler.is_compiling() or any(is_fake(t) for t in tensors)
+
+
+def _chunk_blocks(n, bs: int) -> int:
+    """Blocks per step of the reference's gather, so no (N, chunk, bs) buffer passes ~16M elements.
+
+    A symbolic N (torch.compile with dynamic shapes, torch.export) gets a chunk that does not
+    depend on it, so a new batch size neither recompiles nor specialises the graph.
+    """
+    if isinstance(n, torch.SymInt) or torch.compiler.is_compiling():
+        return max(1, (1 << 16) // bs)
+    return max(1, (1 << 24) // max(1, n * bs))
+
+
 def bsmm_ref(x: torch.Tensor, w: torch.Tensor, c_idx: torch.Tensor, k_idx: torch.Tensor,
              K: int, feature_axis: int = 1) -> torch.Tensor:
     """Pure-PyTorch block-sparse matmul, differentiable, on live blocks only.
@@ -51,9 +69,9 @@ def bsmm_ref(x: torch.Tensor, w: torch.Tensor, c_idx: torch.Tensor, k_idx: torch
     bs = w.shape[-1]
     xr = x if feature_axis == 1 else x.t()
     n = xr.shape[0]
-    xb = xr.reshape(n, -1, bs)                                    # (N, Cb, bs)
+    xb = xr.reshape(n, xr.shape[1] // bs, bs)                     # (N, Cb, bs)
     y = xr.new_zeros(n, K // bs, bs)                              # (N, Kb, bs)
-    chunk = max(1, (1 << 24) // max(1, n * bs))
+    chunk = _chunk_blocks(n, bs)
     for s in range(0, w.shape[0], chunk):
         part = torch.einsum("nbi,bij->nbj", xb[:, c_idx[s:s + chunk]], w[s:s + chunk])
         y = y.index_add(1, k_idx[s:s + chunk], part)              # (N, Kb, bs)
@@ -72,9 +90,9 @@ def bsmm_dw_ref(x: torch.Tensor, dy: torch.Tensor, c_idx: torch.Tensor, k_idx: t
     """dW = Xᵀ·dY on live blocks only: (nnz, bs, bs) in x's dtype; never forms the dense (C, K)."""
     xr, dyr = (x, dy) if feature_axis == 1 else (x.t(), dy.t())
     n = xr.shape[0]
-    xb = xr.reshape(n, -1, block_size)                            # (N, Cb, bs)
-    dyb = dyr.reshape(n, -1, block_size)                          # (N, Kb, bs)
-    chunk = max(1, (1 << 24) // max(1, n * block_size))
+    xb = xr.reshape(n, xr.shape[1] // block_size, block_size)     # (N, Cb, bs)
+    dyb = dyr.reshape(n, dyr.shape[1] // block_size, block_size)  # (N, Kb, bs)
+    chunk = _chunk_blocks(n, block_size)
     parts = [torch.einsum("nbi,nbj->bij", xb[:, c_idx[s:s + chunk]], dyb[:, k_idx[s:s + chunk]])
              for s in range(0, c_idx.numel(), chunk)]
     return torch.cat(parts) if parts else xr.new_zeros(0, block_size, block_size)
@@ -168,13 +186,68 @@ class BlocksparseMatMul:
         return float(self.layout.mean())
 
     # --- initialisers ----------------------------------------------------------------------
-    def identity_init(self, gpu: bool = False) -> torch.Tensor:
-        """float32 (nnz, bs, bs): eye on diagonal blocks, zeros elsewhere (the dense identity's blocks)."""
+    def identity_init(self, scale: float = 1.0, *, gpu: bool = False) -> torch.Tensor:
+        """float32 (nnz, bs, bs), the seed's identity init: ``scale·eye`` in block (c, k) when
+        ``c % KB == k % CB`` (CB, KB: the layout's block counts), zeros elsewhere.
+
+        On a square layout that is the diagonal blocks (the op is ``scale`` times the identity
+        when they are all live); a non-square layout gets the identity tiled across it.
+        """
+        if isinstance(scale, bool) or not isinstance(scale, (int, float)):
+            raise TypeError(f"scale: expected a number (the seed's first argument), got {scale!r}")
         device = "cuda" if gpu else "cpu"
+        cb, kb = self.layout.shape
         w = torch.zeros(self.w_shape, dtype=torch.float32, device=device)
-        diag = (self._coords[0] == self._coords[1]).to(device)
-        w[diag] = torch.eye(self.block_size, device=device)
+        tiled = (self._coords[0] % kb == self._coords[1] % cb).to(device)
+        w[tiled] = float(scale) * torch.eye(self.block_size, device=device)
         return w
+
+    def to_dense(self, W: torch.Tensor) -> torch.Tensor:
+        """The (C, K) dense matrix of the (nnz, bs, bs) weight W, zeros outside live blocks.
+
+        Differentiable; ``I @ op.to_dense(W)`` equals ``op(I, W)`` for feature_axis=1.
+        """
+        self._check_w(W)
+        cb, kb = self.layout.shape
+        bs = self.block_size
+        c_idx, k_idx = self._coords.to(W.device)
+        dense = W.new_zeros(cb, kb, bs, bs).index_put((c_idx, k_idx), W)    # (Cb, Kb, bs, bs)
+        return dense.permute(0, 2, 1, 3).reshape(self.C, self.K)
+
+    def from_dense(self, dense: torch.Tensor) -> torch.Tensor:
+        """The (nnz, bs, bs) live blocks of a (C, K) dense matrix, in this op's block order."""
+        if not isinstance(dense, torch.Tensor) or tuple(dense.shape) != (self.C, self.K):
+            raise ValueError(f"dense: expected a ({self.C}, {self.K}) tensor, got "
+                             f"{tuple(dense.shape) if isinstance(dense, torch.Tensor) else type(dense).__name__}")
+        cb, kb = self.layout.shape
+        bs = self.block_size
+        blocks = dense.reshape(cb, bs, kb, bs).permute(0, 2, 1, 3)              # (Cb, Kb, bs, bs)
+        c_idx, k_idx = self._coords.to(dense.device)
+        return blocks[c_idx, k_idx]
+
+    # --- the seed's block order ---------------------------------------------------------------------
+    def seed_order(self, z_order: bool = True) -> torch.Tensor:
+        """(nnz,) int64: ``seed_order()[i]`` is the seed's index of our weight block i.
+
+        Our blocks are numbered row-major (by c, then k). The seed's ``BlocksparseMatMul`` numbers
+        them in Morton (z-) order of (c, k) by default (``z_order=True``), row-major otherwise.
+        """
+        from bstrain.layout import z_order_rank
+        if not z_order:
+            return torch.arange(self.blocks)
+        return torch.as_tensor(z_order_rank(self._coords[0].numpy(), self._coords[1].numpy()))
+
+    def from_seed_order(self, W_seed: torch.Tensor, z_order: bool = True) -> torch.Tensor:
+        """A weight saved by the seed (blocks in its order) in this op's row-major order."""
+        self._check_w(W_seed)
+        return W_seed[self.seed_order(z_order).to(W_seed.device)]
+
+    def to_seed_order(self, W: torch.Tensor, z_order: bool = True) -> torch.Tensor:
+        """This op's weight with its blocks in the seed's order (the inverse of from_seed_order)."""
+        self._check_w(W)
+        out = torch.empty_like(W)
+        out[self.seed_order(z_order).to(W.device)] = W
+        return out
 
     def ortho_init(self, gpu: bool = False, generator: torch.Generator | None = None) -> torch.Tensor:
         """float32 (nnz, bs, bs): an independent random orthogonal matrix in each block."""
@@ -206,9 +279,21 @@ class BlocksparseMatMul:
         """Kernel lookup tables on ``device``, built on first use and cached."""
         from bstrain.kernels.matmul import make_luts
         device = torch.device(device)
-        if device not in self._luts:
-            self._luts[device] = make_luts(self.layout, self.block_size, device)
-        return self._luts[device]
+        if device in self._luts:
+            return self._luts[device]
+        luts = make_luts(self.layout, self.block_size, device)
+        if not tracing(luts.fwd.ptr):
+            self._luts[device] = luts
+        return luts
+
+    def _ref_coords(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """(c_idx, k_idx) on ``device`` for the PyTorch path; cached, except while tracing."""
+        if device in self._ref_idx:
+            return self._ref_idx[device]
+        coords = self._coords[0].to(device), self._coords[1].to(device)
+        if not tracing(*coords):
+            self._ref_idx[device] = coords
+        return coords
 
     def _check_w(self, W) -> None:
         if not isinstance(W, torch.Tensor):
@@ -220,8 +305,8 @@ class BlocksparseMatMul:
         if not isinstance(I, torch.Tensor):
             raise TypeError(f"I: expected a torch.Tensor, got {type(I).__name__}")
         self._check_w(W)
-        if I.dim() != 2 or I.shape[self.feature_axis] != self.C:
-            want = "(N, C)" if self.feature_axis == 1 else "(C, N)"
+        if I.dim() < 1 or I.shape[-1 if self.feature_axis == 1 else 0] != self.C:
+            want = "(*, C)" if self.feature_axis == 1 else "(C, *)"
             raise ValueError(f"I: expected shape {want} with C={self.C} (feature_axis="
                              f"{self.feature_axis}), got {tuple(I.shape)}")
         if I.dtype not in _FLOAT_DTYPES:
@@ -246,26 +331,36 @@ class BlocksparseMatMul:
             return True
         return I.is_cuda
 
+    def _as_2d(self, I: torch.Tensor) -> torch.Tensor:
+        """(*, C) -> (N, C) with feature_axis=1; (C, *) -> (C, N) with feature_axis=0."""
+        if I.dim() == 2:
+            return I
+        return I.reshape(-1, self.C) if self.feature_axis == 1 else I.reshape(self.C, -1)
+
+    def _from_2d(self, Y: torch.Tensor, I: torch.Tensor) -> torch.Tensor:
+        """(N, K) or (K, N) back to I's rank: (*, K) or (K, *)."""
+        if I.dim() == 2:
+            return Y
+        return Y.reshape(*I.shape[:-1], self.K) if self.feature_axis == 1 else Y.reshape(self.K, *I.shape[1:])
+
     def __call__(self, I: torch.Tensor, W: torch.Tensor, dw_dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        """Y = I·W with autograd. I: i_shape(N); W: w_shape; returns o_shape(N) in I's dtype.
+        """Y = I·W with autograd. I: (*, C) with feature_axis=1 ((C, *) with feature_axis=0),
+        e.g. i_shape(N); W: w_shape; returns (*, K) (or (K, *)) in I's dtype.
 
         W may be I's dtype or float32 (master weights; cast on the fly). dw_dtype is the dtype the
         kernel writes dW in (accumulation is fp32); autograd hands it on in W's dtype.
         """
         self._check_call(I, W, dw_dtype)
         I = _autocast_input(I)
-        if self._use_kernels(I):
+        X = self._as_2d(I)
+        if self._use_kernels(X):
             if dw_dtype == torch.float64:
                 raise TypeError("dw_dtype: the Triton backend writes float32, float16 or bfloat16, got float64")
-            return _BlocksparseMatMulFn.apply(I, W, self, dw_dtype)
-        c_idx, k_idx = self._ref_coords(I.device)
-        return bsmm_ref(I, W.to(I.dtype), c_idx, k_idx, self.K, self.feature_axis)
+            return self._from_2d(_BlocksparseMatMulFn.apply(X, W, self, dw_dtype), I)
+        c_idx, k_idx = self._ref_coords(X.device)
+        return self._from_2d(bsmm_ref(X, W.to(X.dtype), c_idx, k_idx, self.K, self.feature_axis), I)
 
     # --- no-autograd products (kernels on CUDA, references on CPU) -------------------------------
-    def _ref_coords(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-        if device not in self._ref_idx:
-            self._ref_idx[device] = (self._coords[0].to(device), self._coords[1].to(device))
-        return self._ref_idx[device]
 
     def forward_raw(self, I: torch.Tensor, W: torch.Tensor) -> torch.Tensor:
         """Y = I·W without autograd; W in I's dtype."""
@@ -317,7 +412,8 @@ class BlocksparseMatMul:
         per launch and handed to W when the backward pass reaches the weight.
         """
         self._check_call(I, W_grouped, torch.float32)
-        return _StepMatMul.apply(_autocast_input(I), W_grouped, group)
+        I = _autocast_input(I)
+        return self._from_2d(_StepMatMul.apply(self._as_2d(I), W_grouped, group), I)
 
     def __repr__(self) -> str:
         return (f"BlocksparseMatMul(C={self.C}, K={self.K}, block_size={self.block_size}, "

@@ -10,25 +10,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from bstrain.ops.ew import _check_same, _check_tensor, _use_kernel
+from bstrain.ops.ew import _check_tensor, _use_kernel, check_axis, check_param
 
 __all__ = ["layer_norm", "layer_norm_ref", "batch_norm", "batch_norm_inference"]
-
-
-def _check_layer_norm(x, g, b, axis, segments) -> int:
-    _check_same(("x", "g", "b"), x, g, b)
-    if x.dim() != 2:
-        raise ValueError(f"x: expected a 2-D (N, C) or (C, N) tensor, got shape {tuple(x.shape)}")
-    if axis not in (0, 1):
-        raise ValueError(f"axis: expected 0 (features first, (C, N)) or 1 ((N, C)), got {axis!r}")
-    C = x.shape[axis]
-    for name, t in (("g", g), ("b", b)):
-        if tuple(t.shape) != (C,):
-            raise ValueError(f"{name}: expected shape ({C},) for x {tuple(x.shape)} on axis {axis}, "
-                             f"got {tuple(t.shape)}")
-    if not isinstance(segments, int) or segments < 1 or C % segments:
-        raise ValueError(f"segments: expected a positive divisor of the {C} features, got {segments!r}")
-    return C
 
 
 def layer_norm_ref(x, g, b, axis: int = 1, epsilon: float = 1e-6, relu: bool = False, segments: int = 1):
@@ -44,21 +28,44 @@ def layer_norm_ref(x, g, b, axis: int = 1, epsilon: float = 1e-6, relu: bool = F
     return y if axis == 1 else y.t()
 
 
-def layer_norm(x: torch.Tensor, g: torch.Tensor, b: torch.Tensor, axis: int = 1, epsilon: float = 1e-6,
-               relu: bool = False, segments: int = 1) -> torch.Tensor:
-    """The seed's layer norm.
+def layer_norm(x: torch.Tensor, g: torch.Tensor, b: torch.Tensor, axis: int = 1, segments: int = 1,
+               epsilon: float = 1e-6, relu: bool = False) -> torch.Tensor:
+    """The seed's layer norm, with the seed's signature.
 
     Args:
-        x: (N, C) with axis=1, or (C, N) with axis=0 (the feature axis is normalised).
-        g, b: (C,) gain and bias.
-        relu: apply ReLU to the output (fused).
+        x: activations of any rank; ``axis`` is the feature axis that is normalised (negative
+            counts from the end): (N, C) with axis=1 or -1, (C, N) with axis=0, (B, T, C) with
+            axis=-1, ...
+        g, b: gain and bias, C elements of any shape ((C,), (1, C), (C, 1)); x's dtype, or
+            float32 with 16-bit x.
         segments: normalise each of ``segments`` equal slices of the C features independently
             (e.g. the four LSTM gates); g and b still span all C.
-    Returns a tensor like x. Statistics are computed in fp32.
+        relu: apply ReLU to the output (fused).
+    Returns a tensor like x (same shape and dtype). Statistics are computed in fp32.
     """
-    _check_layer_norm(x, g, b, axis, segments)
+    _check_tensor("x", x)
+    if x.dim() < 1:
+        raise ValueError("x: expected at least 1 dim, got a scalar")
+    axis = check_axis("axis", axis, x.dim())
+    C = x.shape[axis]
+    if C == 0:
+        raise ValueError(f"x: expected at least one feature on axis {axis}, got shape {tuple(x.shape)}")
+    g, b = check_param("g", g, x, C), check_param("b", b, x, C)
+    if isinstance(segments, bool) or not isinstance(segments, int) or segments < 1 or C % segments:
+        raise ValueError(f"segments: expected a positive divisor of the {C} features, got {segments!r}")
+    if axis == 0:                                              # features first: (C, N)
+        return _layer_norm_2d(x.reshape(C, -1), g, b, 0, epsilon, relu, segments).reshape(x.shape)
+    moved = x if axis == x.dim() - 1 else x.movedim(axis, -1)  # features last: (N, C)
+    y = _layer_norm_2d(moved.reshape(-1, C), g, b, 1, epsilon, relu, segments).reshape(moved.shape)
+    return y if moved is x else y.movedim(-1, axis)
+
+
+def _layer_norm_2d(x, g, b, axis: int, epsilon: float, relu: bool, segments: int) -> torch.Tensor:
+    """x: (N, C) for axis=1 or (C, N) for axis=0; g, b: (C,)."""
     if axis == 1 and not relu and segments == 1:
-        return F.layer_norm(x, (x.shape[1],), g, b, eps=epsilon)
+        if g.dtype == x.dtype:
+            return F.layer_norm(x, (x.shape[1],), g, b, eps=epsilon)
+        return F.layer_norm(x.float(), (x.shape[1],), g, b, eps=epsilon).to(x.dtype)  # fp32 params
     if _use_kernel(x):
         from bstrain.kernels.norms import MAX_SEGMENT
         if x.shape[axis] // segments <= MAX_SEGMENT:
@@ -86,40 +93,37 @@ class _LayerNorm(torch.autograd.Function):
         return dx, dg, db, None, None, None, None
 
 
-def _check_batch_norm(x, *params) -> int:
+def _check_batch_norm(x, **params) -> list[torch.Tensor]:
+    """x: (N, C, ...); each param C elements of any shape, x's dtype or fp32 with 16-bit x."""
     _check_tensor("x", x)
     if x.dim() < 2:
         raise ValueError(f"x: expected (N, C, ...) like NCHW or NCDHW, got shape {tuple(x.shape)}")
-    C = x.shape[1]
-    for name, t in zip(("g", "b", "mean", "var"), params):
-        if name in ("mean", "var") and t.dtype == torch.float32:
-            _check_tensor(name, t)                      # batch_norm's fp32 statistics are welcome
-            if t.device != x.device:
-                raise ValueError(f"{name}: expected device {x.device} (as x), got {t.device}")
-        else:
-            _check_same(("x", name), x, t)
-        if tuple(t.shape) != (C,):
-            raise ValueError(f"{name}: expected shape ({C},), got {tuple(t.shape)}")
-    return C
+    return [check_param(name, t, x, x.shape[1]) for name, t in params.items()]
+
+
+def _in_param_dtype(x: torch.Tensor, params) -> torch.Tensor:
+    """x in fp32 when fp32 params meet 16-bit x (the seed's mixed precision), else x."""
+    return x.float() if any(p.dtype != x.dtype for p in params) else x
 
 
 def batch_norm(x: torch.Tensor, g: torch.Tensor, b: torch.Tensor, epsilon: float = 1e-6):
     """Training-mode batch norm over N and the spatial axes of NC(D)HW.
 
-    Returns (y, mean, var): the (C,) batch mean and (biased) variance, as the seed does, for the
-    caller's running averages.
+    g, b: C elements, x's dtype or fp32. Returns (y like x, mean, var): the (C,) batch mean and
+    (biased) variance in fp32 (float64 for float64 x), as the seed does, for the caller's
+    running averages.
     """
-    _check_batch_norm(x, g, b)
+    g, b = _check_batch_norm(x, g=g, b=b)
     dims = [0] + list(range(2, x.dim()))
     var, mean = torch.var_mean(x.to(torch.promote_types(x.dtype, torch.float32)), dim=dims, correction=0)
-    y = F.batch_norm(x, None, None, g, b, training=True, eps=epsilon)
-    return y, mean.detach(), var.detach()
+    y = F.batch_norm(_in_param_dtype(x, (g, b)), None, None, g, b, training=True, eps=epsilon)
+    return y.to(x.dtype), mean.detach(), var.detach()
 
 
 def batch_norm_inference(x: torch.Tensor, g: torch.Tensor, b: torch.Tensor, mean: torch.Tensor,
                          var: torch.Tensor, epsilon: float = 1e-6) -> torch.Tensor:
-    """Batch norm with given (C,) statistics, for NC(D)HW."""
-    _check_batch_norm(x, g, b, mean, var)
-    if x.device.type == "cpu":                 # the CPU kernel wants statistics in x's dtype
-        mean, var = mean.to(x.dtype), var.to(x.dtype)
-    return F.batch_norm(x, mean, var, g, b, training=False, eps=epsilon)
+    """Batch norm with given statistics for NC(D)HW; g, b, mean, var: C elements each."""
+    params = _check_batch_norm(x, g=g, b=b, mean=mean, var=var)
+    xc = _in_param_dtype(x, params)
+    g, b, mean, var = (p.to(xc.dtype) for p in params)
+    return F.batch_norm(xc, mean, var, g, b, training=False, eps=epsilon).to(x.dtype)

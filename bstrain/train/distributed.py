@@ -7,6 +7,7 @@ TensorBoard, validation results and checkpoints. Nothing here runs in a single p
 """
 from __future__ import annotations
 
+import hashlib
 import os
 from dataclasses import dataclass
 
@@ -51,6 +52,33 @@ def shard(data: np.ndarray, world: World) -> np.ndarray:
     """This rank's contiguous 1/size of a split."""
     n = len(data) // world.size
     return data[world.rank * n:(world.rank + 1) * n]
+
+
+def check_same_layouts(model: torch.nn.Module, world: World | None = None) -> None:
+    """ValueError on every rank unless all ranks hold the same block-sparse layouts.
+
+    DDP broadcasts rank 0's parameters and buffers at start, but a layer's layout also lives in
+    its lookup tables: ranks that drew different layouts (a layout drawn without a seed, from a
+    differently seeded RNG) would train different functions, silently or with a shape error.
+    Call it after the process group is up and before wrapping the model in DDP; the trainer does.
+    ``world`` defaults to the running process group.
+    """
+    from bstrain.models.layers import block_sparse_layouts
+    if world is None:
+        active = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+        world = World(dist.get_rank(), dist.get_world_size()) if active else World()
+    if not world.active:
+        return
+    mine = [(name, lay.shape, hashlib.sha256(np.packbits(lay).tobytes()).hexdigest())
+            for name, lay in block_sparse_layouts(model)]
+    for rank, theirs in enumerate(gather(mine, world)):
+        if theirs == mine:
+            continue
+        ours = dict((n, (sh, h)) for n, sh, h in mine)
+        diff = [n for n, sh, h in theirs if ours.get(n) != (sh, h)] or ["(the set of block-sparse layers)"]
+        raise ValueError(f"layout: rank {rank} and rank {world.rank} built different block-sparse layouts for "
+                         f"{diff[0]}; draw layouts from a seed or seed torch identically on every rank "
+                         f"before building the model")
 
 
 def broadcast(obj, world: World):

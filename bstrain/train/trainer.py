@@ -21,7 +21,8 @@ from bstrain.data.text import BpttBatches, bits_per_byte, check_size, load_bytes
 from bstrain.models.lstm import build_model
 from bstrain.train.checkpoint import (checkpoint_path, latest_checkpoint, load_checkpoint, prune_checkpoints,
                                       save_checkpoint)
-from bstrain.train.distributed import World, barrier, broadcast, device_for, finish, gather, init_world, mean, shard
+from bstrain.train.distributed import (World, barrier, broadcast, check_same_layouts, device_for, finish, gather,
+                                       init_world, mean, shard)
 from bstrain.train.graphs import CapturedStep, check_graph_config
 from bstrain.train.progress import Board, Progress, log, setup_logging
 from bstrain.train.step import clip_grads, lm_loss
@@ -176,6 +177,7 @@ def _train(cfg: DictConfig, run_dir: Path, device: torch.device, world: World) -
     net = model
     if world.active:
         from torch.nn.parallel import DistributedDataParallel
+        check_same_layouts(model, world)
         net = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
     graphed = bool(t_cfg.cuda_graph)
     if graphed:

@@ -5,7 +5,9 @@ import numpy as np
 import pytest
 import torch
 
-from bstrain.models.layers import BlockSparseLinear
+from torch import nn
+
+from bstrain.models.layers import BlockSparseLinear, sparsify
 from tests.kernels.test_matmul import dense_weight
 
 
@@ -28,7 +30,7 @@ def test_explicit_layout_and_state_dict():
     assert layer.weight.shape == (4, 8, 8) and layer.bias is None
     sd = layer.state_dict()
     assert set(sd) == {"weight", "layout"}
-    assert "density=0.250" in repr(layer)
+    assert "density=0.250" in repr(layer) and "realised" not in repr(layer)
 
 
 @pytest.mark.parametrize("kwargs, match", [
@@ -143,12 +145,171 @@ def test_grad_group_survives_an_inputs_only_backward_pass():
     torch.testing.assert_close(layer.weight.grad, want)
 
 
-def test_loading_a_state_dict_brings_its_layout():
-    src = BlockSparseLinear(64, 64, layout=[[1, 0], [0, 1]], bias=False)
-    dst = BlockSparseLinear(64, 64, layout=[[0, 1], [1, 0]], bias=False)
+def test_loading_a_state_dict_brings_its_layout_in_place():
+    """Same number of live blocks: the layout is taken, and the Parameter an optimizer holds stays."""
+    src = BlockSparseLinear(64, 64, False, layout=[[1, 0], [0, 1]])
+    dst = BlockSparseLinear(64, 64, False, layout=[[0, 1], [1, 0]])
+    opt = torch.optim.SGD(dst.parameters(), lr=0.1)
+    weight = dst.weight
     dst.load_state_dict(src.state_dict())
+    assert dst.weight is weight and (dst.op.layout == src.op.layout).all()
     x = torch.randn(5, 64)
     torch.testing.assert_close(dst(x), src(x))
-    bigger = BlockSparseLinear(64, 64, layout=[[1, 1], [1, 1]], bias=False)
-    bigger.load_state_dict(src.state_dict())
-    torch.testing.assert_close(bigger(x), src(x))
+    dst(x).sum().backward()
+    opt.step()                                                        # trains the tensor the layer uses
+    assert not torch.equal(dst(x), src(x))
+
+
+def test_loading_a_layout_with_other_block_count_names_the_layer():
+    src = nn.Sequential(BlockSparseLinear(64, 64, False, layout=[[1, 0], [0, 1]]))
+    dst = nn.Sequential(BlockSparseLinear(64, 64, False, layout=[[1, 1], [1, 1]]))
+    with pytest.raises(RuntimeError, match=r"0: the checkpoint's layout has 2 live blocks, this layer's 4"):
+        dst.load_state_dict(src.state_dict())
+    other = nn.Sequential(BlockSparseLinear(64, 128, False, layout=np.ones((2, 4))))
+    with pytest.raises(RuntimeError, match=r"0: the checkpoint's layout has shape \(2, 2\)"):
+        other.load_state_dict(src.state_dict())
+    dst.load_state_dict(src.state_dict(), assign=True)                # the checkpoint's tensors, as asked
+    x = torch.randn(3, 64)
+    torch.testing.assert_close(dst(x), src(x))
+
+
+def test_nn_linear_argument_order():
+    layer = BlockSparseLinear(64, 32, False, block_size=16, density=0.5)
+    assert layer.bias is None and layer.weight.shape[1:] == (16, 16)
+    with pytest.raises(TypeError, match="bias: expected True or False"):
+        BlockSparseLinear(64, 32, np.ones((4, 2)))                     # a layout where bias goes
+    with pytest.raises(TypeError):
+        BlockSparseLinear(64, 32, True, 16)                           # block_size is keyword-only
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_any_rank_input_and_feature_axis_0(backend):
+    from tests.conftest import kernel_device
+    dev = kernel_device() if backend == "triton" else "cpu"
+    layer = BlockSparseLinear(64, 48, block_size=16, density=0.5).to(dev)
+    layer.op.backend = backend
+    x = torch.randn(2, 3, 64, device=dev)
+    y = layer(x)
+    assert y.shape == (2, 3, 48)
+    torch.testing.assert_close(y, x @ layer.dense_weight().t() + layer.bias, rtol=1e-5, atol=1e-5)
+    assert layer(torch.randn(0, 64, device=dev)).shape == (0, 48)
+    t = BlockSparseLinear(64, 48, block_size=16, density=0.5, feature_axis=0).to(dev)
+    t.op.backend = backend
+    yt = t(x.permute(2, 0, 1))                                         # (C, B, T) -> (K, B, T)
+    assert yt.shape == (48, 2, 3)
+    torch.testing.assert_close(yt.permute(1, 2, 0), x @ t.dense_weight().t() + t.bias, rtol=1e-5, atol=1e-5)
+
+
+def test_layout_follows_torch_manual_seed():
+    torch.manual_seed(7)
+    a = BlockSparseLinear(128, 128, block_size=16, density=0.3)
+    torch.manual_seed(7)
+    b = BlockSparseLinear(128, 128, block_size=16, density=0.3)
+    assert (a.op.layout == b.op.layout).all()
+    torch.testing.assert_close(a.weight, b.weight)
+    c = BlockSparseLinear(128, 128, block_size=16, density=0.3)       # the generator moved on
+    assert (a.op.layout != c.op.layout).any()
+
+
+@pytest.mark.parametrize("shape, density", [((768, 3072), 0.25), ((256, 1024), 0.25), ((1024, 256), 0.2)])
+def test_density_is_exact_and_balanced(shape, density):
+    layer = BlockSparseLinear(*shape, block_size=32, density=density)
+    lay = layer.op.layout
+    assert lay.sum() == round(density * lay.size)
+    cols, rows = lay.sum(0), lay.sum(1)
+    assert cols.max() - cols.min() <= 1 and rows.max() - rows.min() <= 1
+    assert (cols > 0).all() and (rows > 0).all(), "every output unit has inputs and every input is used"
+    assert f"density={density:g} (realised {lay.mean():.3f})" in repr(layer)
+    iid = BlockSparseLinear(*shape, block_size=32, density=density, balanced=False)
+    assert 0 < iid.op.layout.sum() <= iid.op.layout.size
+
+
+def test_reset_parameters_uses_each_units_fan_in():
+    lay = np.zeros((8, 2), dtype=bool)
+    lay[:, 0] = True                                                  # unit block 0: fan-in 8·16
+    lay[0, 1] = True                                                  # unit block 1: fan-in 16
+    layer = BlockSparseLinear(128, 32, block_size=16, layout=lay)
+    assert layer.fan_in().tolist() == [128.0] * 16 + [16.0] * 16
+    dense = layer.dense_weight()                                      # (K, C)
+    for k, fan in ((0, 128), (20, 16)):
+        live = dense[k][dense[k] != 0]
+        assert live.abs().max() <= fan ** -0.5 and live.abs().max() > 0.5 * fan ** -0.5
+        assert layer.bias[k].abs() <= fan ** -0.5
+    x = torch.randn(4096, 128)
+    var = layer(x).detach().var(0)                                    # uniform(±1/√fan): var 1/3 per unit
+    assert torch.allclose(var[:16].mean(), torch.tensor(1 / 3 + 1 / 3 / 128), rtol=0.15)
+    assert torch.allclose(var[16:].mean(), torch.tensor(1 / 3 + 1 / 3 / 16), rtol=0.15)
+
+
+def test_meta_device_then_load_or_to_empty():
+    src = BlockSparseLinear(64, 96, block_size=16, density=0.4)
+    meta = BlockSparseLinear(64, 96, block_size=16, density=0.4, device="meta")
+    assert meta.weight.is_meta and meta.layout.is_meta
+    meta.load_state_dict(src.state_dict(), assign=True)
+    x = torch.randn(3, 64)
+    torch.testing.assert_close(meta(x), src(x))
+    empty = BlockSparseLinear(64, 96, block_size=16, density=0.4, device="meta").to_empty(device="cpu")
+    empty.reset_parameters()
+    assert torch.equal(empty.layout, torch.as_tensor(empty.op.layout)) and torch.isfinite(empty.weight).all()
+    assert empty(x).shape == (3, 96)
+
+
+def test_dense_conversion_round_trip():
+    layer = BlockSparseLinear(64, 96, block_size=16, density=0.4).double()
+    linear = layer.to_dense()
+    assert isinstance(linear, nn.Linear) and linear.weight.dtype == torch.float64
+    x = torch.randn(5, 64, dtype=torch.float64)
+    torch.testing.assert_close(linear(x), layer(x))
+    back = BlockSparseLinear.from_dense(linear, block_size=16, density=0.4)
+    assert (back.op.layout == layer.op.layout).all(), "the live blocks carry all the weight"
+    torch.testing.assert_close(back(x), layer(x))
+    with_layout = BlockSparseLinear.from_dense(linear, block_size=16, layout=np.ones((4, 6)))
+    torch.testing.assert_close(with_layout(x), layer(x))
+
+
+def test_from_dense_keeps_the_largest_blocks():
+    linear = nn.Linear(64, 32)
+    with torch.no_grad():
+        linear.weight.mul_(0.01)
+        linear.weight[16:, :16] = 1.0                                 # block (c=0, k=1) dominates
+        linear.weight[:16, 48:] = -2.0                                # block (c=3, k=0) too
+    layer = BlockSparseLinear.from_dense(linear, block_size=16, density=0.25)
+    want = np.zeros((4, 2), dtype=bool)
+    want[0, 1] = want[3, 0] = True
+    assert (layer.op.layout == want).all()
+
+
+def test_sparsify_swaps_chosen_linears():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 128), nn.ReLU(), nn.Sequential(nn.Linear(128, 64), nn.Linear(64, 10)))
+    x = torch.randn(4, 64)
+    dense_out = model[2][0](torch.relu(model[0](x)))
+    replaced = sparsify(model, "2.0", block_size=32, density=1.0)
+    assert replaced == ["2.0"] and isinstance(model[2][0], BlockSparseLinear)
+    assert type(model[0]) is nn.Linear and type(model[2][1]) is nn.Linear
+    torch.testing.assert_close(model[2][0](torch.relu(model[0](x))), dense_out)   # density 1 keeps everything
+    with pytest.raises(ValueError, match=r"2.1: expected in/out features that are multiples of block_size=32"):
+        sparsify(model, "*", block_size=32, density=0.5)
+    assert type(model[0]) is nn.Linear, "nothing is replaced when a chosen layer does not fit"
+    names = sparsify(model, lambda name, m: m.out_features == 128, block_size=32, density=0.5, keep_weights=False)
+    assert names == ["0"] and model[0].op.layout.sum() == 4
+
+
+def test_compile_and_export_on_cpu():
+    from torch._dynamo.utils import counters
+    from torch.export import Dim, export
+    layer = BlockSparseLinear(64, 96, block_size=16, density=0.5)
+    explained = torch._dynamo.explain(layer)(torch.randn(4, 64))
+    assert explained.graph_break_count == 0
+    torch._dynamo.reset()
+    counters.clear()
+    compiled = torch.compile(layer, fullgraph=True)
+    for n in (2, 3, 5, 8):
+        x = torch.randn(n, 7, 64)
+        torch.testing.assert_close(compiled(x), layer(x))
+    assert counters["stats"]["unique_graphs"] <= 2
+    fresh = BlockSparseLinear(64, 96, block_size=16, density=0.5)
+    ep = export(fresh, (torch.randn(4, 64),), dynamic_shapes=({0: Dim("batch")},))
+    x = torch.randn(11, 64)
+    torch.testing.assert_close(ep.module()(x), fresh(x))
+    assert type(fresh(x)) is torch.Tensor

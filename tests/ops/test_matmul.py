@@ -7,7 +7,7 @@ import torch
 
 from bstrain import layout as layouts
 from bstrain.ops.matmul import BlocksparseMatMul, bsmm_ref
-from tests.conftest import DTYPE_IDS, assert_close, kernel_device, kernel_dtypes
+from tests.conftest import DTYPE_IDS, assert_close, fresh_seed, kernel_device, kernel_dtypes
 from tests.kernels.test_matmul import dense_weight, ragged_layout, torch_mm
 
 
@@ -31,9 +31,7 @@ def reference_grads(op, x, w, dy):
 @pytest.mark.parametrize("bs", (8, 32, 64), ids=lambda b: f"bs{b}")
 @pytest.mark.parametrize("axis", (0, 1), ids=lambda a: f"axis{a}")
 def test_autograd_matches_reference(backend, dtype, bs, axis):
-    seed = int(np.random.default_rng().integers(1 << 30))     # fresh each run, named on failure
-    torch.manual_seed(seed)
-    op = BlocksparseMatMul(ragged_layout(3, 5, seed=seed), bs, axis, backend=backend)
+    op = BlocksparseMatMul(ragged_layout(3, 5, seed=fresh_seed()), bs, axis, backend=backend)
     dev = kernel_device()
     x = torch.randn(op.i_shape(29), device=dev).to(dtype).requires_grad_()
     w = (torch.randn(op.w_shape, device=dev) / bs**0.5).to(dtype).requires_grad_()
@@ -43,13 +41,12 @@ def test_autograd_matches_reference(backend, dtype, bs, axis):
     y.backward(dy)
     ref_y, ref_dx, ref_dw, wd = reference_grads(op, x, w, dy)
     xr, dyr = rows(x, axis), rows(dy, axis)
-    at = f"(seed {seed})"
-    assert_close(rows(y, axis), ref_y, torch_mm(xr, wd, dtype), dtype, f"y {at}")
-    assert_close(rows(x.grad, axis), ref_dx, torch_mm(dyr, wd.t(), dtype), dtype, f"dx {at}")
+    assert_close(rows(y, axis), ref_y, torch_mm(xr, wd, dtype), dtype, "y")
+    assert_close(rows(x.grad, axis), ref_dx, torch_mm(dyr, wd.t(), dtype), dtype, "dx")
     cb, kb = op.layout.shape
     c_idx, k_idx = np.nonzero(op.layout)
     base_dw = torch_mm(xr.t(), dyr, dtype).reshape(cb, bs, kb, bs)[c_idx, :, k_idx, :]
-    assert_close(w.grad, ref_dw, base_dw, dtype, f"dw {at}")
+    assert_close(w.grad, ref_dw, base_dw, dtype, "dw")
 
 
 @pytest.mark.parametrize("axis", (0, 1), ids=lambda a: f"axis{a}")
@@ -121,6 +118,131 @@ def test_identity_init_is_identity(axis):
     assert w.dtype == torch.float32 and w.device.type == "cpu"
     x = torch.randn(op.i_shape(6))
     torch.testing.assert_close(op(x, w), x)
+    torch.testing.assert_close(op(x, op.identity_init(0.5)), 0.5 * x)      # the seed's scale, positional
+
+
+@pytest.mark.parametrize("shape", [(2, 6), (6, 2), (3, 5)])
+def test_identity_init_tiles_non_square_layouts(shape):
+    """The seed's rule: block (c, k) gets scale·eye when c % KB == k % CB."""
+    cb, kb = shape
+    op = BlocksparseMatMul(np.ones(shape), 8)
+    dense = op.to_dense(op.identity_init(scale=2.0))
+    want = torch.zeros(cb * 8, kb * 8)
+    for c in range(cb):
+        for k in range(kb):
+            if c % kb == k % cb:
+                want[c * 8:(c + 1) * 8, k * 8:(k + 1) * 8] = 2.0 * torch.eye(8)
+    torch.testing.assert_close(dense, want)
+    with pytest.raises(TypeError, match="scale: expected a number"):
+        op.identity_init(True)
+
+
+def test_dense_round_trip_and_gradient():
+    lay = ragged_layout(3, 5, seed=fresh_seed())
+    op = BlocksparseMatMul(lay, 8)
+    w = torch.randn(op.w_shape, dtype=torch.float64, requires_grad=True)
+    dense = op.to_dense(w)
+    torch.testing.assert_close(dense, dense_weight(lay, w))
+    torch.testing.assert_close(op.from_dense(dense), w)
+    x = torch.randn(4, op.C, dtype=torch.float64)
+    torch.testing.assert_close(x @ dense, op(x, w))
+    (x @ op.to_dense(w)).sum().backward()
+    g_dense = w.grad.clone()
+    w.grad = None
+    op(x, w).sum().backward()
+    torch.testing.assert_close(g_dense, w.grad)
+
+
+def _seed_z_order_2d(x, y):
+    """The seed's blocksparse.utils.z_order_2d, restated."""
+    answer = 0
+    for i in range(max(len(bin(x)), len(bin(y))) - 2):
+        answer |= ((x & (1 << i)) << i) | ((y & (1 << i)) << (i + 1))
+    return answer
+
+
+def test_seed_block_order_conversion():
+    """The seed numbers weight blocks in z-order of (c, k): sorted((z_order_2d(c, k), i)) gives its
+    block ids. Converting a weight saved in that order gives the same function in ours."""
+    lay = layouts.random((13, 9), 0.4, seed=fresh_seed())
+    op = BlocksparseMatMul(lay, 8)
+    cs, ks = np.nonzero(lay)
+    seed_ids = np.empty(len(cs), dtype=np.int64)
+    for rank, (_, i) in enumerate(sorted((_seed_z_order_2d(int(cs[i]), int(ks[i])), i) for i in range(len(cs)))):
+        seed_ids[i] = rank                           # the seed's block id of our block i
+    assert op.seed_order().tolist() == seed_ids.tolist()
+    w = torch.randn(op.w_shape, dtype=torch.float64)
+    w_seed = torch.empty_like(w)
+    w_seed[torch.as_tensor(seed_ids)] = w                                  # as the seed would store it
+    torch.testing.assert_close(op.from_seed_order(w_seed), w)
+    torch.testing.assert_close(op.to_seed_order(w), w_seed)
+    torch.testing.assert_close(op.from_seed_order(w, z_order=False), w)
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("axis", (0, 1), ids=lambda a: f"axis{a}")
+@pytest.mark.parametrize("lead", [(2, 3), (0,), (), (4, 0, 2)], ids=["2x3", "zero-rows", "one-row", "zero-mid"])
+def test_any_rank_input(backend, axis, lead):
+    """(*, C) in, (*, K) out (with feature_axis=0: (C, *) -> (K, *)), zero rows included, with gradients."""
+    op = BlocksparseMatMul(ragged_layout(3, 5, seed=fresh_seed()), 16, axis, backend=backend)
+    dev = kernel_device() if backend == "triton" else "cpu"
+    shape = (*lead, op.C) if axis == 1 else (op.C, *lead)
+    x = torch.randn(shape, device=dev, requires_grad=True)
+    w = torch.randn(op.w_shape, device=dev, requires_grad=True)
+    y = op(x, w)
+    assert y.shape == ((*lead, op.K) if axis == 1 else (op.K, *lead))
+    x2 = x.reshape(-1, op.C) if axis == 1 else x.reshape(op.C, -1).t()
+    ref = x2.double().cpu() @ dense_weight(op.layout, w)
+    assert_close(y.reshape(-1, op.K) if axis == 1 else y.reshape(op.K, -1).t(), ref, None, torch.float32, "y")
+    dy = torch.randn_like(y)
+    y.backward(dy)
+    dy2 = dy.reshape(-1, op.K) if axis == 1 else dy.reshape(op.K, -1).t()
+    dx_ref = dy2.double().cpu() @ dense_weight(op.layout, w).t()
+    assert_close(x.grad.reshape(-1, op.C) if axis == 1 else x.grad.reshape(op.C, -1).t(), dx_ref, None,
+                 torch.float32, "dx")
+    if x2.shape[0] == 0:
+        assert (w.grad == 0).all()
+
+
+def test_compile_has_no_graph_break_and_no_recompile_per_batch_size():
+    """CPU path under torch.compile(fullgraph=True): batch sizes 3..13 compile at most twice (the
+    first static graph, then one dynamic one), and with dynamic=True once."""
+    from torch._dynamo.utils import counters
+    op = BlocksparseMatMul(ragged_layout(3, 5, seed=fresh_seed()), 16)
+    w = torch.randn(op.w_shape, requires_grad=True)
+    for dynamic, most in ((None, 2), (True, 1)):
+        torch._dynamo.reset()
+        counters.clear()
+        f = torch.compile(lambda x, w: op(x, w), fullgraph=True, dynamic=dynamic)
+        for n in (3, 5, 7, 9, 11, 13):
+            x = torch.randn(n, op.C, requires_grad=True)
+            y = f(x, w)
+            torch.testing.assert_close(y, op(x, w))
+            y.sum().backward()
+        assert counters["stats"]["unique_graphs"] <= most, dict(counters["stats"])
+
+
+def test_export_fresh_op_leaves_eager_calls_real():
+    """torch.export of a never-called op, with a dynamic batch; afterwards eager calls still return
+    real tensors (nothing created under tracing is cached)."""
+    from torch.export import Dim, export
+
+    class UsesOp(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.op = BlocksparseMatMul(ragged_layout(3, 5, seed=fresh_seed()), 16)
+            self.w = torch.nn.Parameter(torch.randn(self.op.w_shape))
+
+        def forward(self, x):
+            return self.op(x, self.w)
+
+    m = UsesOp()
+    ep = export(m, (torch.randn(4, m.op.C),), dynamic_shapes=({0: Dim("batch")},))
+    x = torch.randn(9, m.op.C)
+    torch.testing.assert_close(ep.module()(x), m(x))
+    y = m(x)
+    assert type(y) is torch.Tensor and not isinstance(y, torch._subclasses.FakeTensor)
+    assert all(type(t) is torch.Tensor for pair in m.op._ref_idx.values() for t in pair)
 
 
 def test_ortho_init_blocks_are_orthogonal():
@@ -174,8 +296,9 @@ def _call(op, x, w, **kw):
 
 
 @pytest.mark.parametrize("case, exc, match", [
-    ("wrong_i_shape", ValueError, r"I: expected shape \(N, C\) with C=32"),
+    ("wrong_i_shape", ValueError, r"I: expected shape \(\*, C\) with C=32"),
     ("i_3d", ValueError, "I: expected shape"),
+    ("scalar", ValueError, "I: expected shape"),
     ("wrong_w_shape", ValueError, r"W: expected shape w_shape=\(3, 16, 16\)"),
     ("dtype_mismatch", TypeError, "W: expected dtype torch.float16"),
     ("int_input", TypeError, "I: expected float32"),
@@ -189,6 +312,7 @@ def test_call_rejects(case, exc, match):
     call = {
         "wrong_i_shape": _call(op, torch.randn(4, 48), w),
         "i_3d": _call(op, torch.randn(4, 32, 1), w),
+        "scalar": _call(op, torch.tensor(1.0), w),
         "wrong_w_shape": _call(op, x, torch.randn(2, 16, 16)),
         "dtype_mismatch": _call(op, x.half(), w.bfloat16()),
         "int_input": _call(op, x.int(), w),

@@ -33,3 +33,36 @@ def test_two_process_ddp_training_and_resume(tmp_path):
     assert more.returncode == 0, more.stderr[-3000:]
     assert "at step 6" in (run / "train.log").read_text()
     assert (run / "ckpt" / "step_00000009.pt").is_file()
+
+
+def _layouts_worker(rank: int, store: str, same: bool, results) -> None:
+    import torch.distributed as dist
+
+    from bstrain.models.layers import BlockSparseLinear
+    from bstrain.train.distributed import check_same_layouts
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
+    try:
+        torch.manual_seed(0 if same else rank)                  # unseeded layouts follow torch's RNG
+        model = torch.nn.Sequential(BlockSparseLinear(64, 64, block_size=16, density=0.5),
+                                    torch.nn.ReLU(), BlockSparseLinear(64, 64, block_size=16, density=0.5))
+        try:
+            check_same_layouts(model)
+            results[rank] = "ok"
+        except ValueError as exc:
+            results[rank] = str(exc)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_ranks_with_different_layouts_refuse_to_start(tmp_path):
+    import torch.multiprocessing as mp
+    for same in (True, False):
+        with mp.Manager() as manager:
+            results = manager.dict()
+            mp.spawn(_layouts_worker, args=(str(tmp_path / f"store{same}"), same, results), nprocs=2)
+            got = dict(results)
+        if same:
+            assert got == {0: "ok", 1: "ok"}
+        else:
+            for rank in (0, 1):
+                assert "built different block-sparse layouts for 0" in got[rank], got
