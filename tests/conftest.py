@@ -59,6 +59,18 @@ def _worst(t: torch.Tensor) -> tuple:
     return tuple(int(v) for v in torch.unravel_index(torch.tensor(flat), t.shape))
 
 
+def pytest_addoption(parser):
+    parser.addoption("--repeat", type=int, default=1,
+                     help="run every test this many times, each with a fresh seed (stress runs)")
+
+
+def pytest_generate_tests(metafunc):
+    repeat = metafunc.config.getoption("repeat")
+    if repeat > 1:
+        metafunc.fixturenames.append("repeat_index")
+        metafunc.parametrize("repeat_index", range(repeat), ids=lambda i: f"rep{i}")
+
+
 @pytest.fixture(autouse=True)
 def test_seed(request) -> int:
     """Every test draws fresh random inputs from its own seed, reported when it fails.

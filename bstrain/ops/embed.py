@@ -26,13 +26,15 @@ class _EmbeddingLookup(torch.autograd.Function):
         return grad.to(ctx.emb_dtype), None
 
 
-def embedding_lookup(emb: torch.Tensor, idx: torch.Tensor, sort_grad: bool = True) -> torch.Tensor:
+def embedding_lookup(emb: torch.Tensor, idx: torch.Tensor, sort_grad: bool = True, bench: int = 0,
+                     use_tf: bool = False) -> torch.Tensor:
     """y = emb[idx]. The seed's signature.
 
     Args:
         emb: (V, D) table.
         idx: integer ids of any shape (int64/32/16, uint16, uint8), each in [0, V).
-        sort_grad: accepted for the seed's signature; the gradient here needs no sorting.
+        sort_grad, bench, use_tf: the seed's switches; accepted, without effect (the gradient here
+            needs no sorting).
     Returns (*idx.shape, D). The gradient of emb is accumulated in fp32 even for fp16/bf16
     tables, then cast to emb's dtype.
     """

@@ -190,8 +190,8 @@ def fast_gelu(x):
     return swish(x, alpha=1.702)
 
 
-def bias_relu(x: torch.Tensor, b: torch.Tensor, axis: int = -1, relu: bool = False,
-              fast_gelu: bool = False) -> torch.Tensor:
+def bias_relu(x: torch.Tensor, b: torch.Tensor, axis: int = -1, relu: bool = False, fast_gelu: bool = False,
+              atomics: bool = True, bench: int = 0, use_tf: bool = False) -> torch.Tensor:
     """y = act(x + b), b broadcast along the feature ``axis`` of x. The seed's signature.
 
     Args:
@@ -200,6 +200,8 @@ def bias_relu(x: torch.Tensor, b: torch.Tensor, axis: int = -1, relu: bool = Fal
         b: K elements of any shape ((K,), (1, K), (K, 1)); x's dtype, or float32 with 16-bit x
             (then computed in fp32, returned in x's dtype).
         relu: act is ReLU. fast_gelu: act is x·σ(1.702x). Neither: the identity (plain bias add).
+        atomics, bench, use_tf: the seed's kernel-tuning and benchmarking switches; accepted so
+            seed code runs unchanged, and without effect (the result is the same either way).
     """
     _check_tensor("x", x)
     if relu and fast_gelu:

@@ -256,11 +256,12 @@ class BlocksparseMatMul:
         q = q * torch.sign(torch.diagonal(r, dim1=-2, dim2=-1)).unsqueeze(-2)  # Haar-uniform
         return q.float().to("cuda" if gpu else "cpu")
 
-    def l2_normalize(self, W: torch.Tensor, gain: torch.Tensor | None = None,
-                     epsilon: float = 1e-6) -> torch.Tensor:
+    def l2_normalize(self, W: torch.Tensor, gain: torch.Tensor | None = None, epsilon: float = 1e-12,
+                     dtype: torch.dtype | None = None) -> torch.Tensor:
         """Scales each output unit's incoming weights (dense column k) to unit L2 norm, or gain[k].
 
-        W: (nnz, bs, bs); gain: (K,) or None. Differentiable; returns W's dtype.
+        W: (nnz, bs, bs); gain: K elements of any shape, or None; epsilon: the floor of each squared
+        norm (the seed's default). Differentiable; returns ``dtype`` (default: W's).
         """
         self._check_w(W)
         k_idx = self._coords[1].to(W.device)
@@ -269,10 +270,11 @@ class BlocksparseMatMul:
         col_sq = sq.new_zeros(self.K // self.block_size, self.block_size).index_add(0, k_idx, sq)
         scale = torch.rsqrt(col_sq.clamp_min(epsilon))                       # (Kb, bs)
         if gain is not None:
-            if tuple(gain.shape) != (self.K,):
-                raise ValueError(f"gain: expected shape ({self.K},), got {tuple(gain.shape)}")
+            if not isinstance(gain, torch.Tensor) or gain.numel() != self.K:
+                raise ValueError(f"gain: expected {self.K} elements (K; any shape), got "
+                                 f"{tuple(gain.shape) if isinstance(gain, torch.Tensor) else type(gain).__name__}")
             scale = scale * gain.to(wf.dtype).reshape(-1, self.block_size)
-        return (wf * scale[k_idx].unsqueeze(1)).to(W.dtype)
+        return (wf * scale[k_idx].unsqueeze(1)).to(dtype or W.dtype)
 
     # --- apply -----------------------------------------------------------------------------
     def luts(self, device: torch.device | str):

@@ -29,7 +29,8 @@ def layer_norm_ref(x, g, b, axis: int = 1, epsilon: float = 1e-6, relu: bool = F
 
 
 def layer_norm(x: torch.Tensor, g: torch.Tensor, b: torch.Tensor, axis: int = 1, segments: int = 1,
-               epsilon: float = 1e-6, relu: bool = False) -> torch.Tensor:
+               epsilon: float = 1e-6, relu: bool = False, atomics: bool = True, bench: int = 0,
+               use_tf: bool = False) -> torch.Tensor:
     """The seed's layer norm, with the seed's signature.
 
     Args:
@@ -41,6 +42,7 @@ def layer_norm(x: torch.Tensor, g: torch.Tensor, b: torch.Tensor, axis: int = 1,
         segments: normalise each of ``segments`` equal slices of the C features independently
             (e.g. the four LSTM gates); g and b still span all C.
         relu: apply ReLU to the output (fused).
+        atomics, bench, use_tf: the seed's tuning switches; accepted, without effect.
     Returns a tensor like x (same shape and dtype). Statistics are computed in fp32.
     """
     _check_tensor("x", x)

@@ -69,6 +69,13 @@ def test_seed_style_calls():
     loss = bs.softmax_cross_entropy(h, torch.randint(0, 128, (2, 2)).to(torch.uint8))
     assert loss.shape == (2, 2)
     assert bs.ceil_div(7, 2) == 4 and bs.reduce_mul([2, 3, 4]) == 24
+    # the seed's own tests pass its tuning switches; they are accepted and change nothing
+    torch.testing.assert_close(bs.bias_relu(y, b, axis=1, fast_gelu=True, atomics=False, bench=0),
+                               bs.bias_relu(y, b, axis=1, fast_gelu=True))
+    torch.testing.assert_close(bs.layer_norm(y, g, b, 1, 1, 1e-6, False, True, 0), bs.layer_norm(y, g, b))
+    assert bs.embedding_lookup(torch.randn(5, 3), torch.tensor([1, 4]), True, 0).shape == (2, 3)
+    wn = bsmm.l2_normalize(w, dtype=torch.float16)                           # the seed's dtype argument
+    assert wn.dtype == torch.float16
 
 
 def test_filter_tensor_and_its_gradient():
