@@ -5,11 +5,7 @@
 # The GPU machine lacks hydra-core/omegaconf/antlr4: stage their wheels in .whl/ first
 # (bash ../shared/tools/device-wheels.sh) and carry .whl with the call.
 set -o pipefail
-export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
-if [ -d .whl ]; then
-  python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl && export PYTHONPATH=$PYTHONPATH:/tmp/site
-fi
-OUT=${OUT:-/tmp/bstrain-out}; mkdir -p "$OUT"
+. "$(dirname "$0")/gpu_env.sh"
 bench=matmul
 case "${1:-}" in matmul|ops|lstm) bench=$1; shift ;; esac
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,memory.used --format=csv

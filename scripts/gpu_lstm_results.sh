@@ -4,11 +4,7 @@
 # dense runs side by side (one per GPU, SECONDS each), then the step-time table on GPU 0 while the
 # rest of the GPU tests run on GPU 1. Carry .whl (bash ../shared/tools/device-wheels.sh).
 set -o pipefail
-export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
-if [ -d .whl ]; then
-  python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl && export PYTHONPATH=$PYTHONPATH:/tmp/site
-fi
-OUT=${OUT:-/tmp/bstrain-out}; mkdir -p "$OUT"
+. "$(dirname "$0")/gpu_env.sh"
 SECONDS_EACH=${SECONDS_EACH:-300}
 nvidia-smi --query-gpu=index,name,memory.used --format=csv
 CUDA_VISIBLE_DEVICES=0 python3 -m pytest tests/models tests/train/test_trainer.py -q -n 8 -p no:cacheprovider \

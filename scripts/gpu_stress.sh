@@ -9,11 +9,7 @@
 #      (benchmarks/correctness.md).
 # Carry .whl (bash ../shared/tools/device-wheels.sh) for hydra, which the trainer tests need.
 set -o pipefail
-export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
-if [ -d .whl ]; then
-  python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl && export PYTHONPATH=$PYTHONPATH:/tmp/site
-fi
-OUT=${OUT:-/tmp/bstrain-out}; mkdir -p "$OUT"
+. "$(dirname "$0")/gpu_env.sh"
 STRESS_SECONDS=${STRESS_SECONDS:-180}
 STRESS_TESTS=${STRESS_TESTS:-tests/kernels tests/ops/test_matmul.py tests/ops/test_norms.py tests/ops/test_ew.py}
 nvidia-smi --query-gpu=name,memory.used --format=csv,noheader

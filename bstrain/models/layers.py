@@ -80,7 +80,7 @@ class BlockSparseLinear(nn.Module):
         with torch.no_grad():
             self.layout.copy_(torch.as_tensor(self.op.layout))
             bound = self.fan_in().clamp_min(1).rsqrt().to(self.weight.device, self.weight.dtype)   # (K,)
-            k_idx = self.op._coords[1].to(self.weight.device)
+            k_idx = self.op.coords[1].to(self.weight.device)
             block_bound = bound.view(-1, self.op.block_size)[k_idx]                # (nnz, bs) per column
             self.weight.uniform_(-1.0, 1.0).mul_(block_bound[:, None, :])
             if self.bias is not None:

@@ -72,7 +72,7 @@ def bsmm_ref(x: torch.Tensor, w: torch.Tensor, c_idx: torch.Tensor, k_idx: torch
     xb = xr.reshape(n, xr.shape[1] // bs, bs)                     # (N, Cb, bs)
     y = xr.new_zeros(n, K // bs, bs)                              # (N, Kb, bs)
     chunk = _chunk_blocks(n, bs)
-    for s in range(0, w.shape[0], chunk):
+    for s in range(0, c_idx.shape[0], chunk):
         part = torch.einsum("nbi,bij->nbj", xb[:, c_idx[s:s + chunk]], w[s:s + chunk])
         y = y.index_add(1, k_idx[s:s + chunk], part)              # (N, Kb, bs)
     y = y.reshape(n, K)
@@ -180,6 +180,11 @@ class BlocksparseMatMul:
         if not -self.blocks <= i < self.blocks:
             raise IndexError(f"i: expected a block index in [0, {self.blocks}), got {i}")
         return int(self._coords[0, i]), int(self._coords[1, i])
+
+    @property
+    def coords(self) -> torch.Tensor:
+        """(2, nnz) int64 on the CPU: the (c, k) layout coordinates of every weight block, in order."""
+        return self._coords
 
     @property
     def density(self) -> float:
@@ -292,8 +297,10 @@ class BlocksparseMatMul:
         """(c_idx, k_idx) on ``device`` for the PyTorch path; cached, except while tracing."""
         if device in self._ref_idx:
             return self._ref_idx[device]
-        coords = self._coords[0].to(device), self._coords[1].to(device)
+        coords = self._coords[0].to(device, copy=True), self._coords[1].to(device, copy=True)
         if not tracing(*coords):
+            for t in coords:           # a fixed size: torch.compile(dynamic=True) must not make it a symbol
+                torch._dynamo.mark_static(t)
             self._ref_idx[device] = coords
         return coords
 

@@ -208,16 +208,25 @@ def test_compile_has_no_graph_break_and_no_recompile_per_batch_size():
     """CPU path under torch.compile(fullgraph=True): batch sizes 3..13 compile at most twice (the
     first static graph, then one dynamic one), and with dynamic=True once."""
     from torch._dynamo.utils import counters
-    op = BlocksparseMatMul(ragged_layout(3, 5, seed=fresh_seed()), 16)
-    w = torch.randn(op.w_shape, requires_grad=True)
+
+    class UsesOp(torch.nn.Module):                  # the weight a Parameter, as in a user's module
+        def __init__(self):
+            super().__init__()
+            self.op = BlocksparseMatMul(ragged_layout(3, 5, seed=fresh_seed()), 16)
+            self.w = torch.nn.Parameter(torch.randn(self.op.w_shape))
+
+        def forward(self, x):
+            return self.op(x, self.w)
+
+    m = UsesOp()
     for dynamic, most in ((None, 2), (True, 1)):
         torch._dynamo.reset()
         counters.clear()
-        f = torch.compile(lambda x, w: op(x, w), fullgraph=True, dynamic=dynamic)
-        for n in (3, 5, 7, 9, 11, 13):
-            x = torch.randn(n, op.C, requires_grad=True)
-            y = f(x, w)
-            torch.testing.assert_close(y, op(x, w))
+        f = torch.compile(m, fullgraph=True, dynamic=dynamic)
+        for n in (3, 5, 7, 9, 11, 13):              # batch sizes that may equal layout sizes too
+            x = torch.randn(n, m.op.C, requires_grad=True)
+            y = f(x)
+            torch.testing.assert_close(y, m(x))
             y.sum().backward()
         assert counters["stats"]["unique_graphs"] <= most, dict(counters["stats"])
 
