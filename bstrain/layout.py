@@ -83,7 +83,8 @@ def dense(shape: tuple[int, int]) -> np.ndarray:
     return np.ones(shape, dtype=bool)
 
 
-def _check_density(density) -> float:
+def check_density(density) -> float:
+    """density as a float in (0, 1], or a ValueError naming it."""
     if isinstance(density, bool) or not isinstance(density, (int, float)) or not 0.0 < density <= 1.0:
         raise ValueError(f"density: expected a value in (0, 1], got {density!r}")
     return float(density)
@@ -95,7 +96,7 @@ def random(shape: tuple[int, int], density: float, seed: int | None = None) -> n
     The realised density varies around ``density`` and some rows or columns may be empty; see
     :func:`balanced` for an exact, even draw. Without a seed the draw follows torch's RNG.
     """
-    density = _check_density(density)
+    density = check_density(density)
     rng = _rng(seed)
     lay = rng.random(shape) < density
     if not lay.any():
@@ -117,7 +118,7 @@ def balanced(shape: tuple[int, int], density: float, seed: int | None = None) ->
     ⌊n/Cb⌋ or ⌈n/Cb⌉, so no output unit is left without inputs (and no input unused) once
     n >= max(Cb, Kb). Without a seed the draw follows torch's RNG.
     """
-    density = _check_density(density)
+    density = check_density(density)
     cb, kb = shape
     n = min(cb * kb, max(1, int(round(density * cb * kb))))
     rng = _rng(seed)

@@ -23,7 +23,7 @@ class BlockSparseLinear(nn.Module):
         bias: add a learned (K,) bias.
         block_size: bs, one of 8, 16, 32, 64, 128.
         density: fraction of live blocks of a drawn layout (when ``layout`` is None).
-        layout: a (C/bs, K/bs) 0/1 array; overrides ``density``.
+        layout: a (C/bs, K/bs) 0/1 array (instead of ``density``).
         balanced: draw exactly ``round(density·blocks)`` live blocks spread evenly over output
             columns and input rows (:func:`bstrain.layout.balanced`, the default); False draws
             each block independently (:func:`bstrain.layout.random`).
@@ -45,6 +45,8 @@ class BlockSparseLinear(nn.Module):
                 raise ValueError(f"{name}: expected a positive multiple of block_size={bs}, got {feat!r}")
         if not isinstance(bias, bool):
             raise TypeError(f"bias: expected True or False (nn.Linear's third argument), got {bias!r}")
+        if layout is not None and density is not None:
+            raise ValueError("layout, density: expected one of them (a layout or a density to draw one), got both")
         drawn = layout is None
         if drawn:
             if density is None:
@@ -151,6 +153,8 @@ class BlockSparseLinear(nn.Module):
             raise TypeError(f"linear: expected an nn.Linear, got {type(linear).__name__}")
         bs = check_block_size(block_size)
         C, K = linear.in_features, linear.out_features
+        if layout is not None and density is not None:
+            raise ValueError("layout, density: expected one of them, got both")
         if layout is None:
             if density is None:
                 raise ValueError("layout: expected a layout or a density, got neither")
@@ -158,7 +162,7 @@ class BlockSparseLinear(nn.Module):
                 raise ValueError(f"linear: expected in/out features that are multiples of block_size={bs}, "
                                  f"got {C} and {K}")
             norms = linear.weight.detach().float().t().reshape(C // bs, bs, K // bs, bs).square().sum((1, 3))
-            keep = min(norms.numel(), max(1, round(layouts._check_density(density) * norms.numel())))
+            keep = min(norms.numel(), max(1, round(layouts.check_density(density) * norms.numel())))
             layout = np.zeros(tuple(norms.shape), dtype=bool)
             layout.flat[norms.flatten().argsort(descending=True, stable=True)[:keep].cpu().numpy()] = True
         layer = cls(C, K, linear.bias is not None, block_size=bs, layout=layout, feature_axis=feature_axis,

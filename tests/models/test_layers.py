@@ -38,6 +38,7 @@ def test_explicit_layout_and_state_dict():
     (dict(in_features=60, out_features=64, density=0.5), "in_features: expected a positive multiple"),
     (dict(in_features=64, out_features=64, layout=np.ones((2, 3))), "out_features=64"),
     (dict(in_features=64, out_features=64, density=0.5, block_size=12), "block_size"),
+    (dict(in_features=64, out_features=64, density=0.5, layout=np.ones((2, 2))), "layout, density: expected one"),
 ])
 def test_rejects_bad_arguments(kwargs, match):
     with pytest.raises(ValueError, match=match):
