@@ -204,20 +204,22 @@ def test_any_rank_input(backend, axis, lead):
         assert (w.grad == 0).all()
 
 
+class UsesOp(torch.nn.Module):
+    """A user's module calling the op directly, its weight a Parameter."""
+
+    def __init__(self):
+        super().__init__()
+        self.op = BlocksparseMatMul(ragged_layout(3, 5, seed=fresh_seed()), 16)
+        self.w = torch.nn.Parameter(torch.randn(self.op.w_shape))
+
+    def forward(self, x):
+        return self.op(x, self.w)
+
+
 def test_compile_has_no_graph_break_and_no_recompile_per_batch_size():
     """CPU path under torch.compile(fullgraph=True): batch sizes 3..13 compile at most twice (the
     first static graph, then one dynamic one), and with dynamic=True once."""
     from torch._dynamo.utils import counters
-
-    class UsesOp(torch.nn.Module):                  # the weight a Parameter, as in a user's module
-        def __init__(self):
-            super().__init__()
-            self.op = BlocksparseMatMul(ragged_layout(3, 5, seed=fresh_seed()), 16)
-            self.w = torch.nn.Parameter(torch.randn(self.op.w_shape))
-
-        def forward(self, x):
-            return self.op(x, self.w)
-
     m = UsesOp()
     for dynamic, most in ((None, 2), (True, 1)):
         torch._dynamo.reset()
@@ -235,16 +237,6 @@ def test_export_fresh_op_leaves_eager_calls_real():
     """torch.export of a never-called op, with a dynamic batch; afterwards eager calls still return
     real tensors (nothing created under tracing is cached)."""
     from torch.export import Dim, export
-
-    class UsesOp(torch.nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.op = BlocksparseMatMul(ragged_layout(3, 5, seed=fresh_seed()), 16)
-            self.w = torch.nn.Parameter(torch.randn(self.op.w_shape))
-
-        def forward(self, x):
-            return self.op(x, self.w)
-
     m = UsesOp()
     ep = export(m, (torch.randn(4, m.op.C),), dynamic_shapes=({0: Dim("batch")},))
     x = torch.randn(9, m.op.C)

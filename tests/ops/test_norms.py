@@ -81,13 +81,15 @@ def test_layer_norm_seed_positional_order():
     torch.testing.assert_close(norms.layer_norm(x, g, b, 1, 2), seed_layer_norm(x, g, b, 1, 1e-6, False, 2))
 
 
-@pytest.mark.parametrize("backend", ["torch", "triton"])
-@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=lambda d: DTYPE_IDS[d])
+# 16-bit cases: PyTorch path in fp16 and bf16; kernels in the dtypes kernel_dtypes() allows
+HALF_CASES = [("torch", torch.float16), ("torch", torch.bfloat16)] + \
+    [("triton", d) for d in kernel_dtypes() if d != torch.float32]
+
+
+@pytest.mark.parametrize("backend, dtype", HALF_CASES, ids=lambda v: DTYPE_IDS.get(v, v))
 @pytest.mark.parametrize("axis, relu", [(1, False), (1, True), (0, False)], ids=["axis1", "axis1-relu", "axis0"])
 def test_layer_norm_fp32_params_with_16_bit_x(backend, dtype, axis, relu, monkeypatch):
     """The seed's mixed precision: fp32 gain and bias, shaped (1, C) and (C, 1), with fp16/bf16 x."""
-    if backend == "triton" and dtype == torch.bfloat16 and not torch.cuda.is_available():
-        pytest.skip("bf16 kernels are checked on the GPU (the interpreter's bf16 is unreliable)")
     monkeypatch.setenv("BSTRAIN_FORCE_TRITON", "1" if backend == "triton" else "0")
     dev = kernel_device() if backend == "triton" else "cpu"
     x = torch.randn((7, 24) if axis == 1 else (24, 7), device=dev).to(dtype).requires_grad_()
