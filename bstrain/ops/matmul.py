@@ -215,7 +215,7 @@ class BlocksparseMatMul:
         self._check_w(W)
         cb, kb = self.layout.shape
         bs = self.block_size
-        c_idx, k_idx = self._coords.to(W.device)
+        c_idx, k_idx = self._ref_coords(W.device)
         dense = W.new_zeros(cb, kb, bs, bs).index_put((c_idx, k_idx), W)    # (Cb, Kb, bs, bs)
         return dense.permute(0, 2, 1, 3).reshape(self.C, self.K)
 
@@ -227,7 +227,7 @@ class BlocksparseMatMul:
         cb, kb = self.layout.shape
         bs = self.block_size
         blocks = dense.reshape(cb, bs, kb, bs).permute(0, 2, 1, 3)              # (Cb, Kb, bs, bs)
-        c_idx, k_idx = self._coords.to(dense.device)
+        c_idx, k_idx = self._ref_coords(dense.device)
         return blocks[c_idx, k_idx]
 
     # --- the seed's block order ---------------------------------------------------------------------
