@@ -1,49 +1,121 @@
-"""Config schemas: one dataclass per section, registered in Hydra's ConfigStore.
+"""Config schemas: one dataclass per section and per built-in config-group option.
 
-Every key a YAML file or a ``key=value`` override may set is declared here, with its type, so a
-misspelled key or a wrong type fails at start with Hydra's one-line message naming the key.
+Every key a shipped YAML file or a ``key=value`` override may set is declared here with its type,
+so a misspelled key or a wrong type fails at start with one line naming the key. Choices are
+Enums, checked when the config is composed. The model, data and task sections are built with
+Hydra's ``instantiate`` from their ``_target_``: the built-in options below are structured (typed,
+typo-checked); a user's own ``model: {_target_: my_package.MyLM, ...}`` is a plain mapping whose
+keys its constructor checks.
+
+bstrain/models never imports this module: a built-in model's schema is its own config dataclass
+(:class:`bstrain.models.lstm.LSTMConfig`) plus a ``_target_`` field.
 """
 from __future__ import annotations
 
+import dataclasses
+import typing
 from dataclasses import dataclass, field
-from typing import Optional
+from enum import Enum
+from typing import Any, Optional
 
-from hydra.core.config_store import ConfigStore
+from omegaconf import MISSING
+
+from bstrain.models.lstm import LSTMConfig
+
+
+class Precision(str, Enum):
+    fp32 = "fp32"
+    fp16 = "fp16"
+    bf16 = "bf16"
+
+
+class Device(str, Enum):
+    auto = "auto"
+    cpu = "cpu"
+    cuda = "cuda"
+
+
+class Schedule(str, Enum):
+    cosine = "cosine"
+    linear = "linear"
+    constant = "constant"
+
+
+class Corpus(str, Enum):
+    auto = "auto"
+    bytes = "bytes"
+    enwik8 = "enwik8"
+    text8 = "text8"
+
+
+class Split(str, Enum):
+    valid = "valid"
+    test = "test"
+
+
+def _with_target(base: type, target: str, name: str) -> type:
+    """``base``'s fields plus ``_target_`` (first), as a new dataclass for the ConfigStore."""
+    hints = typing.get_type_hints(base)                # real types, not the strings of postponed annotations
+    fields = [("_target_", str, field(default=target, metadata={"help": "the class instantiate() builds"}))]
+    fields += [(f.name, hints[f.name], field(default=f.default, metadata=f.metadata))
+               if f.default is not dataclasses.MISSING
+               else (f.name, hints[f.name], field(default_factory=f.default_factory, metadata=f.metadata))
+               for f in dataclasses.fields(base)]
+    cls = dataclasses.make_dataclass(name, fields)
+    cls.__module__ = __name__
+    return cls
+
+
+LSTMModel = _with_target(LSTMConfig, "bstrain.models.lstm.SparseLSTM", "LSTMModel")
 
 
 @dataclass
-class ModelConfig:
-    name: str = field(default="lstm", metadata={"help": "model family: lstm (multiplicative LSTM)"})
-    hidden: int = field(default=256, metadata={"help": "hidden units H"})
-    embed: int = field(default=64, metadata={"help": "byte embedding width"})
-    depth: int = field(default=2, metadata={"help": "internal steps per timestep (deep updates), >= 1"})
-    sparse: bool = field(default=True, metadata={"help": "block-sparse recurrent weights; false: dense nn.Linear"})
-    block_size: int = field(default=32, metadata={"help": "block size of the sparse weights: 8-128"})
-    density: float = field(default=0.4, metadata={"help": "target fraction of live blocks"})
-    layout: str = field(default="barabasi_albert", metadata={"help": "barabasi_albert | watts_strogatz | random"})
-    layout_seed: int = field(default=0, metadata={"help": "seed of the layouts"})
-    layer_norm: bool = field(default=True, metadata={"help": "layer norm after each recurrent matmul"})
-    init: str = field(default="identity", metadata={"help": "identity | uniform: init of square recurrent weights"})
+class BytesData:
+    _target_: str = "bstrain.data.text.ByteCorpus"
+    path: Optional[str] = field(default=None, metadata={
+        "help": "a file (text, binary, enwik8(.zip), text8(.zip)), a directory or a glob such as "
+                "'src/**/*.py' (whole files held out for valid/test); null: the embedded corpus"})
+    name: Corpus = field(default=Corpus.auto, metadata={"help": "auto | bytes | enwik8 | text8"})
+    seq_len: int = field(default=64, metadata={"help": "bytes per sequence (BPTT length; context of stateless "
+                                                       "models)"})
+    batch_size: int = field(default=32, metadata={"help": "sequences per batch, per process"})
+    max_bytes: int = field(default=0, metadata={"help": "read at most this many bytes; 0: no limit"})
 
 
 @dataclass
-class DataConfig:
-    path: Optional[str] = field(default=None, metadata={"help": "text/binary file, enwik8(.zip), text8(.zip); "
-                                                                  "null: the embedded default corpus"})
-    name: str = field(default="auto", metadata={"help": "auto | bytes | enwik8 | text8"})
-    seq_len: int = field(default=64, metadata={"help": "BPTT length T"})
-    batch_size: int = field(default=32, metadata={"help": "parallel streams B"})
+class ImageData:
+    _target_: str = "bstrain.data.images.ImageData"
+    path: Optional[str] = field(default=None, metadata={
+        "help": "a CIFAR-10/100 python directory or a .npz (x_train, y_train, x_test, y_test); null: a "
+                "synthetic set generated on the fly"})
+    batch_size: int = field(default=128, metadata={"help": "images per batch, per process"})
+    valid_size: int = field(default=5000, metadata={"help": "training images held out for validation"})
+    augment: bool = field(default=True, metadata={"help": "random crop (pad 4) and horizontal flip"})
+    synthetic_size: int = field(default=4096, metadata={"help": "images of the synthetic set"})
+
+
+@dataclass
+class LMTask:
+    _target_: str = "bstrain.train.tasks.lm.ByteLM"
+    context: int = field(default=0, metadata={"help": "sample: bytes a stateless model sees; 0: data.seq_len"})
+
+
+@dataclass
+class ClassifyTask:
+    _target_: str = "bstrain.train.tasks.classify.Classification"
+    label_smoothing: float = field(default=0.0, metadata={"help": "cross-entropy label smoothing"})
 
 
 @dataclass
 class OptimConfig:
-    lr: float = field(default=3e-3, metadata={"help": "peak learning rate (AdamW)"})
+    lr: float = field(default=3e-3, metadata={"help": "peak learning rate (AdamW), > 0"})
     weight_decay: float = field(default=0.0, metadata={"help": "AdamW weight decay on matrices"})
     beta1: float = 0.9
     beta2: float = 0.999
     eps: float = 1e-8
     warmup_steps: int = field(default=20, metadata={"help": "linear warmup steps"})
-    schedule: str = field(default="cosine", metadata={"help": "cosine | linear | constant decay after warmup"})
+    schedule: Schedule = field(default=Schedule.cosine, metadata={"help": "cosine | linear | constant decay "
+                                                                           "after warmup"})
     min_lr_ratio: float = field(default=0.1, metadata={"help": "final lr as a fraction of lr"})
     grad_clip: float = field(default=1.0, metadata={"help": "global-norm clip; 0 disables"})
     ema: float = field(default=0.0, metadata={"help": "EMA decay of the weights used for eval; 0 disables"})
@@ -52,54 +124,103 @@ class OptimConfig:
 @dataclass
 class TrainerConfig:
     max_steps: int = field(default=300, metadata={"help": "optimizer steps"})
-    device: str = field(default="auto", metadata={"help": "auto | cpu | cuda"})
-    precision: str = field(default="fp32", metadata={"help": "fp32 | fp16 (dynamic loss scaling) | bf16"})
-    group_size: int = field(default=8, metadata={"help": "timesteps per grouped dW launch; 1 disables"})
-    resume: str = field(default="false", metadata={"help": "false | true (latest in this run dir) | PATH"})
-    log_every: int = field(default=10, metadata={"help": "steps between logged scalars"})
+    device: Device = field(default=Device.auto, metadata={"help": "auto | cpu | cuda"})
+    precision: Precision = field(default=Precision.fp32, metadata={"help": "fp32 | fp16 (dynamic loss scaling) | "
+                                                                            "bf16"})
+    group_size: int = field(default=8, metadata={"help": "gradient grouping: calls per dW launch of the model's "
+                                                         "block-sparse layers (recurrent weights); 1 disables"})
+    resume: str = field(default="false", metadata={"help": "false | true (the latest checkpoint of this run dir) | "
+                                                           "PATH"})
+    log_every: int = field(default=10, metadata={"help": "steps between logged scalars (the only host syncs)"})
     eval_every: int = field(default=100, metadata={"help": "steps between validations; 0: only at the end"})
-    eval_batches: int = field(default=8, metadata={"help": "validation batches per evaluation"})
+    eval_batches: int = field(default=8, metadata={"help": "validation batches per evaluation; 0: the whole split"})
     ckpt_every: int = field(default=100, metadata={"help": "steps between checkpoints; 0: only at the end"})
     keep_ckpts: int = field(default=3, metadata={"help": "checkpoints kept in the run dir"})
-    seed: int = field(default=0, metadata={"help": "torch seed"})
+    seed: int = field(default=0, metadata={"help": "torch seed (model init, dropout, data order)"})
     loss_scale_window: int = field(default=200, metadata={"help": "fp16: clean steps before the scale doubles"})
     time_limit_s: float = field(default=0.0, metadata={"help": "stop (eval + checkpoint) after this many "
                                                                 "seconds of training; 0: no limit"})
-    run_dir: Optional[str] = field(default=None, metadata={"help": "null: Hydra's run dir (runs/DATE/TIME)"})
+    run_dir: Optional[str] = field(default=None, metadata={"help": "the run directory (same as hydra.run.dir); "
+                                                                   "null: runs/DATE/TIME"})
     progress: bool = field(default=True, metadata={"help": "tqdm bar when stderr is a terminal"})
+    threads: int = field(default=0, metadata={"help": "CPU threads for torch; 0: half the available cores"})
     cuda_graph: bool = field(default=False, metadata={"help": "capture each training step in a CUDA graph "
                                                                "(CUDA, fp32/bf16, one process)"})
 
 
 @dataclass
 class TrainConfig:
-    model: ModelConfig = field(default_factory=ModelConfig)
-    data: DataConfig = field(default_factory=DataConfig)
+    model: Any = MISSING
+    data: Any = MISSING
+    task: Any = MISSING
     optim: OptimConfig = field(default_factory=OptimConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
 
 
 @dataclass
 class EvalConfig:
-    ckpt: str = field(default="???", metadata={"help": "checkpoint file or run dir"})
-    split: str = field(default="valid", metadata={"help": "valid | test"})
-    device: str = "auto"
-    batches: int = field(default=0, metadata={"help": "0: the whole split"})
-    data_path: Optional[str] = field(default=None, metadata={"help": "override the checkpoint's data.path"})
+    ckpt: str = field(default="???", metadata={"help": "checkpoint file or run dir (required)"})
+    split: Split = field(default=Split.valid, metadata={"help": "valid | test"})
+    device: Device = field(default=Device.auto, metadata={"help": "auto | cpu | cuda"})
+    batches: int = field(default=0, metadata={"help": "batches to evaluate; 0: the whole split"})
+    data_path: Optional[str] = field(default=None, metadata={"help": "evaluate on this data.path instead of the "
+                                                                     "checkpoint's"})
+    threads: int = field(default=0, metadata={"help": "CPU threads; 0: half the available cores"})
 
 
 @dataclass
 class SampleConfig:
-    ckpt: str = field(default="???", metadata={"help": "checkpoint file or run dir"})
-    prompt: str = "def "
-    length: int = 200
-    temperature: float = 0.8
-    seed: int = 0
-    device: str = "auto"
+    ckpt: str = field(default="???", metadata={"help": "checkpoint file or run dir (required)"})
+    prompt: str = field(default="def ", metadata={"help": "text to continue (any characters; quoted for you)"})
+    prompt_file: Optional[str] = field(default=None, metadata={"help": "read the prompt from this file instead"})
+    length: int = field(default=200, metadata={"help": "bytes to generate"})
+    temperature: float = field(default=0.8, metadata={"help": "softmax temperature; ~0: greedy"})
+    seed: int = field(default=0, metadata={"help": "sampling seed"})
+    device: Device = field(default=Device.auto, metadata={"help": "auto | cpu | cuda"})
+    threads: int = field(default=0, metadata={"help": "CPU threads; 0: half the available cores"})
+
+
+GROUP_SCHEMAS = {("model", "lstm"): LSTMModel, ("data", "bytes"): BytesData, ("data", "images"): ImageData,
+                 ("task", "lm"): LMTask, ("task", "classify"): ClassifyTask}
+
+
+def _unknown_keys(node, path: str):
+    """(dotted key, the schema's keys) of every key in a typed node that its dataclass lacks:
+    keys added with Hydra's ``+key=value``, which struct mode lets through."""
+    from omegaconf import DictConfig, OmegaConf
+    if not isinstance(node, DictConfig):
+        return
+    kind = OmegaConf.get_type(node)
+    known = {f.name for f in dataclasses.fields(kind)} if dataclasses.is_dataclass(kind) else None
+    for key in node.keys():
+        child = f"{path}.{key}" if path else str(key)
+        if known is not None and key not in known:
+            yield child, sorted(known)
+        elif OmegaConf.is_dict(node._get_node(key)):
+            yield from _unknown_keys(node[key], child)
+
+
+def check_config(cfg) -> None:
+    """UserError for a key no schema declares (``+trainer.max_stepz=10``) or a value still ``???``."""
+    import difflib
+
+    from omegaconf import OmegaConf
+
+    from bstrain.errors import UserError
+    for key, known in _unknown_keys(cfg, ""):
+        close = difflib.get_close_matches(key.rsplit(".", 1)[-1], known, n=1)
+        hint = f"; did you mean {key.rsplit('.', 1)[0]}.{close[0]}?" if close else ""
+        raise UserError(f"{key}: not a key of this config{hint}")
+    missing = sorted(OmegaConf.missing_keys(cfg))
+    if missing:
+        raise UserError(f"{missing[0]}: a value is required (add {missing[0]}=...)")
 
 
 def register() -> None:
+    from hydra.core.config_store import ConfigStore
     cs = ConfigStore.instance()
     cs.store(name="base_train", node=TrainConfig)
     cs.store(name="base_eval", node=EvalConfig)
     cs.store(name="base_sample", node=SampleConfig)
+    for (group, name), node in GROUP_SCHEMAS.items():
+        cs.store(group=group, name=f"base_{name}", node=node)

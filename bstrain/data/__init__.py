@@ -2,10 +2,10 @@
 from __future__ import annotations
 
 from bstrain.data.text import (
-    DEFAULT_CORPUS_BYTES, BpttBatches, DataError, bits_per_byte, check_size, default_corpus, load_bytes,
+    DEFAULT_CORPUS_BYTES, BpttBatches, ByteCorpus, DataError, bits_per_byte, check_size, default_corpus, load_bytes,
 )
 
 __all__ = [
     "DataError", "DEFAULT_CORPUS_BYTES", "default_corpus", "load_bytes", "check_size", "BpttBatches",
-    "bits_per_byte",
+    "ByteCorpus", "bits_per_byte",
 ]

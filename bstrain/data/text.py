@@ -6,6 +6,8 @@ serve as a small, real, offline corpus (see ``default_corpus``).
 """
 from __future__ import annotations
 
+import glob
+import hashlib
 import math
 import os
 import sysconfig
@@ -15,9 +17,11 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from bstrain.errors import UserError
+
 __all__ = [
     "DataError", "DEFAULT_CORPUS_BYTES", "default_corpus", "load_bytes", "check_size", "BpttBatches",
-    "bits_per_byte",
+    "ByteCorpus", "bits_per_byte",
 ]
 
 DEFAULT_CORPUS_BYTES = 4 << 20
@@ -27,7 +31,7 @@ _STANDARD_CUTS = (90_000_000, 95_000_000, 100_000_000)
 _DEFAULT_CORPUS_LABEL = "the embedded default corpus"
 
 
-class DataError(ValueError):
+class DataError(UserError):
     """One-line, user-facing data problem (bad path, too small a file)."""
 
 
@@ -98,11 +102,76 @@ def _proportional_cuts(n: int) -> tuple[int, int, int]:
     return n_train, n_train + n_valid, n
 
 
-def load_bytes(path: str | None, name: str = "auto") -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Load a corpus as bytes and split it into contiguous train / valid / test parts.
+_GLOB_CHARS = set("*?[")
+
+
+def _expand(path: str) -> tuple[list[Path], Path]:
+    """The files a data path names, in sorted order, and the root their split hash is taken from.
+
+    A file names itself; a directory every file below it (hidden files and directories skipped);
+    a glob (``*``, ``?``, ``[``; ``**`` recurses) every file it matches.
+    """
+    text = os.path.expanduser(str(path))
+    if _GLOB_CHARS & set(text):
+        files = sorted(Path(p) for p in glob.glob(text, recursive=True) if os.path.isfile(p))
+        prefix = text[:min(text.index(c) for c in _GLOB_CHARS if c in text)]
+        root = Path(prefix if prefix.endswith(os.sep) else os.path.dirname(prefix) or ".")
+        if not files:
+            raise DataError(f"data path '{path}': the glob matches no file")
+        return files, root
+    file = Path(text)
+    if not file.exists():
+        raise DataError(f"data path '{path}' does not exist")
+    if file.is_dir():
+        files = sorted(p for p in file.rglob("*") if p.is_file()
+                       and not any(part.startswith(".") for part in p.relative_to(file).parts))
+        if not files:
+            raise DataError(f"data path '{path}' is a directory without files")
+        return files, file
+    return [file], file.parent
+
+
+def _file_split(rel: str) -> int:
+    """0 (train), 1 (valid) or 2 (test) for a file, from a hash of its path: 90/5/5 of the files."""
+    u = int.from_bytes(hashlib.sha1(rel.encode("utf-8", "surrogateescape")).digest()[:8], "little") / 2.0**64
+    return 0 if u < 0.90 else 1 if u < 0.95 else 2
+
+
+def _read_files(files: list[Path], root: Path, max_bytes: int, path) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Whole files held out: each file goes to train, valid or test by :func:`_file_split`; files are
+    read in sorted path order until ``max_bytes`` (0: all); each split is its files concatenated."""
+    parts: tuple[list, list, list] = ([], [], [])
+    total = 0
+    for f in files:
+        if max_bytes and total >= max_bytes:
+            break
+        chunk = f.read_bytes()
+        if max_bytes:
+            chunk = chunk[: max_bytes - total]
+        total += len(chunk)
+        parts[_file_split(f.relative_to(root).as_posix() if f.is_relative_to(root) else str(f))].append(chunk)
+    if total == 0:
+        raise DataError(f"data path '{path}' is empty")
+    if not all(parts):                      # too few files to hold out whole ones: split the bytes
+        data = np.frombuffer(bytearray(b"".join(c for p in parts for c in p)), dtype=np.uint8)
+        return _split(data, _proportional_cuts(len(data)))
+    return tuple(np.frombuffer(bytearray(b"".join(p)), dtype=np.uint8) for p in parts)
+
+
+def load_bytes(path: str | None, name: str = "auto",
+               max_bytes: int = 0) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Load a corpus as bytes and split it into train / valid / test parts.
 
     Args:
-        path: a file, or None / "" for ``default_corpus()``.
+        path: a file, a directory, a glob, or None / "" for ``default_corpus()``.
+            - A directory means every file below it (hidden ones skipped); a glob (``*``, ``?``,
+              ``[``; ``**`` recurses, e.g. ``src/**/*.py``) every file it matches. The files
+              are read in sorted path order and **whole files are held out**: a hash of each
+              file's path relative to the directory (or the glob's fixed prefix) puts 90% of the
+              files in train, 5% in valid and 5% in test, so a split never sees part of a file
+              another holds, and adding files does not move the others. With too few files for
+              every split to get one, the concatenation is cut 90/5/5 instead.
+            - One file: contiguous 90/5/5 byte ranges, or the standard split for enwik8/text8.
         name: "auto" | "bytes" | "enwik8" | "text8". "auto" means enwik8 for a file named
             ``enwik8`` or ``enwik8.zip``, text8 for ``text8`` or ``text8.zip``, else bytes.
             - enwik8 / text8: the standard split, first 90M bytes train, next 5M valid, next 5M
@@ -110,24 +179,28 @@ def load_bytes(path: str | None, name: str = "auto") -> tuple[np.ndarray, np.nda
               than the real 100M bytes (a test fixture, a truncated copy) falls back to the
               proportional 90/5/5 split; bytes past the first 100M are ignored.
             - bytes: any text or binary file, read raw (a .zip is not unpacked), split 90/5/5.
+        max_bytes: read at most this many bytes in all (0: no limit).
     Returns: (train, valid, test), (n_train,), (n_valid,), (n_test,) uint8 arrays.
     Raises:
-        DataError: path does not exist, is a directory, or is empty.
-        ValueError: unknown name.
+        DataError: path does not exist, matches nothing, or is empty.
+        ValueError: unknown name, negative max_bytes.
     """
     if name not in NAMES:
         raise ValueError(f"name: expected one of {', '.join(map(repr, NAMES))}, got {name!r}")
+    if isinstance(max_bytes, bool) or not isinstance(max_bytes, int) or max_bytes < 0:
+        raise ValueError(f"max_bytes: expected an int >= 0 (0: no limit), got {max_bytes!r}")
     if not path:
-        corpus = np.frombuffer(bytearray(default_corpus()), dtype=np.uint8)
+        corpus = np.frombuffer(bytearray(default_corpus(max_bytes or DEFAULT_CORPUS_BYTES)), dtype=np.uint8)
         return _split(corpus, _proportional_cuts(len(corpus)))
-    file = Path(os.path.expanduser(str(path)))
-    if not file.exists():
-        raise DataError(f"data path '{path}' does not exist")
-    if file.is_dir():
-        raise DataError(f"data path '{path}' is a directory, expected a file")
+    files, root = _expand(path)
+    if len(files) > 1 or files[0] != Path(os.path.expanduser(str(path))):
+        return _read_files(files, root, max_bytes, path)
+    file = files[0]
     if name == "auto":
         name = _auto_name(file)
     data = _read_file(file, name)  # (n,) uint8
+    if max_bytes:
+        data = data[:max_bytes]
     if len(data) == 0:
         raise DataError(f"data path '{path}' is empty")
     standard = name in ("enwik8", "text8") and len(data) >= _STANDARD_CUTS[-1]
@@ -144,6 +217,44 @@ def check_size(split: np.ndarray, batch_size: int, seq_len: int, path: str | Non
         where = f"data path '{path}'" if path else _DEFAULT_CORPUS_LABEL
         raise DataError(f"{where}: the {split_name} split has {len(split)} bytes, but batch_size {batch_size} "
                         f"x seq_len {seq_len} needs at least {need}")
+
+
+class ByteCorpus:
+    """The ``data`` config of byte-level language modelling: where the bytes come from, the batch shape.
+
+    Args:
+        path, name, max_bytes: as for :func:`load_bytes` (path None: the embedded corpus).
+        seq_len: T, bytes per sequence (the BPTT length, and the context of stateless models).
+        batch_size: B, sequences per batch on each process.
+    """
+
+    def __init__(self, path: str | None = None, name: str = "auto", seq_len: int = 64, batch_size: int = 32,
+                 max_bytes: int = 0):
+        name = getattr(name, "value", name)
+        if name not in NAMES:
+            raise DataError(f"data.name: expected one of {', '.join(NAMES)}, got {name!r}")
+        for key, value in (("data.seq_len", seq_len), ("data.batch_size", batch_size)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise DataError(f"{key}: expected an int >= 1, got {value!r}")
+        if isinstance(max_bytes, bool) or not isinstance(max_bytes, int) or max_bytes < 0:
+            raise DataError(f"data.max_bytes: expected an int >= 0 (0: no limit), got {max_bytes!r}")
+        if name in ("enwik8", "text8") and not path:
+            raise DataError(f"data.path: data.name={name} needs the path of {name} or {name}.zip (the embedded "
+                            f"corpus is not {name}); add data.path=...")
+        self.path, self.name, self.max_bytes = path, name, max_bytes
+        self.seq_len, self.batch_size = seq_len, batch_size
+        self._splits = None
+
+    def splits(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(train, valid, test) uint8 arrays, read once."""
+        if self._splits is None:
+            self._splits = load_bytes(self.path, self.name, self.max_bytes)
+        return self._splits
+
+    def describe(self) -> str:
+        train, valid, test = self.splits()
+        where = self.path or _DEFAULT_CORPUS_LABEL
+        return f"{where}: {len(train):,} / {len(valid):,} / {len(test):,} bytes (train / valid / test)"
 
 
 def bits_per_byte(mean_nll_nats: float) -> float:
@@ -170,29 +281,41 @@ class BpttBatches:
     cannot fill a whole batch (L % T inputs) is dropped.
 
     Args:
-        data: (n,) uint8 array, n >= batch_size * seq_len + 1.
-        batch_size: B, number of parallel streams.
+        data: (n,) uint8 array, n >= batch_size * world * seq_len + 1.
+        batch_size: B, number of parallel streams (of this rank).
         seq_len: T, time steps per batch (the truncated-BPTT length).
+        rank, world: this process's rank and the number of processes. The split is cut into
+            B * world streams and rank r takes rows [r*B, (r+1)*B), so training on W ranks of
+            batch B sees exactly the batches of one process with batch W*B.
     """
 
-    def __init__(self, data: np.ndarray, batch_size: int, seq_len: int):
+    def __init__(self, data: np.ndarray, batch_size: int, seq_len: int, rank: int = 0, world: int = 1):
         if not isinstance(data, np.ndarray) or data.dtype != np.uint8 or data.ndim != 1:
             got = f"{data.ndim}-D {data.dtype} array" if isinstance(data, np.ndarray) else type(data).__name__
             raise TypeError(f"data: expected a 1-D uint8 numpy array, got {got}")
         self.batch_size = _check_positive_int("batch_size", batch_size)
         self.seq_len = _check_positive_int("seq_len", seq_len)
-        need = batch_size * seq_len + 1
+        world = _check_positive_int("world", world)
+        if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < world:
+            raise ValueError(f"rank: expected an int in [0, {world}), got {rank!r}")
+        streams = batch_size * world
+        need = streams * seq_len + 1
         if len(data) < need:
-            raise DataError(f"data: expected at least batch_size {batch_size} x seq_len {seq_len} + 1 = {need} "
+            raise DataError(f"data: expected at least batch_size {batch_size} x {world} rank(s) x seq_len {seq_len} "
+                            f"+ 1 = {need} bytes, got {len(data)}" if world > 1 else
+                            f"data: expected at least batch_size {batch_size} x seq_len {seq_len} + 1 = {need} "
                             f"bytes, got {len(data)}")
         # Keep uint8 (1 byte per char): int64 would take 8x the memory on a 90M-byte split.
         # np.require copies only when data is read-only, which torch.from_numpy would warn about.
         flat = torch.from_numpy(np.require(data, requirements=["C", "W"]))  # (n,) uint8
-        stream_len = (len(data) - 1) // batch_size
+        stream_len = (len(data) - 1) // streams
         # Two views of the same buffer; the targets start one byte later, which is why one byte
-        # beyond the last input must exist (the "+ 1" in check_size).
-        self._inputs = flat[: batch_size * stream_len].view(batch_size, stream_len)        # (B, L)
-        self._targets = flat[1: batch_size * stream_len + 1].view(batch_size, stream_len)  # (B, L)
+        # beyond the last input must exist (the "+ 1" in check_size). Rank r takes streams
+        # [r*B, (r+1)*B) of the world's B*world: the same bytes, in the same rows, as one process
+        # with batch B*world.
+        rows = slice(rank * batch_size, (rank + 1) * batch_size)
+        self._inputs = flat[: streams * stream_len].view(streams, stream_len)[rows]        # (B, L)
+        self._targets = flat[1: streams * stream_len + 1].view(streams, stream_len)[rows]  # (B, L)
         self._num_batches = stream_len // seq_len
         self.position = 0
 
@@ -219,12 +342,15 @@ class BpttBatches:
         return x, y, i == 0
 
     def state_dict(self) -> dict:
-        """{"position": int}: enough to resume mid-epoch on the same split and batch shape."""
-        return {"position": self.position}
+        """{"position": int, "batches": int}: enough to resume mid-epoch on the same split and batch shape."""
+        return {"position": self.position, "batches": self._num_batches}
 
     def load_state_dict(self, state: dict) -> None:
         """Restore ``position``; it must index a batch of this split (a mismatch means other data)."""
         position = state.get("position") if isinstance(state, dict) else None
+        saved = state.get("batches") if isinstance(state, dict) else None
+        if isinstance(position, int) and isinstance(saved, int) and saved != self._num_batches and saved > 0:
+            position = position * self._num_batches // saved      # another batch shape: the same fraction
         if isinstance(position, bool) or not isinstance(position, int) or not 0 <= position < self._num_batches:
             raise ValueError(f"state['position']: expected an int in [0, {self._num_batches}), got {position!r}")
         self.position = position

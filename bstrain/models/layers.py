@@ -12,7 +12,7 @@ from torch import nn
 from bstrain import layout as layouts
 from bstrain.ops.matmul import BlocksparseMatMul, check_block_size, compute_dtype
 
-__all__ = ["BlockSparseLinear", "block_sparse_layouts", "sparsify"]
+__all__ = ["BlockSparseLinear", "block_sparse_layouts", "set_grad_group", "sparsify"]
 
 
 class BlockSparseLinear(nn.Module):
@@ -62,6 +62,7 @@ class BlockSparseLinear(nn.Module):
         self.bias = nn.Parameter(torch.empty(out_features, **factory)) if bias else None
         self.register_buffer("layout", torch.as_tensor(lay, device=device), persistent=True)
         self._group = None          # (GradGroup, grouped weight) inside grad_group()
+        self.group_size = 1         # grad_group()'s default: set_grad_group(model, n) sets it
         self.reset_parameters()
 
     # --- initialisation ---------------------------------------------------------------------------
@@ -90,8 +91,11 @@ class BlockSparseLinear(nn.Module):
 
     # --- forward ----------------------------------------------------------------------------------
     @contextlib.contextmanager
-    def grad_group(self, group_size: int = 8):
+    def grad_group(self, group_size: int | None = None):
         """Within this context, calls share one dW computed for up to group_size calls per launch.
+
+        group_size None: this layer's ``group_size`` attribute (1 unless :func:`set_grad_group`
+        set it), so a model wraps its time loop in ``grad_group()`` and the trainer picks the size.
 
         For weights applied at many timesteps (recurrent weights): wrap the time loop, then call
         backward as usual; W.grad equals the ungrouped result. group_size <= 1 is a no-op when
@@ -99,6 +103,7 @@ class BlockSparseLinear(nn.Module):
         context only casts the weight once for all its calls instead of at each call.
         """
         grad = torch.is_grad_enabled()
+        group_size = self.group_size if group_size is None else group_size
         if self._group is not None or (grad and group_size <= 1):
             yield None
             return
@@ -221,6 +226,21 @@ def block_sparse_layouts(module: nn.Module) -> Iterator[tuple[str, np.ndarray]]:
     for name, sub in module.named_modules():
         if isinstance(sub, BlockSparseLinear):
             yield name, sub.op.layout
+
+
+def set_grad_group(module: nn.Module, group_size: int) -> int:
+    """Sets the gradient-grouping size of every BlockSparseLinear in ``module``; returns how many.
+
+    A layer's ``grad_group()`` context (which a recurrent model wraps around its time loop) then
+    computes dW for up to ``group_size`` calls per launch; 1 turns grouping off. The trainer calls
+    this once with ``trainer.group_size``; a layer applied once per forward is unaffected.
+    """
+    if isinstance(group_size, bool) or not isinstance(group_size, int) or group_size < 1:
+        raise ValueError(f"group_size: expected an int >= 1, got {group_size!r}")
+    layers = [m for m in module.modules() if isinstance(m, BlockSparseLinear)]
+    for layer in layers:
+        layer.group_size = group_size
+    return len(layers)
 
 
 def sparsify(model: nn.Module, include: str | Callable[[str, nn.Linear], bool], *, block_size: int = 32,

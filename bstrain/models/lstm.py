@@ -15,6 +15,10 @@ matmul unless ``layer_norm=False``. The input projections are dense (the input i
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import warnings
+from dataclasses import dataclass, field
+from enum import Enum
 
 import numpy as np
 import torch
@@ -22,27 +26,82 @@ import torch.nn.functional as F
 from torch import nn
 
 from bstrain import layout as layouts
-from bstrain.configs.schema import ModelConfig
-from bstrain.models.layers import BlockSparseLinear
+from bstrain.models.layers import BlockSparseLinear, block_sparse_layouts
 from bstrain.ops import ew, norms
 from bstrain.ops.embed import embedding_lookup
 
 VOCAB = 256
 
 
+class Layout(str, Enum):
+    """Layout families of the recurrent weights."""
+    barabasi_albert = "barabasi_albert"
+    watts_strogatz = "watts_strogatz"
+    random = "random"
+
+
+class Init(str, Enum):
+    """Init of the square recurrent weights."""
+    identity = "identity"
+    uniform = "uniform"
+
+
+@dataclass
+class LSTMConfig:
+    """Constructor arguments of :class:`SparseLSTM` (the ``model/lstm`` config's keys)."""
+    hidden: int = field(default=256, metadata={"help": "hidden units H"})
+    embed: int = field(default=64, metadata={"help": "byte embedding width"})
+    depth: int = field(default=2, metadata={"help": "internal steps per timestep (deep updates), >= 1"})
+    sparse: bool = field(default=True, metadata={"help": "block-sparse recurrent weights; false: dense nn.Linear"})
+    block_size: int = field(default=32, metadata={"help": "block size of the sparse weights: 8-128"})
+    density: float = field(default=0.4, metadata={"help": "fraction of live blocks of the recurrent weights"})
+    layout: Layout = field(default=Layout.random, metadata={
+        "help": "random (exact density, diagonal included) | barabasi_albert | watts_strogatz (small-world "
+                "graphs, whose density is only approximately the requested one)"})
+    layout_seed: int = field(default=0, metadata={"help": "seed of the layouts"})
+    layer_norm: bool = field(default=True, metadata={"help": "layer norm after each recurrent matmul"})
+    init: Init = field(default=Init.identity, metadata={"help": "identity | uniform: init of square recurrent "
+                                                                 "weights"})
+
+
+def _random_with_diagonal(n: int, density: float, seed: int) -> np.ndarray:
+    """Exactly max(n, round(density·n²)) live blocks: the diagonal, the rest uniform off it."""
+    lay = np.eye(n, dtype=bool)
+    extra = int(round(density * n * n)) - n
+    if extra > 0:
+        off = np.flatnonzero(~lay.ravel())
+        lay.ravel()[np.random.default_rng(seed).choice(off, size=min(extra, len(off)), replace=False)] = True
+    return lay
+
+
 def small_world_layout(n: int, density: float, kind: str, seed: int) -> np.ndarray:
-    """(n, n) layout with about ``density`` live blocks (self-loops included)."""
+    """(n, n) layout with ``density`` live blocks, the diagonal (self-loops) included.
+
+    ``random`` gives the requested count exactly (at least the diagonal: density >= 1/n).
+    ``barabasi_albert`` and ``watts_strogatz`` are graphs whose density is set by an integer
+    degree, so they only approach the request; a realised density more than 25% away from it
+    warns, naming both and the fix.
+    """
+    kind = getattr(kind, "value", kind)
+    layouts.check_density(density)
     if n < 4:                                   # too few blocks for a graph: use them all
-        return layouts.dense((n, n))
-    if kind == "barabasi_albert":
+        lay = layouts.dense((n, n))
+    elif kind == "barabasi_albert":
         m = int(np.clip(round((density * n - 1) / 2), 1, n - 1))       # ~2m links + self per row
-        return layouts.barabasi_albert(n, m, seed=seed)
-    if kind == "watts_strogatz":
+        lay = layouts.barabasi_albert(n, m, seed=seed)
+    elif kind == "watts_strogatz":
         k = int(np.clip(2 * round((density * n - 1) / 2), 2, n - 1 - (n - 1) % 2))
-        return layouts.watts_strogatz(n, k, 0.1, seed=seed)
-    if kind == "random":
-        return layouts.random((n, n), density, seed=seed) | np.eye(n, dtype=bool)
-    raise ValueError(f"model.layout: expected barabasi_albert, watts_strogatz or random, got {kind!r}")
+        lay = layouts.watts_strogatz(n, k, 0.1, seed=seed)
+    elif kind == "random":
+        lay = _random_with_diagonal(n, density, seed)
+    else:
+        raise ValueError(f"model.layout: expected barabasi_albert, watts_strogatz or random, got {kind!r}")
+    real = float(lay.mean())
+    if abs(real - density) > 0.25 * density:
+        warnings.warn(f"model.density: asked for {density:g}, but a {kind} layout of {n}x{n} blocks has "
+                      f"density {real:.3f}; model.layout=random gives the requested density exactly (down to "
+                      f"1/{n}), or change model.hidden / model.block_size", stacklevel=2)
+    return lay
 
 
 class _SharedCast(torch.autograd.Function):
@@ -97,12 +156,26 @@ class _Norm(nn.Module):
 
 
 class SparseLSTM(nn.Module):
-    """mLSTM language model over bytes. forward(x (B, T) int64, state) -> (logits (B, T, 256), state)."""
+    """mLSTM language model over bytes. forward(x (B, T) int64, state) -> (logits (B, T, 256), state).
 
-    def __init__(self, cfg: ModelConfig):
+    ``SparseLSTM(hidden=..., density=...)`` with :class:`LSTMConfig`'s keys as keyword arguments
+    (or ``SparseLSTM(LSTMConfig(...))``). A stateful model in the trainer's sense: it has
+    ``init_state(batch_size, device)`` and carries (c, h) from batch to batch.
+    """
+
+    def __init__(self, config: LSTMConfig | None = None, **kwargs):
         super().__init__()
-        if cfg.init not in ("identity", "uniform"):
-            raise ValueError(f"model.init: expected identity or uniform, got {cfg.init!r}")
+        names = {f.name for f in dataclasses.fields(LSTMConfig)}
+        if unknown := sorted(set(kwargs) - names):
+            raise TypeError(f"SparseLSTM: unexpected argument {unknown[0]!r}; expected some of "
+                            f"{', '.join(sorted(names))}")
+        cfg = dataclasses.replace(config or LSTMConfig(), **kwargs)
+        try:
+            cfg.layout = Layout(getattr(cfg.layout, "value", cfg.layout))
+            cfg.init = Init(getattr(cfg.init, "value", cfg.init))
+        except ValueError:
+            raise ValueError(f"model.layout, model.init: expected one of {[k.value for k in Layout]} and one of "
+                             f"{[k.value for k in Init]}, got {cfg.layout!r}, {cfg.init!r}") from None
         if cfg.depth < 1 or cfg.hidden % cfg.block_size:
             raise ValueError(f"model: expected depth >= 1 and hidden a multiple of block_size, got "
                              f"depth={cfg.depth}, hidden={cfg.hidden}, block_size={cfg.block_size}")
@@ -124,7 +197,7 @@ class SparseLSTM(nn.Module):
         cfg = self.cfg
         if not cfg.sparse:
             dense = nn.Linear(fan_in, fan_out, bias=False)
-            if square and cfg.init == "identity":
+            if square and cfg.init == Init.identity:
                 nn.init.eye_(dense.weight)
             return dense
         n = fan_in // cfg.block_size
@@ -132,7 +205,7 @@ class SparseLSTM(nn.Module):
         if not square:
             lay = np.tile(lay, (1, fan_out // fan_in))                  # same pattern for each gate
         layer = BlockSparseLinear(fan_in, fan_out, layout=lay, block_size=cfg.block_size, bias=False)
-        if square and cfg.init == "identity":
+        if square and cfg.init == Init.identity:
             with torch.no_grad():
                 layer.weight.copy_(layer.op.identity_init())
         return layer
@@ -140,14 +213,19 @@ class SparseLSTM(nn.Module):
     def sparse_layers(self) -> list[BlockSparseLinear]:
         return [m for m in self.modules() if isinstance(m, BlockSparseLinear)]
 
-    def init_state(self, batch: int, device, dtype=torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
-        z = torch.zeros(batch, self.cfg.hidden, device=device, dtype=dtype)
+    def block_sparse_layouts(self) -> dict[str, np.ndarray]:
+        """{layer name: (C/bs, K/bs) layout}: shown in the run header and TensorBoard."""
+        return dict(block_sparse_layouts(self))
+
+    def init_state(self, batch_size: int, device=None, dtype=torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
+        z = torch.zeros(batch_size, self.cfg.hidden, device=device, dtype=dtype)
         return z, z.clone()
 
-    def forward(self, x: torch.Tensor, state=None, group_size: int = 1):
+    def forward(self, x: torch.Tensor, state=None):
         """x: (B, T) bytes; state: (c, h) each (B, H) or None. Returns logits (B, T, 256), (c, h).
 
-        group_size > 1 computes each recurrent weight's dW for that many timesteps per launch.
+        Each recurrent weight's dW is computed for ``group_size`` timesteps per launch, as
+        :func:`bstrain.models.layers.set_grad_group` set it (the trainer: ``trainer.group_size``).
         """
         B, T = x.shape
         H = self.cfg.hidden
@@ -172,7 +250,7 @@ class SparseLSTM(nn.Module):
         outputs = []
         with contextlib.ExitStack() as stack:
             for layer in self.sparse_layers():
-                stack.enter_context(layer.grad_group(group_size))
+                stack.enter_context(layer.grad_group())
             for t in range(T):
                 m = xm_t[t] * self.norm_hm(self.w_hm(h).to(dt), p_hm)                     # (B, H)
                 for w_d, norm, p in zip(self.deep, self.norm_deep, p_deep):
@@ -185,9 +263,3 @@ class SparseLSTM(nn.Module):
 
     def num_params(self) -> int:
         return sum(p.numel() for p in self.parameters())
-
-
-def build_model(cfg: ModelConfig) -> SparseLSTM:
-    if cfg.name != "lstm":
-        raise ValueError(f"model.name: expected 'lstm', got {cfg.name!r}")
-    return SparseLSTM(cfg)

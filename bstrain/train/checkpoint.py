@@ -1,8 +1,9 @@
 """Checkpoints: written atomically, read without executing code.
 
 A checkpoint is one ``torch.save`` file of plain data (tensors, numbers, strings, dicts, lists):
-model, optimizer, loss scaler, schedule, EMA, RNG states, data position, the carried recurrent
-state and the resolved config. It is written to ``NAME.tmp``, flushed to disk, then renamed, so a
+model, optimizer, loss scaler, EMA, RNG states, data position, the carried recurrent state, the
+last metrics and the resolved config (:data:`KEYS`; :func:`capture` and :func:`restore` are the
+only code that writes or reads them). It is written to ``NAME.tmp``, flushed to disk, then renamed, so a
 run killed at any moment leaves either the previous checkpoint or the new one, never half of
 one; leftover ``.tmp`` files are ignored. Reading uses ``torch.load(weights_only=True)``.
 """
@@ -14,13 +15,15 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["CheckpointError", "save_checkpoint", "load_checkpoint", "latest_checkpoint", "prune_checkpoints",
-           "checkpoint_path"]
+from bstrain.errors import UserError
+
+__all__ = ["CheckpointError", "KEYS", "capture", "restore", "check_model_entries", "save_checkpoint",
+           "load_checkpoint", "latest_checkpoint", "prune_checkpoints", "checkpoint_path"]
 
 _NAME = re.compile(r"^step_(\d+)\.pt$")
 
 
-class CheckpointError(ValueError):
+class CheckpointError(UserError):
     """A checkpoint that is missing, truncated, corrupt or not one of ours."""
 
 
@@ -87,3 +90,77 @@ def prune_checkpoints(directory: str | Path, keep: int) -> None:
         p.unlink(missing_ok=True)
     for p in directory.glob("*.pt.tmp"):
         p.unlink(missing_ok=True)
+
+
+# --- what a checkpoint holds: written and read here only ---------------------------------------------
+KEYS = ("step", "model", "optimizer", "scaler", "ema", "task", "rng", "state", "metrics", "config")
+"""Every entry of a training checkpoint. ``state``: each rank's carried model state (stateful
+models), in rank order; ``task``: the data position; ``metrics``: the last train loss and
+validation results, so resuming a finished run can report them."""
+
+
+def capture(run) -> dict | None:
+    """The checkpoint of a :class:`bstrain.train.trainer.Run`. Collective under DDP (the carried
+    states are gathered); returns the dict on rank 0 and None elsewhere."""
+    from omegaconf import OmegaConf
+
+    from bstrain.train.distributed import gather
+    from bstrain.train.step import state_tensors
+    states = gather([t.detach().cpu() for t in state_tensors(run.state)] or None, run.world)
+    if not run.world.main:
+        return None
+    device = run.device
+    out = {
+        "step": run.step,
+        "model": run.model.state_dict(),
+        "optimizer": run.optimizer.state_dict(),
+        "scaler": run.scaler.state_dict(),
+        "ema": run.ema.state_dict() if run.ema is not None else None,
+        "task": run.task.state_dict(),
+        "rng": {"cpu": torch.get_rng_state(),
+                "cuda": torch.cuda.get_rng_state(device) if device.type == "cuda" else None},
+        "state": states if any(s is not None for s in states) else None,
+        "metrics": {"train_loss": run.train_loss, "valid": dict(run.valid)},
+        "config": OmegaConf.to_container(run.cfg, resolve=True, enum_to_str=True),
+    }
+    assert tuple(out) == KEYS
+    return out
+
+
+def check_model_entries(model: torch.nn.Module, saved: dict, path) -> None:
+    """CheckpointError naming the first parameter or buffer whose name or shape differs."""
+    own = model.state_dict()
+    for name, value in saved.items():
+        if name not in own:
+            raise CheckpointError(f"checkpoint {path}: it holds {name!r}, which the model this config builds lacks; "
+                                  f"resume with the config that wrote it")
+        if tuple(own[name].shape) != tuple(value.shape):
+            raise CheckpointError(f"checkpoint {path}: {name} has shape {tuple(value.shape)} there and "
+                                  f"{tuple(own[name].shape)} in the model this config builds (a changed model.* key?); "
+                                  f"resume with the config that wrote it")
+    if missing := [n for n in own if n not in saved]:
+        raise CheckpointError(f"checkpoint {path}: it lacks {missing[0]!r}, which the model this config builds has; "
+                              f"resume with the config that wrote it")
+
+
+def restore(run, ckpt: dict) -> None:
+    """Loads a checkpoint into a freshly built run, checking the model's entries first. The
+    carried state waits in ``run.pending_state`` until the first batch shows this rank's batch size."""
+    check_model_entries(run.model, ckpt["model"], ckpt["path"])
+    before = [id(p) for p in run.model.parameters()]
+    run.model.load_state_dict(ckpt["model"])
+    if [id(p) for p in run.model.parameters()] != before:
+        raise RuntimeError("loading the checkpoint replaced a parameter the optimizer holds")
+    run.optimizer.load_state_dict(ckpt["optimizer"])
+    run.scaler.load_state_dict(ckpt["scaler"])
+    if run.ema is not None and ckpt.get("ema") is not None:
+        run.ema.load_state_dict(ckpt["ema"])
+    run.task.load_state_dict(ckpt["task"], run.world)
+    torch.set_rng_state(ckpt["rng"]["cpu"])
+    if run.device.type == "cuda" and ckpt["rng"].get("cuda") is not None:
+        torch.cuda.set_rng_state(ckpt["rng"]["cuda"], run.device)
+    run.pending_state = ckpt.get("state")
+    run.step = int(ckpt["step"])
+    metrics = ckpt.get("metrics") or {}
+    run.train_loss = metrics.get("train_loss", float("nan"))
+    run.valid = dict(metrics.get("valid") or {})

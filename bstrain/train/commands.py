@@ -1,61 +1,79 @@
-"""``eval`` and ``sample``: both rebuild the model from the config stored in a checkpoint."""
+"""``eval`` and ``sample``: both rebuild the model, data and task from the config stored in a checkpoint."""
 from __future__ import annotations
 
 import torch
 from omegaconf import OmegaConf
 
-from bstrain.configs.schema import TrainConfig
-from bstrain.data.text import check_size, load_bytes
-from bstrain.models.lstm import build_model
-from bstrain.train.checkpoint import load_checkpoint
+from bstrain.errors import UserError
+from bstrain.train.checkpoint import check_model_entries, load_checkpoint
+from bstrain.train.distributed import World
 from bstrain.train.progress import log
-from bstrain.train.trainer import evaluate, resolve_device
+from bstrain.train.step import Forward, is_stateful
+from bstrain.train.trainer import PRECISIONS, instantiate, resolve_device, set_threads
 
 
-def _load(ckpt_path: str, device: torch.device):
-    ckpt = load_checkpoint(ckpt_path)
-    cfg = OmegaConf.merge(OmegaConf.structured(TrainConfig), ckpt["config"])
-    model = build_model(cfg.model).to(device)
+def _required_ckpt(cfg) -> str:
+    if OmegaConf.is_missing(cfg, "ckpt") or not str(cfg.ckpt).strip():
+        raise UserError("ckpt: expected the checkpoint file or run dir to use, e.g. ckpt=runs/2026-11-30/12-00-00")
+    return str(cfg.ckpt)
+
+
+def _load(cfg, data_path=None):
+    """(train config, model on the device in eval mode, task set up for one process, checkpoint, forward)."""
+    device = resolve_device(cfg.device)
+    set_threads(cfg.threads)
+    ckpt = load_checkpoint(_required_ckpt(cfg))
+    train_cfg = OmegaConf.create(ckpt["config"])
+    if data_path is not None:
+        train_cfg.data.path = data_path
+    task = instantiate(train_cfg.task, "task")
+    task.setup(instantiate(train_cfg.data, "data"), World(), int(train_cfg.trainer.seed))
+    model = instantiate(train_cfg.model, "model")
     weights = ckpt["model"]
     if ckpt.get("ema") is not None:                    # evaluate with the EMA weights when trained with them
         weights = {k.removeprefix("module."): v for k, v in ckpt["ema"].items() if k.startswith("module.")}
+    check_model_entries(model, weights, ckpt["path"])
     model.load_state_dict(weights)
-    return cfg, model, ckpt
+    model.to(device).eval()
+    forward = Forward(model, PRECISIONS[str(train_cfg.trainer.precision)], device)
+    return train_cfg, model, task, ckpt, forward
 
 
 def evaluate_checkpoint(cfg) -> dict:
-    """Loss and bits per byte of a checkpoint on the valid or test split."""
-    if cfg.split not in ("valid", "test"):
-        raise ValueError(f"split: expected valid or test, got {cfg.split!r}")
-    device = resolve_device(cfg.device)
-    train_cfg, model, ckpt = _load(cfg.ckpt, device)
-    path = cfg.data_path if cfg.data_path is not None else train_cfg.data.path
-    _, valid, test = load_bytes(path, train_cfg.data.name)
-    data = valid if cfg.split == "valid" else test
-    check_size(data, train_cfg.data.batch_size, train_cfg.data.seq_len, path, cfg.split)
-    loss, bpb = evaluate(model, data, train_cfg, device, cfg.batches)
-    log.info("%s (step %d) on %s: loss %.4f nats/byte, %.4f bits/byte", ckpt["path"], ckpt["step"], cfg.split,
-             loss, bpb)
-    print(f"{cfg.split}: {bpb:.4f} bits/byte (loss {loss:.4f}, step {ckpt['step']})")
-    return {"loss": loss, "bpb": bpb, "step": ckpt["step"]}
+    """The task's metrics of a checkpoint on the valid or test split."""
+    split = getattr(cfg.split, "value", cfg.split)
+    if split not in ("valid", "test"):
+        raise UserError(f"split: expected valid or test, got {split!r}")
+    _, _, task, ckpt, forward = _load(cfg, cfg.data_path)
+    res = task.evaluate(forward, split, cfg.batches, show_progress=True)
+    shown = ", ".join(f"{k} {v:.4f}" for k, v in res.items() if isinstance(v, float))
+    log.info("%s (step %d) on %s: %s", ckpt["path"], ckpt["step"], split, shown)
+    print(f"{split} at step {ckpt['step']}: {shown}")
+    return {**res, "step": ckpt["step"]}
+
+
+def _prompt(cfg) -> bytes:
+    if cfg.prompt_file:
+        try:
+            with open(cfg.prompt_file, "rb") as f:
+                return f.read()
+        except OSError as exc:
+            raise UserError(f"prompt_file: cannot read {cfg.prompt_file} ({exc.strerror})") from None
+    return str(cfg.prompt).encode("utf-8")
 
 
 @torch.no_grad()
 def sample(cfg) -> str:
     """Generates ``length`` bytes after ``prompt``; prints and returns the text."""
-    device = resolve_device(cfg.device)
-    _, model, _ = _load(cfg.ckpt, device)
-    model.eval()
+    if cfg.length < 0 or cfg.temperature < 0:
+        raise UserError(f"length, temperature: expected >= 0, got {cfg.length}, {cfg.temperature}")
+    _, model, task, _, forward = _load(cfg)
     gen = torch.Generator(device="cpu").manual_seed(cfg.seed)
-    prompt = list(cfg.prompt.encode("utf-8")) or [10]
-    x = torch.tensor([prompt], device=device)
-    logits, state = model(x)
-    out = bytearray(prompt)
-    for _ in range(cfg.length):
-        probs = torch.softmax(logits[0, -1].float() / max(cfg.temperature, 1e-5), dim=-1).cpu()
-        nxt = int(torch.multinomial(probs, 1, generator=gen))
-        out.append(nxt)
-        logits, state = model(torch.tensor([[nxt]], device=device), state)
+    try:
+        out = task.sample(forward, is_stateful(model), _prompt(cfg), cfg.length, cfg.temperature, gen,
+                          forward.device)
+    except NotImplementedError as exc:
+        raise UserError(f"sample: {exc}") from None
     text = out.decode("utf-8", errors="replace")
     print(text)
     return text

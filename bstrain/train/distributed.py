@@ -2,7 +2,7 @@
 
 ``torchrun --nproc_per_node=N -m bstrain train ...`` starts N processes; each finds its rank in the
 environment torchrun sets, joins the process group (NCCL on GPUs, gloo on CPU) and trains on its
-own contiguous shard of the training bytes. DDP averages gradients; rank 0 alone writes logs,
+slice of every global batch (the task cuts it). DDP averages gradients; rank 0 alone writes logs,
 TensorBoard, validation results and checkpoints. Nothing here runs in a single process.
 """
 from __future__ import annotations
@@ -46,12 +46,6 @@ def init_world(device: torch.device) -> World:
 
 def device_for(world: World, device: torch.device) -> torch.device:
     return torch.device("cuda", world.local_rank) if device.type == "cuda" and world.active else device
-
-
-def shard(data: np.ndarray, world: World) -> np.ndarray:
-    """This rank's contiguous 1/size of a split."""
-    n = len(data) // world.size
-    return data[world.rank * n:(world.rank + 1) * n]
 
 
 def check_same_layouts(model: torch.nn.Module, world: World | None = None) -> None:
@@ -99,12 +93,13 @@ def gather(obj, world: World) -> list:
     return out
 
 
-def mean(value: float, world: World, device: torch.device) -> float:
+def all_mean(t: torch.Tensor, world: World) -> torch.Tensor:
+    """The mean of ``t`` over the ranks (a new tensor; ``t`` itself in a world of one)."""
     if not world.active:
-        return value
-    t = torch.tensor([value], dtype=torch.float64, device=device)
+        return t
+    t = t.clone()
     dist.all_reduce(t)
-    return float(t) / world.size
+    return t / world.size
 
 
 def barrier(world: World) -> None:

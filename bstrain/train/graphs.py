@@ -13,50 +13,48 @@ from __future__ import annotations
 
 import torch
 
-from bstrain.train.step import clip_grads, lm_loss
+from bstrain.train.step import Forward, state_tensors, train_step
 
 
 def check_graph_config(device: torch.device, precision: str, world_size: int) -> None:
+    from bstrain.errors import UserError
+    precision = getattr(precision, "value", precision)
     if device.type != "cuda":
-        raise ValueError(f"trainer.cuda_graph: needs a CUDA device, got device {device.type!r}")
+        raise UserError(f"trainer.cuda_graph: needs a CUDA device, got device {device.type!r}")
     if precision == "fp16":
-        raise ValueError("trainer.cuda_graph: expected precision fp32 or bf16, got 'fp16' (dynamic loss "
+        raise UserError("trainer.cuda_graph: expected precision fp32 or bf16, got 'fp16' (dynamic loss "
                          "scaling decides on the host whether to skip a step)")
     if world_size > 1:
-        raise ValueError(f"trainer.cuda_graph: expected a single process, got a world of {world_size} (DDP)")
+        raise UserError(f"trainer.cuda_graph: expected a single process, got a world of {world_size} (DDP)")
 
 
 class CapturedStep:
     """``step(x, y, reset_state) -> (loss, grad_norm)`` replays one captured training step.
 
-    The inputs and the recurrent state live in static buffers; the graph reads the state, trains
-    on (x, y) and writes the new state back, so consecutive batches carry it as the eager loop does.
+    The step is :func:`bstrain.train.step.train_step`, the eager loop's. The inputs and a stateful
+    model's carried state live in static buffers; the graph reads the state, trains on (x, y) and
+    writes the new state back, so consecutive batches carry it as the eager loop does.
     Capturing needs warm-up steps (kernel compilation, lookup tables, optimizer state); they run on
     the first batch and are undone (weights, optimizer state and RNG restored), so training with
     and without the graph follows the same trajectory.
     """
 
-    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch: int, seq: int,
-                 device: torch.device, amp_dtype: torch.dtype | None, group_size: int, grad_clip: float,
+    def __init__(self, forward: Forward, loss_fn, optimizer: torch.optim.Optimizer, grad_clip: float,
                  warmup: int = 2):
-        self.model, self.optimizer = model, optimizer
-        self.device, self.amp_dtype, self.group_size = device, amp_dtype, group_size
-        self.grad_clip = grad_clip
-        self.params = list(model.parameters())
-        self.x = torch.zeros(batch, seq, dtype=torch.long, device=device)
-        self.y = torch.zeros_like(self.x)
-        self.state = model.init_state(batch, device, amp_dtype or torch.float32)
-        self.warmup = warmup
+        self.forward, self.loss_fn, self.optimizer = forward, loss_fn, optimizer
+        self.device, self.grad_clip, self.warmup = forward.device, grad_clip, warmup
+        self.params = [p for g in optimizer.param_groups for p in g["params"]]
+        self.model = forward.net
+        self.x = self.y = None
+        self.state = None                                  # static state buffers (stateful models)
         self.graph: torch.cuda.CUDAGraph | None = None
 
     def _step(self):
-        loss, state = lm_loss(self.model, self.x, self.y, self.state, self.amp_dtype, self.group_size)
-        loss.backward()
-        grad_norm = clip_grads(self.params, self.grad_clip)
-        self.optimizer.step()
-        for buf, new in zip(self.state, state):
-            buf.copy_(new.detach())
-        return loss.detach(), grad_norm
+        loss, grad_norm, state = train_step(self.forward, self.loss_fn, self.x, self.y, self.state, self.optimizer,
+                                            self.params, self.grad_clip, zero_grad=False)
+        for buf, new in zip(state_tensors(self.state), state_tensors(state)):
+            buf.copy_(new)
+        return loss, grad_norm
 
     def _check_optimizer(self) -> None:
         for i, g in enumerate(self.optimizer.param_groups):
@@ -71,7 +69,7 @@ class CapturedStep:
         opt_state = self.optimizer.state
         saved_opt = {p: {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in opt_state[p].items()}
                      for p in self.params if opt_state.get(p)}
-        saved_state = [s.clone() for s in self.state]
+        saved_state = [s.clone() for s in state_tensors(self.state)]
         saved_rng = torch.cuda.get_rng_state(self.device)
         side = torch.cuda.Stream(self.device)
         side.wait_stream(torch.cuda.current_stream(self.device))
@@ -83,7 +81,7 @@ class CapturedStep:
         with torch.no_grad():                              # undo the warm-up steps
             for p, s in zip(self.params, saved_params):
                 p.copy_(s)
-            for buf, s in zip(self.state, saved_state):
+            for buf, s in zip(state_tensors(self.state), saved_state):
                 buf.copy_(s)
             # Optimizer state is restored in place: the warm-up created it outside the graph, and
             # the graph must update those tensors, not re-create them at every replay. A state the
@@ -103,16 +101,23 @@ class CapturedStep:
             self.loss, self.grad_norm = self._step()
 
     def step(self, x: torch.Tensor, y: torch.Tensor, reset_state: bool):
+        if self.x is None:                                 # static buffers of the first batch's shapes
+            self.x, self.y = torch.empty_like(x), torch.empty_like(y)
+            if self.forward.stateful and self.state is None:
+                self.state = self.forward.net.init_state(x.shape[0], self.device)
         self.x.copy_(x, non_blocking=True)
         self.y.copy_(y, non_blocking=True)
         if reset_state:
-            for s in self.state:
+            for s in state_tensors(self.state):
                 s.zero_()
         if self.graph is None:
             self._capture()
         self.graph.replay()
         return self.loss, self.grad_norm
 
-    def load_state(self, state) -> None:
-        for buf, s in zip(self.state, state):
+    def load_state(self, state, batch_like: torch.Tensor) -> None:
+        """Copies a carried state (from a checkpoint) into the static buffers."""
+        if self.state is None and self.forward.stateful:
+            self.state = self.forward.net.init_state(batch_like.shape[0], self.device)
+        for buf, s in zip(state_tensors(self.state), state_tensors(state)):
             buf.copy_(s)

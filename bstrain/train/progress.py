@@ -1,4 +1,9 @@
-"""Progress reporting: logging with the rank in the prefix, tqdm on rank 0, TensorBoard on rank 0."""
+"""Progress reporting: one log (run_dir/train.log and the console), tqdm on rank 0, TensorBoard on rank 0.
+
+Every message goes through the ``bstrain`` logger once. The console handler writes through
+``tqdm.write``, so a line never lands on the bar; while a bar is shown, the per-step lines go to
+train.log only (the bar shows the same numbers).
+"""
 from __future__ import annotations
 
 import logging
@@ -11,47 +16,83 @@ import torch
 log = logging.getLogger("bstrain")
 
 
-def setup_logging(run_dir: Path, rank: int = 0) -> logging.Handler:
-    """Adds a file handler writing run_dir/train.log (with the rank) and returns it."""
-    handler = logging.FileHandler(run_dir / "train.log")
-    handler.setFormatter(logging.Formatter(f"%(asctime)s [rank{rank}] %(levelname)s %(message)s"))
-    log.addHandler(handler)
-    log.setLevel(logging.INFO)
-    if not any(isinstance(h, logging.StreamHandler) and not isinstance(h, logging.FileHandler)
-               for h in log.handlers + logging.getLogger().handlers):
-        stream = logging.StreamHandler(sys.stderr)
-        stream.setFormatter(logging.Formatter(f"[rank{rank}] %(message)s"))
-        log.addHandler(stream)
-    return handler
+class _Console(logging.Handler):
+    """stderr through tqdm.write; drops per-step lines (``extra={"step_line": True}``) while a bar is up."""
+
+    bar_active = False
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if getattr(record, "step_line", False) and _Console.bar_active:
+            return
+        try:
+            from tqdm import tqdm
+            tqdm.write(self.format(record), file=sys.stderr)
+        except Exception:  # pragma: no cover - logging must never raise
+            self.handleError(record)
+
+
+def setup_logging(run_dir: Path | None, rank: int = 0, console: bool = True) -> list[logging.Handler]:
+    """train.log in run_dir (with the rank in each line) and a console handler; returns them.
+
+    Ranks other than 0 log warnings only.
+    """
+    handlers: list[logging.Handler] = []
+    if run_dir is not None:
+        file = logging.FileHandler(run_dir / "train.log")
+        file.setFormatter(logging.Formatter(f"%(asctime)s [rank{rank}] %(levelname)s %(message)s"))
+        handlers.append(file)
+    if console:
+        out = _Console()
+        out.setFormatter(logging.Formatter(f"[rank{rank}] %(message)s" if rank else "%(message)s"))
+        handlers.append(out)
+    for h in handlers:
+        log.addHandler(h)
+    log.setLevel(logging.INFO if rank == 0 else logging.WARNING)
+    log.propagate = False
+    return handlers
+
+
+def remove_logging(handlers: list[logging.Handler]) -> None:
+    for h in handlers:
+        log.removeHandler(h)
+        h.close()
 
 
 class Progress:
-    """tqdm bar when stderr is a terminal (rank 0), else a log line every ``every`` steps."""
+    """tqdm bar when stderr is a terminal (rank 0): ``tick()`` every step, ``show()`` at log steps."""
 
-    def __init__(self, total: int, initial: int, every: int, enabled: bool, rank: int = 0):
-        self.every = max(1, every)
+    def __init__(self, total: int, initial: int, enabled: bool, rank: int = 0):
         self.bar = None
         if enabled and rank == 0 and sys.stderr.isatty():
             from tqdm import tqdm
             self.bar = tqdm(total=total, initial=initial, dynamic_ncols=True, desc="train")
+            _Console.bar_active = True
 
-    def update(self, step: int, metrics: dict) -> None:
+    @property
+    def active(self) -> bool:
+        return self.bar is not None
+
+    def tick(self) -> None:
         if self.bar is not None:
             self.bar.update(1)
-            self.bar.set_postfix(loss=f"{metrics['loss']:.3f}", bpb=f"{metrics['bpb']:.3f}",
-                                 lr=f"{metrics['lr']:.2e}", tok_s=f"{metrics['tokens_per_s']:.0f}")
-        elif step % self.every == 0:
-            log.info("step %d loss %.4f bpb %.4f lr %.2e grad_norm %.3f tokens/s %.0f", step, metrics["loss"],
-                     metrics["bpb"], metrics["lr"], metrics["grad_norm"], metrics["tokens_per_s"])
 
-    def write(self, msg: str) -> None:
+    def show(self, step: int, metrics: dict, metric: str | None) -> None:
+        """The per-step line: to train.log always, to the console unless the bar shows it."""
+        extra = f" {metric} {metrics[metric]:.4f}" if metric in metrics else ""
         if self.bar is not None:
-            self.bar.write(msg)
-        log.info(msg)
+            post = {"loss": f"{metrics['loss']:.3f}", "lr": f"{metrics['lr']:.2e}",
+                    "tok/s": f"{metrics['tokens_per_s']:.0f}"}
+            if metric in metrics:
+                post[metric] = f"{metrics[metric]:.3f}"
+            self.bar.set_postfix(post)
+        log.info("step %d loss %.4f%s lr %.2e grad_norm %.3f tokens/s %.0f", step, metrics["loss"], extra,
+                 metrics["lr"], metrics["grad_norm"], metrics["tokens_per_s"], extra={"step_line": True})
 
     def close(self) -> None:
         if self.bar is not None:
             self.bar.close()
+            self.bar = None
+            _Console.bar_active = False
 
 
 class Board:

@@ -1,43 +1,81 @@
 """The training loop: ``train(cfg) -> dict``, called by ``python -m bstrain train`` and by tests.
 
+It knows no model family and no metric by name. The model, data and task are built from the
+config by their ``_target_``; the task (bstrain/train/tasks) owns batches, loss, metrics and
+evaluation; a model is stateless (``forward(x)``) or stateful (``init_state`` and
+``forward(x, state)``), see bstrain/train/step.py. One step function
+(:func:`bstrain.train.step.train_step`) serves the eager loop, the CUDA-graph replay and the
+benchmarks; one pair of functions (:func:`bstrain.train.checkpoint.capture` / ``restore``) writes
+and reads checkpoints.
+
 Precision: fp32 master weights always. fp16 runs the forward under autocast with dynamic loss
 scaling (torch.amp.GradScaler: starts at 2**16, halves and skips the step on inf/NaN, doubles
 after ``trainer.loss_scale_window`` clean steps), so no NaN ever reaches the weights; bf16 runs
-under autocast without scaling. The block-sparse layers cast their input to the autocast dtype
-and their fp32 weights on the fly.
+under autocast without scaling.
+
+Host syncs: the loop keeps losses and gradient norms on the device and reads them once per
+``trainer.log_every`` steps (fp16's GradScaler still checks for inf at every step).
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
+import os
+import signal
 import sys
+import threading
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
+import numpy as np
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from bstrain.data.text import BpttBatches, bits_per_byte, check_size, load_bytes
-from bstrain.models.lstm import build_model
+from bstrain.errors import RunInterrupted, UserError
+from bstrain.models.layers import block_sparse_layouts, set_grad_group
+from bstrain.train import checkpoint as ckpt_io
 from bstrain.train.checkpoint import (checkpoint_path, latest_checkpoint, load_checkpoint, prune_checkpoints,
                                       save_checkpoint)
 from bstrain.train.distributed import (World, barrier, broadcast, check_same_layouts, device_for, finish, gather,
-                                       init_world, mean, shard)
+                                       init_world)
 from bstrain.train.graphs import CapturedStep, check_graph_config
-from bstrain.train.progress import Board, Progress, log, setup_logging
-from bstrain.train.step import clip_grads, lm_loss
+from bstrain.train.progress import Board, Progress, log, remove_logging, setup_logging
+from bstrain.train.step import Forward, is_stateful, state_tensors, train_step, unwrap
 
 PRECISIONS = {"fp32": None, "fp16": torch.float16, "bf16": torch.bfloat16}
 
 
-def resolve_device(name: str) -> torch.device:
+def _value(x):
+    """An Enum config value as its string."""
+    return getattr(x, "value", x)
+
+
+# --- set-up helpers -------------------------------------------------------------------------------
+def resolve_device(name) -> torch.device:
+    name = _value(name)
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if name == "cuda" and not torch.cuda.is_available():
-        raise ValueError("trainer.device: 'cuda' was asked for, but no CUDA device is available")
+        raise UserError("trainer.device: 'cuda' was asked for, but no CUDA device is available")
     if name not in ("cpu", "cuda"):
-        raise ValueError(f"trainer.device: expected auto, cpu or cuda, got {name!r}")
+        raise UserError(f"trainer.device: expected auto, cpu or cuda, got {name!r}")
     return torch.device(name)
+
+
+def set_threads(n: int) -> int:
+    """torch's CPU threads: ``n``, or for 0 half the cores this process may use (at least 1).
+
+    Half, because a second busy process on the machine then slows a run by about its share
+    instead of stalling OpenMP's spinning threads (measured: README, "Set-up").
+    """
+    if n <= 0:
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+        n = max(1, cores // 2)
+    torch.set_num_threads(n)
+    return n
 
 
 def _optimizer_flags(device: torch.device, capturable: bool) -> dict:
@@ -60,7 +98,7 @@ def make_optimizer(model: torch.nn.Module, cfg, device: torch.device,
     decay = [p for p in model.parameters() if p.dim() >= 2]
     rest = [p for p in model.parameters() if p.dim() < 2]
     groups = [{"params": ps, "weight_decay": wd, "lr": _lr(cfg.lr, capturable, device)}
-              for ps, wd in ((decay, cfg.weight_decay), (rest, 0.0))]
+              for ps, wd in ((decay, cfg.weight_decay), (rest, 0.0)) if ps]
     return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps,
                              **_optimizer_flags(device, capturable))
 
@@ -86,21 +124,70 @@ def lr_factor(step: int, cfg, max_steps: int) -> float:
     """Linear warmup, then cosine or linear decay to min_lr_ratio (or constant)."""
     if step < cfg.warmup_steps:
         return (step + 1) / cfg.warmup_steps
-    if cfg.schedule == "constant":
+    schedule = _value(cfg.schedule)
+    if schedule == "constant":
         return 1.0
     frac = min(1.0, (step - cfg.warmup_steps) / max(1, max_steps - cfg.warmup_steps))
-    shape = 0.5 * (1 + math.cos(math.pi * frac)) if cfg.schedule == "cosine" else 1.0 - frac
+    shape = 0.5 * (1 + math.cos(math.pi * frac)) if schedule == "cosine" else 1.0 - frac
     return cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * shape
 
 
-def _check_config(cfg) -> None:
-    t, o = cfg.trainer, cfg.optim
-    if t.precision not in PRECISIONS:
-        raise ValueError(f"trainer.precision: expected fp32, fp16 or bf16, got {t.precision!r}")
-    if o.schedule not in ("cosine", "linear", "constant"):
-        raise ValueError(f"optim.schedule: expected cosine, linear or constant, got {o.schedule!r}")
-    if t.max_steps < 1 or t.group_size < 1:
-        raise ValueError(f"trainer.max_steps, trainer.group_size: expected >= 1, got {t.max_steps}, {t.group_size}")
+def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
+    """The schedule is a function of the step: no scheduler object, nothing to checkpoint."""
+    for g in optimizer.param_groups:
+        if isinstance(g["lr"], torch.Tensor):
+            g["lr"].fill_(lr)                            # a device tensor a captured graph reads
+        else:
+            g["lr"] = lr
+
+
+_CHECKS = (  # (section, key, test, expectation): ranges the types alone do not fix
+    ("optim", "lr", lambda v: v > 0, "> 0"), ("optim", "weight_decay", lambda v: v >= 0, ">= 0"),
+    ("optim", "beta1", lambda v: 0 <= v < 1, "in [0, 1)"), ("optim", "beta2", lambda v: 0 <= v < 1, "in [0, 1)"),
+    ("optim", "eps", lambda v: v > 0, "> 0"), ("optim", "warmup_steps", lambda v: v >= 0, ">= 0"),
+    ("optim", "min_lr_ratio", lambda v: 0 <= v <= 1, "in [0, 1]"), ("optim", "grad_clip", lambda v: v >= 0, ">= 0"),
+    ("optim", "ema", lambda v: 0 <= v < 1, "in [0, 1)"), ("trainer", "max_steps", lambda v: v >= 1, ">= 1"),
+    ("trainer", "group_size", lambda v: v >= 1, ">= 1"), ("trainer", "log_every", lambda v: v >= 1, ">= 1"),
+    ("trainer", "eval_every", lambda v: v >= 0, ">= 0"), ("trainer", "eval_batches", lambda v: v >= 0, ">= 0"),
+    ("trainer", "ckpt_every", lambda v: v >= 0, ">= 0"), ("trainer", "keep_ckpts", lambda v: v >= 1, ">= 1"),
+    ("trainer", "loss_scale_window", lambda v: v >= 1, ">= 1"),
+    ("trainer", "time_limit_s", lambda v: v >= 0, ">= 0"), ("trainer", "threads", lambda v: v >= 0, ">= 0"),
+)
+
+
+def check_config(cfg) -> None:
+    """UserError naming the key for an undeclared key, a missing value or a value out of range."""
+    from bstrain.configs.schema import check_config as check_schema
+    check_schema(cfg)
+    for section, key, ok, want in _CHECKS:
+        value = cfg[section][key]
+        if not ok(value):
+            raise UserError(f"{section}.{key}: expected {want}, got {value!r}")
+    if _value(cfg.trainer.precision) not in PRECISIONS:
+        raise UserError(f"trainer.precision: expected fp32, fp16 or bf16, got {cfg.trainer.precision!r}")
+    if _value(cfg.optim.schedule) not in ("cosine", "linear", "constant"):
+        raise UserError(f"optim.schedule: expected cosine, linear or constant, got {cfg.optim.schedule!r}")
+
+
+def instantiate(node, key: str):
+    """Builds the ``key`` section from its ``_target_``; the user's mistakes (an unknown class, a
+    wrong or missing argument, a value the constructor rejects) become one-line UserErrors."""
+    from hydra.errors import InstantiationException
+    from hydra.utils import instantiate as hydra_instantiate
+    if not OmegaConf.is_dict(node) or "_target_" not in node:
+        raise UserError(f"{key}: expected a mapping with a _target_ (a class path such as my_package.MyModel), "
+                        f"got {OmegaConf.to_container(node) if OmegaConf.is_config(node) else node!r}")
+    try:
+        return hydra_instantiate(node, _convert_="all")
+    except InstantiationException as exc:
+        cause = exc.__cause__
+        if isinstance(cause, UserError):
+            raise cause from None
+        if cause is None or isinstance(cause, (ValueError, ImportError)) or (
+                isinstance(cause, TypeError) and "argument" in str(cause)):
+            msg = " ".join(str(cause or exc).split())
+            raise UserError(f"{key} ({node._target_}): {msg}") from None
+        raise
 
 
 def _run_dir(cfg) -> Path:
@@ -114,66 +201,66 @@ def _run_dir(cfg) -> Path:
 
 
 def _resume_path(cfg, run_dir: Path) -> Path | None:
+    """The checkpoint to resume from, or None; UserError where the request and the run dir disagree."""
     value = str(cfg.trainer.resume).strip()
+    latest = latest_checkpoint(run_dir / "ckpt")
     if value.lower() in ("false", "none", "", "0"):
+        if latest is not None:
+            raise UserError(f"run dir {run_dir} already holds checkpoints (latest {latest.name}): continue that run "
+                            f"with trainer.resume=true, or start this one in another directory")
         return None
     if value.lower() in ("true", "1"):
-        return latest_checkpoint(run_dir / "ckpt")          # None: a fresh start
-    return Path(value)
+        if latest is None:
+            raise UserError(f"trainer.resume=true: no checkpoint in {run_dir / 'ckpt'}; name the run's directory "
+                            f"with hydra.run.dir=... (or give trainer.resume=PATH)")
+        return latest
+    path = Path(value)
+    if latest is not None and path.resolve().parent != (run_dir / "ckpt").resolve():
+        raise UserError(f"trainer.resume={value}: run dir {run_dir} holds checkpoints of another run; resume into "
+                        f"a new directory")
+    return path
 
 
-@torch.no_grad()
-def evaluate(model, data, cfg, device, n_batches: int) -> tuple[float, float]:
-    """Mean loss (nats/byte) and bits per byte over the first n_batches (0: all) of ``data``."""
-    model.eval()
-    batches = BpttBatches(data, cfg.data.batch_size, cfg.data.seq_len)
-    n = len(batches) if n_batches <= 0 else min(n_batches, len(batches))
-    dtype = PRECISIONS[cfg.trainer.precision]
-    state, total = None, 0.0
-    for i in range(n):
-        x, y = (t.to(device) for t in batches.batch(i))
-        loss, state = lm_loss(model, x, y, state, dtype)
-        total += loss.item()
-    model.train()
-    loss = total / max(1, n)
-    return loss, bits_per_byte(loss)
+# --- the run -------------------------------------------------------------------------------------------
+@dataclass
+class Run:
+    """Everything one training run holds; built by :func:`build`."""
+    cfg: DictConfig
+    world: World
+    device: torch.device
+    run_dir: Path
+    task: Any
+    model: torch.nn.Module
+    net: torch.nn.Module                  # the model, or DDP around it
+    forward: Forward
+    optimizer: torch.optim.Optimizer
+    scaler: torch.amp.GradScaler
+    ema: Any = None
+    captured: CapturedStep | None = None
+    step: int = 0
+    state: Any = None                     # carried model state (stateful models)
+    pending_state: Any = None             # a checkpoint's states, placed at the first batch
+    train_loss: float = float("nan")
+    valid: dict = field(default_factory=dict)
+    history: list = field(default_factory=list)
+    valid_history: list = field(default_factory=list)
+    stop: str | None = None               # the signal that asked the run to stop
+    skipped: Any = 0                      # fp16 steps skipped since the last log (a device tensor)
 
 
-def train(cfg: DictConfig) -> dict:
-    """Trains the configured model; returns final metrics and the run directory.
-
-    Under torchrun each process trains on its shard of the data with DDP; rank 0 writes.
-    """
-    _check_config(cfg)
-    device = resolve_device(cfg.trainer.device)
-    world = init_world(device)
-    try:
-        run_dir = Path(broadcast(str(_run_dir(cfg)), world))        # one run dir for every rank
-        if world.main:
-            run_dir.mkdir(parents=True, exist_ok=True)
-        barrier(world)
-        handler = setup_logging(run_dir, world.rank) if world.main else None
-        if not world.main:
-            log.setLevel(logging.WARNING)
-        try:
-            return _train(cfg, run_dir, device_for(world, device), world)
-        finally:
-            if handler is not None:
-                log.removeHandler(handler)
-                handler.close()
-    finally:
-        finish(world)
-
-
-def _train(cfg: DictConfig, run_dir: Path, device: torch.device, world: World) -> dict:
+def build(cfg: DictConfig, run_dir: Path, device: torch.device, world: World) -> Run:
+    """Data and task first (a bad path fails before any model is built), then model, optimizer,
+    scaler, EMA; then the checkpoint to resume from, if any."""
     t_cfg = cfg.trainer
-    # Data first: a bad path or too small a file fails before any model is built.
-    train_data, valid_data, _ = load_bytes(cfg.data.path, cfg.data.name)
-    train_data = shard(train_data, world)
-    check_size(train_data, cfg.data.batch_size, cfg.data.seq_len, cfg.data.path, "train")
-    check_size(valid_data, cfg.data.batch_size, cfg.data.seq_len, cfg.data.path, "valid")
+    resume = _resume_path(cfg, run_dir)
+    task = instantiate(cfg.task, "task")
+    task.setup(instantiate(cfg.data, "data"), world, t_cfg.seed)
     torch.manual_seed(t_cfg.seed)
-    model = build_model(cfg.model).to(device)
+    model = instantiate(cfg.model, "model")
+    if not isinstance(model, torch.nn.Module):
+        raise UserError(f"model ({cfg.model._target_}): expected an nn.Module, got {type(model).__name__}")
+    model = model.to(device)
+    set_grad_group(model, t_cfg.group_size)
     net = model
     if world.active:
         from torch.nn.parallel import DistributedDataParallel
@@ -182,128 +269,295 @@ def _train(cfg: DictConfig, run_dir: Path, device: torch.device, world: World) -
     graphed = bool(t_cfg.cuda_graph)
     if graphed:
         check_graph_config(device, t_cfg.precision, world.size)
+    amp_dtype = PRECISIONS[_value(t_cfg.precision)]
     optimizer = make_optimizer(model, cfg.optim, device, capturable=graphed)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(s, cfg.optim, t_cfg.max_steps))
-    amp_dtype = PRECISIONS[t_cfg.precision]
     scaler = torch.amp.GradScaler(device.type, init_scale=2.0**16, growth_interval=t_cfg.loss_scale_window,
-                                  enabled=t_cfg.precision == "fp16")
+                                  enabled=_value(t_cfg.precision) == "fp16")
     ema = None
     if cfg.optim.ema > 0:
         from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
         ema = AveragedModel(model, multi_avg_fn=get_ema_multi_avg_fn(cfg.optim.ema))
-    batches = BpttBatches(train_data, cfg.data.batch_size, cfg.data.seq_len)
-    step, state = 0, None
-
-    resume = _resume_path(cfg, run_dir)
-    if resume is not None:
-        ckpt = load_checkpoint(resume)
-        model.load_state_dict(ckpt["model"])
-        optimizer.load_state_dict(ckpt["optimizer"])
-        _match_graph_mode(optimizer, graphed, device)
-        scheduler.load_state_dict(ckpt["scheduler"])
-        scaler.load_state_dict(ckpt["scaler"])
-        if ema is not None and ckpt.get("ema") is not None:
-            ema.load_state_dict(ckpt["ema"])
-        batches.load_state_dict(ckpt["data"])
-        torch.set_rng_state(ckpt["rng"]["cpu"])
-        if device.type == "cuda" and ckpt["rng"].get("cuda") is not None:
-            torch.cuda.set_rng_state(ckpt["rng"]["cuda"])
-        states = ckpt.get("state") or []
-        if len(states) == world.size:                       # one carried state per rank
-            state = tuple(s.to(device) for s in states[world.rank])
-        else:
-            log.warning("checkpoint holds %d recurrent states for %d ranks: starting from zero state",
-                        len(states), world.size)
-        step = int(ckpt["step"])
-        log.info("resumed from %s at step %d", ckpt["path"], step)
-
-    log.info("run dir %s | device %s | precision %s | %s parameters | %s", run_dir, device, t_cfg.precision,
-             f"{model.num_params():,}", ", ".join(repr(layer.op) for layer in model.sparse_layers()) or "dense")
-    board = Board(run_dir, world.rank)
-    board.start(OmegaConf.to_yaml(cfg), " ".join(sys.argv),
-                {f"layer{i}": layer.op.layout for i, layer in enumerate(model.sparse_layers())})
-    progress = Progress(t_cfg.max_steps, step, t_cfg.log_every, t_cfg.progress, world.rank)
-    history, valid_history, valid = [], [], (float("nan"), float("nan"))
-    tokens = cfg.data.batch_size * cfg.data.seq_len
-    params = [p for p in model.parameters()]
-    captured = None
+    forward = Forward(net, amp_dtype, device)
+    run = Run(cfg, world, device, run_dir, task, model, net, forward, optimizer, scaler, ema)
     if graphed:
-        captured = CapturedStep(model, optimizer, cfg.data.batch_size, cfg.data.seq_len, device, amp_dtype,
-                                t_cfg.group_size, cfg.optim.grad_clip)
-        if state is not None:
-            captured.load_state(state)
-    t_last = t_start = time.perf_counter()
-    stop_at = t_cfg.max_steps
+        run.captured = CapturedStep(forward, task.loss, optimizer, cfg.optim.grad_clip)
+    if resume is not None:
+        ckpt_io.restore(run, load_checkpoint(resume))
+        _match_graph_mode(optimizer, graphed, device)
+        log.info("resumed from %s at step %d", resume, run.step)
+    return run
+
+
+def _place_state(run: Run, x: torch.Tensor) -> None:
+    """A checkpoint's carried states, split for this world; a different global batch starts fresh."""
+    states, run.pending_state = run.pending_state, None
+    if not states or not is_stateful(run.model):
+        return
+    rows = [torch.cat(ts, 0) for ts in zip(*states)]               # every rank's rows, in rank order
+    per_rank = x.shape[0]
+    if rows[0].shape[0] != per_rank * run.world.size:
+        log.warning("checkpoint: carried states for %d sequences, this run trains %d x %d: starting from a fresh "
+                    "state", rows[0].shape[0], run.world.size, per_rank)
+        return
+    mine = [r[run.world.rank * per_rank:(run.world.rank + 1) * per_rank].to(run.device) for r in rows]
+    template = unwrap(run.model).init_state(per_rank, run.device)
+    run.state = _like(template, iter(mine))
+    if run.captured is not None:
+        run.captured.load_state(run.state, x)
+
+
+def _like(template, tensors):
+    """``template``'s structure (a tensor or nested tuples) filled from an iterator of tensors."""
+    if isinstance(template, torch.Tensor):
+        return next(tensors).to(template.dtype)
+    return type(template)(_like(t, tensors) for t in template)
+
+
+def one_step(run: Run, x: torch.Tensor, y: torch.Tensor, fresh: bool):
+    """One optimizer step at this step's learning rate; returns (loss, grad norm) on the device."""
+    set_lr(run.optimizer, run.cfg.optim.lr * lr_factor(run.step, run.cfg.optim, run.cfg.trainer.max_steps))
+    if run.pending_state is not None:
+        _place_state(run, x)
+    if fresh:
+        run.state = None                                # the data stream restarts: so does the state
+    if run.captured is not None:                        # the whole step in one graph replay
+        loss, grad_norm = run.captured.step(x, y, reset_state=run.state is None)
+        run.state = run.captured.state
+    else:
+        scale = run.scaler._scale.clone() if run.scaler.is_enabled() and run.scaler._scale is not None else None
+        loss, grad_norm, run.state = train_step(run.forward, run.task.loss, x, y, run.state, run.optimizer,
+                                                list(run.model.parameters()), run.cfg.optim.grad_clip, run.scaler)
+        if scale is not None:                           # fp16: a lowered scale means a skipped step
+            run.skipped = run.skipped + (run.scaler._scale < scale).int()
+    if run.ema is not None:
+        run.ema.update_parameters(run.model)
+    return loss, grad_norm
+
+
+# --- logging, validation, checkpoints ----------------------------------------------------------------
+class Window:
+    """The device-side losses and gradient norms of the steps since the last log line."""
+
+    def __init__(self):
+        self.losses, self.norms, self.t0, self.paused = [], [], time.perf_counter(), 0.0
+
+    def add(self, loss: torch.Tensor, grad_norm: torch.Tensor) -> None:
+        self.losses.append(loss)
+        self.norms.append(grad_norm)
+
+    @contextlib.contextmanager
+    def pause(self):
+        """Time spent here (validation, checkpoints) does not count against tokens/s."""
+        t = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.paused += time.perf_counter() - t
+
+
+def log_window(run: Run, window: Window, progress: Progress, board: Board) -> None:
+    """The only host sync of the loop: the window's losses (averaged over ranks), norms and skips."""
+    from bstrain.train.distributed import all_mean
+    n = len(window.losses)
+    if n == 0:
+        return
+    losses = all_mean(torch.stack(window.losses).double(), run.world).tolist()
+    norms = torch.stack(window.norms).float().tolist()
+    skipped = int(run.skipped) if isinstance(run.skipped, torch.Tensor) else run.skipped
+    run.skipped = 0
+    first = run.step - n + 1
+    run.history.extend(zip(range(first, run.step + 1), losses))
+    finite = [g for g in norms if math.isfinite(g)]
+    elapsed = time.perf_counter() - window.t0 - window.paused
+    mean_loss = sum(losses) / n
+    run.train_loss = losses[-1]
+    metrics = {"loss": mean_loss, **run.task.train_metrics(mean_loss),
+               "lr": run.cfg.optim.lr * lr_factor(run.step - 1, run.cfg.optim, run.cfg.trainer.max_steps),
+               "grad_norm": sum(finite) / len(finite) if finite else float("nan"),
+               "tokens_per_s": run.task.tokens_per_batch() * run.world.size * n / max(elapsed, 1e-9)}
+    if run.scaler.is_enabled():
+        metrics["loss_scale"] = run.scaler.get_scale()
+        _check_same_scale(run, metrics["loss_scale"])
+        if skipped:
+            log.info("step %d: %d of the last %d steps skipped (fp16 overflow: inf/NaN gradients); loss scale now "
+                     "%g", run.step, skipped, n, metrics["loss_scale"])
+    if run.device.type == "cuda":
+        metrics["gpu_mem_gb"] = torch.cuda.max_memory_allocated(run.device) / 2**30
+    progress.show(run.step, metrics, run.task.metric)
+    board.scalars(run.step, {f"train/{k}": v for k, v in metrics.items()})
+    window.__init__()
+
+
+def _check_same_scale(run: Run, scale: float) -> None:
+    """Under DDP every rank sees the all-reduced gradients, so all skip together and keep one scale."""
+    scales = gather(scale, run.world)
+    if len(set(scales)) > 1:
+        raise RuntimeError(f"fp16 loss scales differ across ranks at step {run.step}: {scales}")
+
+
+def validate(run: Run, progress: Progress, board: Board, elapsed: float) -> None:
+    """Rank 0 evaluates (the EMA weights when kept) on the valid split; every rank gets the result."""
+    if run.world.main:
+        model = run.ema.module if run.ema is not None else run.model
+        model.eval()
+        try:
+            forward = Forward(model, run.forward.amp_dtype, run.device)
+            valid = run.task.evaluate(forward, "valid", run.cfg.trainer.eval_batches, progress.active)
+        finally:
+            model.train()
+        board.scalars(run.step, {f"valid/{k}": v for k, v in valid.items()})
+        shown = ", ".join(f"{k} {v:.4f}" for k, v in valid.items() if isinstance(v, float))
+        log.info("step %d: valid %s", run.step, shown)
+        run.valid_history.append((run.step, elapsed, valid.get(run.task.metric, valid["loss"])))
+        run.valid = valid
+    run.valid = broadcast(run.valid, run.world)
+
+
+def save(run: Run) -> Path | None:
+    """A checkpoint of this step (collective under DDP; rank 0 writes); returns its path on rank 0."""
+    state = ckpt_io.capture(run)
+    if state is None:
+        return None
+    path = save_checkpoint(checkpoint_path(run.run_dir / "ckpt", run.step), state)
+    prune_checkpoints(run.run_dir / "ckpt", run.cfg.trainer.keep_ckpts)
+    return path
+
+
+@contextlib.contextmanager
+def stop_on_signals(run: Run):
+    """SIGINT/SIGTERM ask the loop to stop after the current step (it then checkpoints); a second
+    signal acts as usual. Only in the main thread, where Python delivers signals."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    old = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+
+    def ask(signum, _frame):
+        run.stop = signal.Signals(signum).name
+        for s, h in old.items():
+            signal.signal(s, h)
+    for s in old:
+        signal.signal(s, ask)
     try:
-        while step < stop_at:
-            x, y, wrapped = batches.next_batch()
-            x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
-            if wrapped:
-                state = None                                   # a new epoch starts from a fresh state
-            lr = float(optimizer.param_groups[0]["lr"])        # the lr this step uses
-            if captured is not None:                           # the whole step in one graph replay
-                loss, grad_norm = captured.step(x, y, reset_state=state is None)
-                state = captured.state
-            else:
-                loss, state = lm_loss(net, x, y, state, amp_dtype, t_cfg.group_size)
-                state = tuple(s.detach() for s in state)
-                scaler.scale(loss).backward()
-                scaler.unscale_(optimizer)
-                grad_norm = clip_grads(params, cfg.optim.grad_clip)
-                scaler.step(optimizer)                         # skipped (and the scale halved) on inf/NaN
-                scaler.update()
-                optimizer.zero_grad(set_to_none=True)
-            scheduler.step()
-            if ema is not None:
-                ema.update_parameters(model)
-            step += 1
-            loss_v = mean(loss.item(), world, device)
-            now = time.perf_counter()
-            metrics = {"loss": loss_v, "bpb": bits_per_byte(loss_v), "lr": lr,
-                       "grad_norm": float(grad_norm), "tokens_per_s": tokens / max(now - t_last, 1e-9),
-                       "loss_scale": scaler.get_scale() if scaler.is_enabled() else 1.0}
-            t_last = now
-            history.append((step, loss_v))
-            progress.update(step, metrics)
-            if step % t_cfg.log_every == 0 or step == t_cfg.max_steps:
-                if device.type == "cuda":
-                    metrics["gpu_mem_gb"] = torch.cuda.max_memory_allocated(device) / 2**30
-                board.scalars(step, {f"train/{k}": v for k, v in metrics.items()})
-            if t_cfg.time_limit_s and now - t_start > t_cfg.time_limit_s:
-                stop_at = step                                 # out of time: finish like a last step
-            last = step == stop_at
-            if (t_cfg.eval_every and step % t_cfg.eval_every == 0) or last:
-                if world.main:
-                    valid = evaluate(ema.module if ema is not None else model, valid_data, cfg, device,
-                                     t_cfg.eval_batches)
-                    board.scalars(step, {"valid/loss": valid[0], "valid/bpb": valid[1]})
-                    valid_history.append((step, now - t_start, valid[1]))
-                    progress.write(f"step {step}: valid loss {valid[0]:.4f}, {valid[1]:.4f} bits/byte")
-                valid = broadcast(valid, world)
-            if (t_cfg.ckpt_every and step % t_cfg.ckpt_every == 0) or last:
-                states = gather([s.detach().cpu() for s in state], world)         # every rank's carried state
-                if world.main:
-                    ckpt_dir = run_dir / "ckpt"
-                    save_checkpoint(checkpoint_path(ckpt_dir, step), {
-                        "step": step, "model": model.state_dict(), "optimizer": optimizer.state_dict(),
-                        "scheduler": scheduler.state_dict(), "scaler": scaler.state_dict(),
-                        "ema": ema.state_dict() if ema is not None else None, "data": batches.state_dict(),
-                        "rng": {"cpu": torch.get_rng_state(),
-                                "cuda": torch.cuda.get_rng_state(device) if device.type == "cuda" else None},
-                        "state": states, "config": OmegaConf.to_container(cfg, resolve=True)})
-                    prune_checkpoints(ckpt_dir, t_cfg.keep_ckpts)
-            t_last = time.perf_counter()                       # tokens/s counts training time only
+        yield
+    finally:
+        for s, h in old.items():
+            signal.signal(s, h)
+
+
+def _agree_to_stop(run: Run, log_step: bool, out_of_time: bool) -> str | None:
+    """Why to stop after this step: a signal's name, "time", or None. One process decides at every
+    step; under DDP the ranks agree at log steps (a collective), so all stop at the same step."""
+    reason = run.stop or ("time" if out_of_time else None)
+    if run.world.active:
+        if not log_step:
+            return None
+        reasons = [r for r in gather(reason, run.world) if r]
+        reason = next((r for r in reasons if r != "time"), reasons[0] if reasons else None)
+    return reason
+
+
+# --- the loop --------------------------------------------------------------------------------------------
+def _header(run: Run) -> dict:
+    """Logs what is being trained; returns the model's block-sparse layouts (for TensorBoard)."""
+    own = getattr(run.model, "block_sparse_layouts", None)
+    layouts = dict(own()) if callable(own) else dict(block_sparse_layouts(run.model))
+    params = sum(p.numel() for p in run.model.parameters())
+    sparse = ", ".join(f"{name} {lay.shape[0]}x{lay.shape[1]} blocks at density {lay.mean():.3f}"
+                       for name, lay in layouts.items()) or "no block-sparse layers"
+    log.info("run dir %s | device %s x %d | precision %s | %s | %s parameters (%s) | %s", run.run_dir, run.device,
+             run.world.size, _value(run.cfg.trainer.precision), type(run.model).__name__, f"{params:,}", sparse,
+             run.task.describe())
+    return layouts
+
+
+def _flat_hparams(run: Run) -> dict:
+    """Scalar settings of the model section and a few run settings, for TensorBoard's hparams view."""
+    model = OmegaConf.to_container(run.cfg.model, resolve=True, enum_to_str=True)
+    out = {f"model.{k}": v for k, v in model.items() if isinstance(v, (int, float, str, bool)) and k != "_target_"}
+    out.update({"model": model["_target_"].rsplit(".", 1)[-1], "lr": run.cfg.optim.lr,
+                "precision": _value(run.cfg.trainer.precision), **run.task.hparams()})
+    return out
+
+
+def _finished(run: Run) -> bool:
+    if run.step < run.cfg.trainer.max_steps:
+        return False
+    log.info("run already finished: step %d of trainer.max_steps=%d; raise trainer.max_steps to train on",
+             run.step, run.cfg.trainer.max_steps)
+    return True
+
+
+def fit(run: Run) -> dict:
+    """Trains from run.step to trainer.max_steps (or the time limit, or a signal)."""
+    t_cfg = run.cfg.trainer
+    if _finished(run):
+        return _result(run)
+    board = Board(run.run_dir, run.world.rank)
+    board.start(OmegaConf.to_yaml(run.cfg), " ".join(sys.argv), _header(run))
+    progress = Progress(t_cfg.max_steps, run.step, t_cfg.progress, run.world.rank)
+    window, t_start, stop_at = Window(), time.perf_counter(), t_cfg.max_steps
+    try:
+        with stop_on_signals(run):
+            while run.step < stop_at:
+                x, y, fresh = run.task.next_batch(run.device)
+                window.add(*one_step(run, x, y, fresh))
+                run.step += 1
+                progress.tick()
+                log_step = run.step % t_cfg.log_every == 0 or run.step == stop_at
+                out_of_time = bool(t_cfg.time_limit_s) and time.perf_counter() - t_start > t_cfg.time_limit_s
+                reason = _agree_to_stop(run, log_step, out_of_time)
+                if reason is not None:
+                    stop_at = run.step                          # finish as a last step: log, eval, checkpoint
+                if log_step or reason:
+                    log_window(run, window, progress, board)
+                with window.pause():
+                    if (t_cfg.eval_every and run.step % t_cfg.eval_every == 0) or run.step == stop_at:
+                        validate(run, progress, board, time.perf_counter() - t_start)
+                    if (t_cfg.ckpt_every and run.step % t_cfg.ckpt_every == 0) or run.step == stop_at:
+                        path = save(run)
+                if reason not in (None, "time"):
+                    raise RunInterrupted(f"stopped by {reason} at step {run.step}; checkpoint {path}; continue "
+                                         f"with trainer.resume=true hydra.run.dir={run.run_dir}")
     except BaseException:
-        board.close()                                      # no writer thread left behind
+        board.close()                                   # no writer thread left behind
         raise
     finally:
         progress.close()
-    result = {"steps": step, "train_loss": history[-1][1] if history else float("nan"),
-              "valid_loss": valid[0], "valid_bpb": valid[1], "run_dir": str(run_dir), "history": history,
-              "valid_history": valid_history,
-              "params": model.num_params()}
-    board.finish({"hidden": cfg.model.hidden, "sparse": cfg.model.sparse, "density": cfg.model.density,
-                  "block_size": cfg.model.block_size, "lr": cfg.optim.lr, "precision": t_cfg.precision},
-                 {"hparam/valid_bpb": valid[1]})
-    log.info("done: %d steps, train loss %.4f, valid %.4f bits/byte", step, result["train_loss"], valid[1])
+    board.finish(_flat_hparams(run), {f"hparam/valid_{run.task.metric}": run.valid.get(run.task.metric, math.nan)})
+    result = _result(run)
+    log.info("done: %d steps, train loss %.4f, valid %s", run.step, result["train_loss"],
+             ", ".join(f"{k} {v:.4f}" for k, v in run.valid.items() if isinstance(v, float)))
     return result
+
+
+def _result(run: Run) -> dict:
+    out = {"steps": run.step, "train_loss": run.train_loss, "run_dir": str(run.run_dir), "history": run.history,
+           "valid_history": run.valid_history, "valid": dict(run.valid),
+           "params": sum(p.numel() for p in run.model.parameters())}
+    out.update({f"valid_{k}": v for k, v in run.valid.items()})
+    out.setdefault("valid_loss", math.nan)
+    out.setdefault(f"valid_{run.task.metric}", math.nan)
+    return out
+
+
+def train(cfg: DictConfig) -> dict:
+    """Trains the configured model; returns final metrics and the run directory.
+
+    Under torchrun each process trains on its slice of every batch with DDP; rank 0 writes.
+    """
+    check_config(cfg)
+    device = resolve_device(cfg.trainer.device)
+    set_threads(cfg.trainer.threads)
+    world = init_world(device)
+    handlers = []
+    try:
+        run_dir = Path(broadcast(str(_run_dir(cfg)), world))        # one run dir for every rank
+        if world.main:
+            run_dir.mkdir(parents=True, exist_ok=True)
+        barrier(world)
+        handlers = setup_logging(run_dir if world.main else None, world.rank)
+        return fit(build(cfg, run_dir, device_for(world, device), world))
+    finally:
+        remove_logging(handlers)
+        finish(world)

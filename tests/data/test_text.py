@@ -120,9 +120,69 @@ def test_missing_path(tmp_path):
     assert "\n" not in str(err.value)
 
 
-def test_directory_path(tmp_path):
-    with pytest.raises(DataError, match=re.escape(f"data path '{tmp_path}' is a directory, expected a file")):
-        load_bytes(str(tmp_path))
+def _tree(root, n_files: int) -> dict:
+    """n files of distinct contents under root (two levels), plus a hidden one; {relative path: bytes}."""
+    files = {}
+    for i in range(n_files):
+        rel = f"pkg{i % 7}/mod_{i:03d}.py"
+        files[rel] = f"# file {i}\n".encode() + bytes([65 + i % 26]) * (100 + i)
+        (root / rel).parent.mkdir(parents=True, exist_ok=True)
+        (root / rel).write_bytes(files[rel])
+    (root / ".git").mkdir()
+    (root / ".git" / "HEAD").write_bytes(b"ref: refs/heads/main\n")
+    (root / "notes.txt").write_bytes(b"not python\n" * 5)
+    files["notes.txt"] = b"not python\n" * 5
+    return files
+
+
+def test_directory_and_glob_hold_out_whole_files(tmp_path):
+    from bstrain.data.text import _file_split
+    files = _tree(tmp_path, 200)
+    for path, chosen in ((str(tmp_path), files),
+                         (str(tmp_path / "**" / "*.py"), {k: v for k, v in files.items() if k.endswith(".py")})):
+        train, valid, test = load_bytes(path)
+        want = [b"".join(chosen[k] for k in sorted(chosen, key=lambda k: str(tmp_path / k)) if _file_split(k) == s)
+                for s in range(3)]
+        assert [bytes(a) for a in (train, valid, test)] == want
+        assert len(valid) and len(test) and len(train) > 10 * len(valid) // 2
+        assert b"refs/heads" not in bytes(train) + bytes(valid) + bytes(test)        # hidden files skipped
+    # adding a file moves no other file between splits
+    (tmp_path / "pkg0" / "zz_new.py").write_bytes(b"new" * 50)
+    again = load_bytes(str(tmp_path / "**" / "*.py"))
+    for old, new in zip(load_bytes(str(tmp_path / "**" / "*.py")), again):
+        assert bytes(old) == bytes(new)
+
+
+def test_max_bytes_and_few_files(tmp_path):
+    _tree(tmp_path, 200)
+    parts = load_bytes(str(tmp_path / "**" / "*.py"), max_bytes=5000)
+    assert sum(len(p) for p in parts) == 5000
+    few = tmp_path / "few"
+    few.mkdir()
+    (few / "a.txt").write_bytes(b"a" * 1000)
+    (few / "b.txt").write_bytes(b"b" * 1000)
+    train, valid, test = load_bytes(str(few))                     # too few files: a byte split of both
+    assert (len(train), len(valid), len(test)) == (1800, 100, 100)
+    with pytest.raises(DataError, match="matches no file"):
+        load_bytes(str(tmp_path / "*.nothing"))
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(DataError, match="is a directory without files"):
+        load_bytes(str(tmp_path / "empty"))
+    with pytest.raises(ValueError, match="max_bytes: expected an int >= 0"):
+        load_bytes(str(few), max_bytes=-1)
+
+
+def test_rank_slices_equal_one_process_with_the_whole_batch():
+    data = _ramp(1000)
+    whole = BpttBatches(data, 6, 8)
+    ranks = [BpttBatches(data, 3, 8, rank=r, world=2) for r in range(2)]
+    for _ in range(len(whole) + 2):
+        x, y, wrapped = whole.next_batch()
+        parts = [b.next_batch() for b in ranks]
+        assert torch.equal(torch.cat([p[0] for p in parts]), x) and torch.equal(torch.cat([p[1] for p in parts]), y)
+        assert all(p[2] == wrapped for p in parts)
+    with pytest.raises(ValueError, match=r"rank: expected an int in \[0, 2\), got 2"):
+        BpttBatches(data, 3, 8, rank=2, world=2)
 
 
 def test_empty_file(tmp_path):
@@ -199,7 +259,7 @@ def test_bptt_state_dict_round_trip():
     for _ in range(5):
         batches.next_batch()
     state = batches.state_dict()
-    assert state == {"position": 5}
+    assert state == {"position": 5, "batches": 9}
     resumed = BpttBatches(_ramp(200), 2, 10)
     resumed.load_state_dict(state)
     for _ in range(6):
@@ -207,6 +267,9 @@ def test_bptt_state_dict_round_trip():
         assert torch.equal(xa, xb) and torch.equal(ya, yb) and wa == wb
     with pytest.raises(ValueError, match=r"state\['position'\]: expected an int in \[0, 9\), got 9"):
         resumed.load_state_dict({"position": 9})
+    other = BpttBatches(_ramp(1000), 2, 8)                           # another batch shape: same fraction
+    other.load_state_dict({"position": 3, "batches": 9})
+    assert other.position == 3 * len(other) // 9
 
 
 def test_bptt_argument_errors():

@@ -6,8 +6,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from bstrain.configs.schema import ModelConfig
-from bstrain.models.lstm import SparseLSTM
+from bstrain.models.layers import set_grad_group
+from bstrain.models.lstm import LSTMConfig, SparseLSTM
 
 
 def _ln(x, g, b, segments=1, relu=False):
@@ -48,15 +48,16 @@ def reference(model: SparseLSTM, x: torch.Tensor, c: torch.Tensor, h: torch.Tens
 @pytest.mark.parametrize("group_size", [1, 4])
 def test_forward_and_gradients_match_the_recurrence(sparse, group_size):
     torch.manual_seed(0)
-    cfg = ModelConfig(hidden=64, embed=16, block_size=16, depth=3, density=0.5, layout="random", sparse=sparse)
+    cfg = LSTMConfig(hidden=64, embed=16, block_size=16, depth=3, density=0.5, layout="random", sparse=sparse)
     model = SparseLSTM(cfg).double()
+    set_grad_group(model, group_size)
     with torch.no_grad():                      # non-trivial layer-norm parameters and gate bias
         for p in model.parameters():
             if p.dim() == 1:
                 p.add_(torch.randn_like(p) * 0.3)
     x = torch.randint(0, 256, (3, 7))
     c0, h0 = torch.randn(3, 64, dtype=torch.float64), torch.randn(3, 64, dtype=torch.float64)
-    logits, (c, h) = model(x, (c0, h0), group_size=group_size)
+    logits, (c, h) = model(x, (c0, h0))
     assert logits.shape == (3, 7, 256)
     dl = torch.randn_like(logits)
     grads = torch.autograd.grad((logits * dl).sum() + c.sum() + h.square().sum(), list(model.parameters()))
@@ -71,7 +72,7 @@ def test_forward_and_gradients_match_the_recurrence(sparse, group_size):
 def test_reference_blocks_follow_the_layout():
     """The test's dense equivalent agrees with the kernel tests' (row-major block order)."""
     from tests.kernels.test_matmul import dense_weight
-    model = SparseLSTM(ModelConfig(hidden=64, embed=16, block_size=16, depth=1, density=0.5, layout="random")).double()
+    model = SparseLSTM(LSTMConfig(hidden=64, embed=16, block_size=16, depth=1, density=0.5, layout="random")).double()
     layer = model.w_hm
     lay, bs = layer.op.layout, layer.op.block_size
     dense = layer.weight.new_zeros(lay.shape[0], lay.shape[1], bs, bs)
@@ -85,7 +86,7 @@ def test_reference_blocks_follow_the_layout():
 def test_kernels_on_cuda_match_the_float64_recurrence(group_size):
     """fp32 on CUDA (block-sparse, layer-norm and LSTM-gate kernels) against the float64 reference."""
     torch.manual_seed(1)
-    cfg = ModelConfig(hidden=128, embed=16, block_size=32, depth=2, density=0.5, layout="random")
+    cfg = LSTMConfig(hidden=128, embed=16, block_size=32, depth=2, density=0.5, layout="random")
     ref_model = SparseLSTM(cfg).double()
     with torch.no_grad():
         for p in ref_model.parameters():
@@ -94,8 +95,9 @@ def test_kernels_on_cuda_match_the_float64_recurrence(group_size):
     model = SparseLSTM(cfg)
     model.load_state_dict(ref_model.state_dict())
     model = model.cuda()
+    set_grad_group(model, group_size)
     x = torch.randint(0, 256, (4, 9))
-    logits, (c, h) = model(x.cuda(), None, group_size=group_size)
+    logits, (c, h) = model(x.cuda(), None)
     (logits.square().sum() + h.sum()).backward()
     z = torch.zeros(4, 128, dtype=torch.float64)
     ref_logits, (_, rh) = reference(ref_model, x, z, z)

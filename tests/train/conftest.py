@@ -12,12 +12,13 @@ from bstrain.configs.schema import register
 def make_cfg(tmp_path):
     register()
 
-    def make(*overrides, **shrink):
+    def make(*overrides, lm: bool = True, **shrink):
         with initialize_config_module(config_module="bstrain.configs", version_base="1.3"):
             cfg = compose(config_name="train", overrides=list(overrides))
         with open_dict(cfg):
             cfg.model.hidden, cfg.model.embed, cfg.model.block_size = 64, 16, 16
-            cfg.data.seq_len, cfg.data.batch_size = 16, 4
+            if lm:
+                cfg.data.seq_len, cfg.data.batch_size = 16, 4
             cfg.trainer.max_steps, cfg.trainer.eval_every, cfg.trainer.ckpt_every = 12, 6, 4
             cfg.trainer.eval_batches, cfg.trainer.log_every = 2, 2
             cfg.trainer.run_dir = str(tmp_path / shrink.pop("run", "run"))
@@ -27,4 +28,15 @@ def make_cfg(tmp_path):
                 section, name = key.split("__")
                 cfg[section][name] = value
         return cfg
+    return make
+
+
+@pytest.fixture
+def command_cfg():
+    """The composed config of ``eval`` or ``sample`` with overrides, as the CLI builds it."""
+    register()
+
+    def make(name, *overrides):
+        with initialize_config_module(config_module="bstrain.configs", version_base="1.3"):
+            return compose(config_name=name, overrides=list(overrides))
     return make

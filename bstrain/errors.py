@@ -1,0 +1,20 @@
+"""The exceptions ``python -m bstrain`` reports in one line, without a traceback.
+
+- :class:`UserError`: a data, config or checkpoint problem the user can fix (exit status 1). It
+  is a ``ValueError`` so that library callers catching ``ValueError`` keep working.
+- :class:`RunInterrupted`: SIGINT or SIGTERM stopped a run after it wrote a checkpoint (exit
+  status 130); the message says how to resume.
+
+Every other exception is a bug and keeps its traceback.
+"""
+from __future__ import annotations
+
+
+class UserError(ValueError):
+    """A data, config or checkpoint problem, stated in one line that names what to change."""
+
+
+class RunInterrupted(Exception):
+    """A run stopped by a signal, after saving a checkpoint; the message says how to resume."""
+
+    exit_code = 130

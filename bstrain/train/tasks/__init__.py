@@ -1,0 +1,77 @@
+"""Tasks: what a run learns. A task owns the batches, the loss, the metrics, evaluation and sampling;
+the trainer knows none of them by name.
+
+A task is built from the ``task`` config by its ``_target_`` and handed the ``data`` object (built
+from the ``data`` config the same way). The trainer calls, in this order:
+
+- ``setup(data, world, seed)``: load and check the data (raise :class:`bstrain.errors.UserError`
+  for a bad path or too small a split), before any model is built;
+- ``next_batch(device) -> (inputs, targets, fresh)``: this rank's next training batch; ``fresh``
+  says that a carried recurrent state must restart (a new epoch of contiguous streams);
+- ``loss(output, targets) -> scalar tensor``: the mean training loss, in fp32;
+- ``train_metrics(loss) -> dict``: host-side metrics derived from a mean loss (``bpb``);
+- ``evaluate(forward, split, max_batches) -> dict``: ``loss`` and the task's metrics on a split,
+  where ``forward(x, state) -> (output, state)`` runs the model (state None: a fresh one);
+- ``state_dict()`` / ``load_state_dict(state, world)``: the data position, for exact resumes;
+- ``sample(forward, stateful, prompt, ...)`` (language tasks only).
+
+``metric`` names the validation value a run reports and TensorBoard's hparams view shows.
+Add a task by writing a class with these methods and naming it in a config's ``task._target_``.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+
+Forward = Callable[[torch.Tensor, Any], tuple[Any, Any]]
+
+
+class Task:
+    """Base class: the protocol above, with defaults for the optional parts."""
+
+    metric: str = "loss"
+
+    def setup(self, data, world, seed: int) -> None:
+        raise NotImplementedError
+
+    def describe(self) -> str:
+        return type(self).__name__
+
+    def next_batch(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, bool]:
+        raise NotImplementedError
+
+    def loss(self, output, targets: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def train_metrics(self, loss: float) -> dict:
+        return {}
+
+    def evaluate(self, forward: Forward, split: str, max_batches: int, show_progress: bool = False) -> dict:
+        raise NotImplementedError
+
+    def tokens_per_batch(self) -> int:
+        """Units (bytes, images) in one batch of this rank: for the throughput line."""
+        raise NotImplementedError
+
+    def state_dict(self) -> dict:
+        return {}
+
+    def load_state_dict(self, state: dict, world) -> None:
+        pass
+
+    def hparams(self) -> dict:
+        return {}
+
+    def sample(self, forward: Forward, stateful: bool, prompt: bytes, length: int, temperature: float,
+               generator: torch.Generator, device: torch.device) -> bytes:
+        raise NotImplementedError(f"{type(self).__name__} does not generate samples")
+
+
+def eval_progress(total: int, enabled: bool, desc: str):
+    """A tqdm bar over evaluation batches when stderr is a terminal, else a plain range."""
+    import sys
+    if enabled and total > 1 and sys.stderr.isatty():
+        from tqdm import tqdm
+        return tqdm(range(total), desc=desc, leave=False, dynamic_ncols=True)
+    return range(total)

@@ -1,0 +1,107 @@
+"""Image classification: cross-entropy, accuracy and top-5 accuracy."""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from bstrain.data.images import ImageData
+from bstrain.errors import UserError
+from bstrain.train.tasks import Forward, Task, eval_progress
+
+
+class Classification(Task):
+    """Classify (B, C, H, W) images into ``data.classes`` classes; the model returns (B, classes) logits.
+
+    Each epoch visits the training images in a permutation drawn from (seed, epoch); with W ranks
+    the global batch of W x data.batch_size images is cut into rank slices, so a run on W ranks
+    sees the batches of one process with W times the batch. The last partial batch of an epoch is
+    dropped. Metrics: ``loss``, ``acc`` (the reported one) and ``top5``.
+    """
+
+    metric = "acc"
+
+    def __init__(self, label_smoothing: float = 0.0):
+        if not 0.0 <= float(label_smoothing) < 1.0:
+            raise UserError(f"task.label_smoothing: expected a value in [0, 1), got {label_smoothing!r}")
+        self.label_smoothing = float(label_smoothing)
+        self.epoch, self.position = 0, 0
+
+    def setup(self, data, world, seed: int) -> None:
+        if not isinstance(data, ImageData):
+            raise UserError(f"data: the classification task needs ImageData (data=images), got {type(data).__name__}")
+        self.data, self.world, self.seed = data, world, seed
+        x, _ = data.splits()["train"]
+        self.global_batch = data.batch_size * world.size
+        if len(x) < self.global_batch:
+            raise UserError(f"data.batch_size: {data.batch_size} x {world.size} rank(s) is more than the "
+                            f"{len(x)} training images")
+        self.per_epoch = len(x) // self.global_batch
+        self._order = None
+
+    def describe(self) -> str:
+        return f"classification on {self.data.describe()}"
+
+    def tokens_per_batch(self) -> int:
+        return self.data.batch_size
+
+    def _epoch_order(self) -> torch.Tensor:
+        if self._order is None or self._order[0] != self.epoch:
+            gen = torch.Generator().manual_seed(self.seed * 1_000_003 + self.epoch)
+            self._order = (self.epoch, torch.randperm(len(self.data.splits()["train"][0]), generator=gen))
+        return self._order[1]
+
+    def next_batch(self, device: torch.device):
+        x_all, y_all = self.data.splits()["train"]
+        start = self.position * self.global_batch + self.world.rank * self.data.batch_size
+        idx = self._epoch_order()[start:start + self.data.batch_size]
+        x, y = torch.from_numpy(x_all[idx.numpy()]), torch.from_numpy(y_all[idx.numpy()])
+        if self.data.augment:
+            gen = torch.Generator().manual_seed((self.seed * 1_000_003 + self.epoch) * 100_003 + self.position)
+            x = self.data.augment_batch(x, gen)
+        fresh = self.position == 0
+        self.position += 1
+        if self.position == self.per_epoch:
+            self.epoch, self.position = self.epoch + 1, 0
+        return self.data.normalise(x.to(device, non_blocking=True)), y.to(device, non_blocking=True), fresh
+
+    def loss(self, output, targets: torch.Tensor) -> torch.Tensor:
+        if not isinstance(output, torch.Tensor) or output.dim() != 2 or output.shape[0] != targets.shape[0]:
+            got = tuple(output.shape) if isinstance(output, torch.Tensor) else type(output).__name__
+            raise TypeError(f"model output: expected (B, classes) logits for B = {targets.shape[0]} images, got {got}")
+        return F.cross_entropy(output.float(), targets, label_smoothing=self.label_smoothing)
+
+    @torch.no_grad()
+    def evaluate(self, forward: Forward, split: str, max_batches: int, show_progress: bool = False) -> dict:
+        x_all, y_all = self.data.splits()[split]
+        bs = self.global_batch
+        n = -(-len(x_all) // bs)
+        n = n if max_batches <= 0 else min(n, max_batches)
+        device = forward.device
+        loss = torch.zeros((), dtype=torch.float64, device=device)
+        hits = torch.zeros(2, dtype=torch.float64, device=device)
+        seen = 0
+        for i in eval_progress(n, show_progress, f"eval {split}"):
+            x = self.data.normalise(torch.from_numpy(x_all[i * bs:(i + 1) * bs]).to(device))
+            y = torch.from_numpy(y_all[i * bs:(i + 1) * bs]).to(device)
+            logits, _ = forward(x, None)
+            loss += F.cross_entropy(logits.float(), y, reduction="sum").double()
+            top = logits.float().topk(min(5, logits.shape[1]), dim=1).indices
+            hits[0] += (top[:, 0] == y).sum()
+            hits[1] += (top == y[:, None]).any(1).sum()
+            seen += len(y)
+        seen = max(seen, 1)
+        return {"loss": float(loss) / seen, "acc": float(hits[0]) / seen, "top5": float(hits[1]) / seen,
+                "images": seen}
+
+    def state_dict(self) -> dict:
+        return {"epoch": self.epoch, "position": self.position, "global_batch": self.global_batch}
+
+    def load_state_dict(self, state: dict, world) -> None:
+        self.epoch = int(state["epoch"])
+        position = int(state["position"])
+        if state.get("global_batch", self.global_batch) != self.global_batch:     # same fraction of the epoch
+            position = position * int(state["global_batch"]) // self.global_batch
+        self.position = min(position, self.per_epoch - 1)
+
+    def hparams(self) -> dict:
+        return {"batch_size": self.data.batch_size}

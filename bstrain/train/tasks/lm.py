@@ -1,0 +1,119 @@
+"""Byte-level language modelling: bits per byte, carried state for stateful models, sampling."""
+from __future__ import annotations
+
+import logging
+
+import torch
+import torch.nn.functional as F
+
+from bstrain.data.text import BpttBatches, ByteCorpus, bits_per_byte, check_size
+from bstrain.errors import UserError
+from bstrain.train.tasks import Forward, Task, eval_progress
+
+log = logging.getLogger("bstrain")
+
+
+class ByteLM(Task):
+    """Next-byte prediction on a :class:`bstrain.data.text.ByteCorpus`.
+
+    The model maps (B, T) int64 bytes to (B, T, 256) logits. Batches are contiguous streams
+    (:class:`BpttBatches`), so a stateful model's state stays valid from one batch to the next;
+    a stateless model sees each (B, T) window on its own. Metrics: ``loss`` (nats per byte) and
+    ``bpb`` (bits per byte, the enwik8 metric).
+
+    Args:
+        context: bytes of context a stateless model gets when sampling (0: data.seq_len).
+    """
+
+    metric = "bpb"
+
+    def __init__(self, context: int = 0):
+        if isinstance(context, bool) or not isinstance(context, int) or context < 0:
+            raise UserError(f"task.context: expected an int >= 0, got {context!r}")
+        self.context = context
+        self.data: ByteCorpus | None = None
+        self.batches: BpttBatches | None = None
+        self.world = None
+
+    def setup(self, data, world, seed: int) -> None:
+        if not isinstance(data, ByteCorpus):
+            raise UserError(f"data: the byte LM task needs a ByteCorpus (data=bytes), got {type(data).__name__}")
+        self.data, self.world = data, world
+        train, valid, _ = data.splits()
+        streams = data.batch_size * world.size
+        check_size(train, streams, data.seq_len, data.path, "train")
+        check_size(valid, streams, data.seq_len, data.path, "valid")
+        self.batches = BpttBatches(train, data.batch_size, data.seq_len, world.rank, world.size)
+        self.context = self.context or data.seq_len
+
+    def describe(self) -> str:
+        return f"byte LM on {self.data.describe()}"
+
+    def tokens_per_batch(self) -> int:
+        return self.data.batch_size * self.data.seq_len
+
+    def next_batch(self, device: torch.device):
+        x, y, wrapped = self.batches.next_batch()
+        return x.to(device, non_blocking=True), y.to(device, non_blocking=True), wrapped
+
+    def loss(self, output, targets: torch.Tensor) -> torch.Tensor:
+        logits = output
+        if not isinstance(logits, torch.Tensor) or logits.shape[:-1] != targets.shape or logits.shape[-1] != 256:
+            got = tuple(logits.shape) if isinstance(logits, torch.Tensor) else type(logits).__name__
+            raise TypeError(f"model output: expected (B, T, 256) logits for (B, T) = {tuple(targets.shape)} bytes, "
+                            f"got {got}")
+        return F.cross_entropy(logits.float().reshape(-1, 256), targets.reshape(-1))
+
+    def train_metrics(self, loss: float) -> dict:
+        return {"bpb": bits_per_byte(loss)}
+
+    @torch.no_grad()
+    def evaluate(self, forward: Forward, split: str, max_batches: int, show_progress: bool = False) -> dict:
+        """Mean loss and bits per byte over the first ``max_batches`` (0: all) batches of a split,
+        in batches of the world's global shape (the same numbers on any number of ranks)."""
+        _, valid, test = self.data.splits()
+        data = {"valid": valid, "test": test}[split]
+        streams = self.data.batch_size * (self.world.size if self.world else 1)
+        check_size(data, streams, self.data.seq_len, self.data.path, split)
+        batches = BpttBatches(data, streams, self.data.seq_len)
+        n = len(batches) if max_batches <= 0 else min(max_batches, len(batches))
+        state, total = None, torch.zeros((), dtype=torch.float64)
+        device = forward.device
+        for i in eval_progress(n, show_progress, f"eval {split}"):
+            x, y = batches.batch(i)
+            output, state = forward(x.to(device), state)
+            total = total.to(device) + self.loss(output, y.to(device)).double()
+        loss = float(total) / max(1, n)
+        return {"loss": loss, "bpb": bits_per_byte(loss), "batches": n}
+
+    def state_dict(self) -> dict:
+        return {"batches": self.batches.state_dict(), "streams": self.data.batch_size * self.world.size}
+
+    def load_state_dict(self, state: dict, world) -> None:
+        streams = self.data.batch_size * world.size
+        if state.get("streams", streams) != streams:
+            log.warning("data: the checkpoint read %s streams, this run reads %d (data.batch_size x ranks): "
+                        "continuing at the same fraction of the epoch", state.get("streams"), streams)
+        self.batches.load_state_dict(state["batches"])
+
+    def hparams(self) -> dict:
+        return {"seq_len": self.data.seq_len, "batch_size": self.data.batch_size}
+
+    @torch.no_grad()
+    def sample(self, forward: Forward, stateful: bool, prompt: bytes, length: int, temperature: float,
+               generator: torch.Generator, device: torch.device) -> bytes:
+        """``length`` bytes after ``prompt``. A stateful model reads the prompt once and then one byte
+        per step with its state; a stateless one gets the last ``context`` bytes at every step."""
+        out = bytearray(prompt or b"\n")
+        x = torch.tensor([list(out[-self.context:] if not stateful else out)], device=device)
+        logits, state = forward(x, None)
+        for _ in range(length):
+            probs = torch.softmax(logits[0, -1].float() / max(temperature, 1e-5), dim=-1).cpu()
+            nxt = int(torch.multinomial(probs, 1, generator=generator))
+            out.append(nxt)
+            if stateful:
+                logits, state = forward(torch.tensor([[nxt]], device=device), state)
+            else:
+                logits, _ = forward(torch.tensor([list(out[-self.context:])], device=device), None)
+        return bytes(out)
+
