@@ -1,18 +1,19 @@
-"""Sparse mLSTM results on the GPU (issue 4), in three sub-commands:
+"""Sparse mLSTM results on the GPU (issues 4 and 9), in sub-commands:
 
     PYTHONPATH=$PWD python scripts/bench_lstm.py steptime --out DIR
         Step time (forward + backward + clipping + AdamW, bf16) of the sparse mLSTM at hidden 8192
         and >= 90% sparsity against density x the dense step time (target: ratio <= 1.5), with the
-        step captured in a CUDA graph (as trainer.cuda_graph=true runs it) and in eager mode.
-    PYTHONPATH=$PWD python scripts/bench_lstm.py curve --which sparse|dense --seconds 300 --out DIR
-        Trains one model of an equal-parameter pair for a fixed time on the same real text; writes
+        step captured in a CUDA graph (as trainer.cuda_graph=true runs it) and in eager mode. The
+        step is the trainer's own (bstrain.train.step.train_step).
+    PYTHONPATH=$PWD python scripts/bench_lstm.py curve --which sparse|dense --seconds 450 --out DIR
+        Trains one model of an equal-parameter pair for a fixed time through the trainer, on this
+        machine's site-packages *.py sources (whole files held out for valid/test); writes
         lstm_curve_<which>.json. Run the two on two GPUs at once (CUDA_VISIBLE_DEVICES).
+    PYTHONPATH=$PWD python scripts/bench_lstm.py scaling --out DIR [--nproc 1|2]
+        tokens/s of the lstm_enwik8 config (hidden 4096, batch 64 x 128 per GPU, bf16) on one
+        process, or under torchrun on two GPUs (DDP): writes lstm_scaling_<nproc>.json.
     python scripts/bench_lstm.py report --out DIR
         lstm.md, lstm.csv and lstm.png from the JSON files in DIR.
-
-The text is this Python's standard library, every *.py below the stdlib directory in sorted
-order, concatenated up to 64 MiB (--corpus): a larger cut of the default corpus (which takes the
-top level only, 4 MiB), split 90/5/5.
 """
 from __future__ import annotations
 
@@ -27,15 +28,16 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-PAIR = {   # equal total parameters: sparse is 2x wider at ~1/4 density
-    "sparse": ["model.hidden=4096", "model.density=0.25", "model.layout=barabasi_albert"],
-    "dense": ["model.hidden=2048", "model.sparse=false"],
+# equal total parameters (+-2%): the sparse model is 4x wider at the density that matches them
+PAIR = {
+    "sparse": ["model.hidden=4096", "model.density=0.0346"],
+    "dense": ["model.hidden=1024", "model.sparse=false"],
 }
-CURVE_COMMON = ["data.seq_len=64", "data.batch_size=64", "trainer.precision=bf16", "trainer.cuda_graph=true",
-                "trainer.eval_every=5000", "trainer.eval_batches=50", "trainer.progress=false",
+CURVE_COMMON = ["data.seq_len=64", "data.batch_size=128", "trainer.precision=bf16", "trainer.cuda_graph=true",
+                "trainer.eval_every=1000", "trainer.eval_batches=200", "trainer.progress=false",
                 "trainer.ckpt_every=0", "trainer.log_every=100", "trainer.max_steps=1000000",
                 "optim.lr=1e-3", "optim.warmup_steps=200", "optim.schedule=constant", "model.embed=128",
-                "model.block_size=32", "model.depth=2"]
+                "model.block_size=32", "model.depth=2", "model.layout=random"]
 
 
 def config(*overrides):
@@ -47,6 +49,11 @@ def config(*overrides):
         return compose(config_name="train", overrides=list(overrides))
 
 
+def build(cfg):
+    from bstrain.train.trainer import instantiate
+    return instantiate(cfg.model, "model")
+
+
 def recurrent(model) -> tuple[int, int]:
     """(live recurrent weights, dense recurrent weights at this width)."""
     H = model.cfg.hidden
@@ -55,46 +62,37 @@ def recurrent(model) -> tuple[int, int]:
     return live, (model.cfg.depth + 4) * H * H
 
 
-def build_corpus(path: Path, max_bytes: int = 64 << 20) -> Path:
-    from bstrain.data.text import default_corpus
-    if not path.exists():
-        tmp = path.with_suffix(f".{os.getpid()}.tmp")        # two runs may build it at once
-        tmp.write_bytes(default_corpus(max_bytes, recursive=True))
-        os.replace(tmp, path)
-    return path
+def site_packages_glob() -> str:
+    """Every *.py below the site-packages directory that holds torch."""
+    return os.path.join(os.path.dirname(os.path.dirname(torch.__file__)), "**", "*.py")
 
 
 # --- step time ---------------------------------------------------------------------------------------
-def eager_step(model, opt, x: torch.Tensor, group: int, grad_clip: float):
-    """The eager training step, as the trainer runs it in bf16 (without loss scaling)."""
-    from bstrain.train.step import clip_grads, lm_loss
-    loss, _ = lm_loss(model, x, x, None, torch.bfloat16, group)
-    loss.backward()
-    clip_grads(model.parameters(), grad_clip)
-    opt.step()
-    opt.zero_grad(set_to_none=True)
-
-
 def step_time(cfg, batch: int, seq: int, group: int, graph: bool) -> tuple[float, float]:
-    """(median ms per optimizer step in bf16 on random bytes, recurrent density of the model)."""
+    """(median ms per optimizer step in bf16 on random bytes, recurrent density of the model):
+    the trainer's step, eager or replayed from a CUDA graph."""
     import triton
 
-    from bstrain.models.lstm import build_model
+    from bstrain.models.layers import set_grad_group
     from bstrain.train.graphs import CapturedStep
+    from bstrain.train.step import Forward, train_step
+    from bstrain.train.tasks.lm import ByteLM
     from bstrain.train.trainer import make_optimizer
     dev = torch.device("cuda")
     torch.manual_seed(0)
-    model = build_model(cfg.model).to(dev)
+    model = build(cfg).to(dev)
+    set_grad_group(model, group)
     opt = make_optimizer(model, cfg.optim, dev, capturable=graph)
+    forward, loss_fn, params = Forward(model, torch.bfloat16, dev), ByteLM().loss, list(model.parameters())
     x = torch.randint(0, 256, (batch, seq), device=dev)
     if graph:
-        cap = CapturedStep(model, opt, batch, seq, dev, torch.bfloat16, group, cfg.optim.grad_clip)
+        cap = CapturedStep(forward, loss_fn, opt, cfg.optim.grad_clip)
 
         def fn():
-            cap.step(x, x, reset_state=False)
+            cap.step(x, x, reset_state=True)
     else:
         def fn():
-            eager_step(model, opt, x, group, cfg.optim.grad_clip)
+            train_step(forward, loss_fn, x, x, None, opt, params, cfg.optim.grad_clip)
     fn()
     torch.cuda.synchronize()
     ms = triton.testing.do_bench(fn, warmup=200, rep=1500, return_mode="median")
@@ -138,19 +136,23 @@ def cmd_profile(args) -> None:
     """GPU time per kernel name of one eager sparse step (the same kernels a graph replays)."""
     from torch.profiler import ProfilerActivity, profile
 
-    from bstrain.models.lstm import build_model
+    from bstrain.models.layers import set_grad_group
+    from bstrain.train.step import Forward, train_step
+    from bstrain.train.tasks.lm import ByteLM
     from bstrain.train.trainer import make_optimizer
     dev = torch.device("cuda")
     for bs in [int(x) for x in args.block_sizes.split(",")]:
         cfg = config("model.hidden=8192", f"model.density={args.densities.split(',')[0]}", "model.layout=random",
                      "model.embed=256", "model.depth=2", f"model.block_size={bs}")
-        model = build_model(cfg.model).to(dev)
+        model = build(cfg).to(dev)
+        set_grad_group(model, 8)
         opt = make_optimizer(model, cfg.optim, dev)
         batch = int(args.batches.split(",")[0])
         x = torch.randint(0, 256, (batch, 32), device=dev)
+        forward, params = Forward(model, torch.bfloat16, dev), list(model.parameters())
 
         def fn():
-            eager_step(model, opt, x, 8, cfg.optim.grad_clip)
+            train_step(forward, ByteLM().loss, x, x, None, opt, params, cfg.optim.grad_clip)
         for _ in range(2):
             fn()
         torch.cuda.synchronize()
@@ -164,22 +166,44 @@ def cmd_profile(args) -> None:
 
 # --- learning curves ---------------------------------------------------------------------------------
 def cmd_curve(args) -> None:
-    from bstrain.models.lstm import build_model
     from bstrain.train.trainer import train
-    corpus = build_corpus(Path(args.corpus))
-    cfg = config(*CURVE_COMMON, *PAIR[args.which], f"data.path={corpus}",
-                 f"trainer.time_limit_s={args.seconds}", f"trainer.run_dir={args.runs}/{args.which}")
-    model = build_model(cfg.model)
+    corpus = args.corpus or site_packages_glob()
+    cfg = config(*CURVE_COMMON, *PAIR[args.which], f"data.path={corpus}", f"trainer.time_limit_s={args.seconds}",
+                 f"trainer.run_dir={args.runs}/{args.which}")
+    model = build(cfg)
     live, full = recurrent(model)
     res = train(cfg)
     out = dict(which=args.which, hidden=cfg.model.hidden, density=live / full, recurrent_params=live,
-               total_params=model.num_params(), steps=res["steps"], seconds=args.seconds,
+               total_params=sum(p.numel() for p in model.parameters()), steps=res["steps"], seconds=args.seconds,
                valid_bpb=res["valid_bpb"], history=res["history"], valid_history=res["valid_history"],
-               corpus_bytes=os.path.getsize(corpus), device=torch.cuda.get_device_name(),
+               corpus=corpus, data=res["data"], device=torch.cuda.get_device_name(),
                overrides=CURVE_COMMON + PAIR[args.which])
     with open(os.path.join(args.out, f"lstm_curve_{args.which}.json"), "w") as f:
         json.dump(out, f)
     print(f"{args.which}: {res['steps']} steps, valid {res['valid_bpb']:.4f} bits/byte", flush=True)
+
+
+SCALING = ["config=lstm_enwik8", "data.name=bytes", "data.max_bytes=67108864", "trainer.eval_every=0",
+           "trainer.ckpt_every=0", "trainer.log_every=10", "trainer.progress=false", "optim.ema=0"]
+
+
+def cmd_scaling(args) -> None:
+    """tokens/s of the enwik8-sized config: one process here, or args.nproc processes via torchrun."""
+    import re
+    import subprocess
+    run = Path(args.runs) / f"scaling_{args.nproc}"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.nproc}", "-m",
+           "bstrain", "train", *SCALING, f"data.path={args.corpus or site_packages_glob()}",
+           f"trainer.max_steps={args.steps}", f"hydra.run.dir={run}"]
+    subprocess.run(cmd, check=True)
+    rates = [float(v) for v in re.findall(r" INFO step \d+ loss .* tokens/s (\d+)", (run / "train.log").read_text())]
+    steady = rates[2:]                                     # the first windows include compilation
+    tps = sorted(steady)[len(steady) // 2]
+    out = dict(nproc=args.nproc, tokens_per_s=tps, windows=rates, overrides=SCALING, steps=args.steps,
+               device=torch.cuda.get_device_name())
+    with open(os.path.join(args.out, f"lstm_scaling_{args.nproc}.json"), "w") as f:
+        json.dump(out, f)
+    print(f"{args.nproc} GPU(s): {tps:.0f} tokens/s (median of {len(steady)} windows of 10 steps)", flush=True)
 
 
 # --- report --------------------------------------------------------------------------------------------
@@ -199,15 +223,26 @@ def cmd_report(args) -> None:
                   f"{r['density']:.3f} | "
                   f"{r['sparse_ms']:.2f} | {r['dense_ms']:.2f} | {r['ratio']:.2f} |" for r in steptime]
         lines.append("")
+    scaling = {n: json.loads((out / f"lstm_scaling_{n}.json").read_text())
+               for n in (1, 2) if (out / f"lstm_scaling_{n}.json").exists()}
+    if len(scaling) == 2:
+        eff = scaling[2]["tokens_per_s"] / (2 * scaling[1]["tokens_per_s"])
+        lines += ["## Scaling on two GPUs (DDP, torchrun)", "",
+                  f"`lstm_enwik8` (hidden 4096, density 0.1, batch 64 x 128 per GPU, bf16, eager): "
+                  f"{scaling[1]['tokens_per_s']:,.0f} tokens/s on one GPU, {scaling[2]['tokens_per_s']:,.0f} on two: "
+                  f"efficiency **{eff:.2f}** (target >= 0.9). Medians of 10-step windows after the first two.", ""]
     if curves:
         c0 = next(iter(curves.values()))
         lines += [f"## Equal parameters, {c0['seconds']:.0f} s each, same text", "",
-                  f"Text: stdlib sources ({c0['corpus_bytes'] / 2**20:.0f} MiB, 90/5/5 split). Shared settings: "
+                  f"Text: every `*.py` under the GPU machine's site-packages, whole files held out for valid and "
+                  f"test ({c0['data']}). Shared settings: "
                   f"`{' '.join(CURVE_COMMON)}`. Each run on its own H200, at the same time.", "",
-                  "| model | hidden | recurrent density | parameters | steps | valid bits/byte |", "|---|---|---|---|---|---|"]
+                  "| model | hidden | recurrent density | parameters | steps | bytes seen | valid bits/byte |",
+                  "|---|---|---|---|---|---|---|"]
         for w, c in curves.items():
-            lines.append(f"| {w} | {c['hidden']} | {c['density']:.3f} | {c['total_params']:,} | {c['steps']} | "
-                         f"{c['valid_bpb']:.4f} |")
+            seen = c["steps"] * 64 * 128
+            lines.append(f"| {w} | {c['hidden']} | {c['density']:.4f} | {c['total_params']:,} | {c['steps']} | "
+                         f"{seen / 2**20:.0f} MiB | {c['valid_bpb']:.4f} |")
         if len(curves) == 2:
             s, d = curves["sparse"]["valid_history"], curves["dense"]["valid_history"]
             common = sorted(set(st for st, _, _ in s) & set(st for st, _, _ in d))
@@ -216,6 +251,10 @@ def cmd_report(args) -> None:
                 sv = next(b for st, _, b in s if st == k)
                 dv = next(b for st, _, b in d if st == k)
                 lines += ["", f"At equal steps ({k}): sparse {sv:.4f}, dense {dv:.4f} valid bits/byte."]
+            t_end = min(s[-1][1], d[-1][1])
+            at = {w: min(h, key=lambda r: abs(r[1] - t_end)) for w, h in (("sparse", s), ("dense", d))}
+            lines += [f"At equal wall time (about {t_end:.0f} s): sparse {at['sparse'][2]:.4f} (step "
+                      f"{at['sparse'][0]}), dense {at['dense'][2]:.4f} (step {at['dense'][0]}) valid bits/byte."]
         lines.append("")
         import csv
         with open(out / "lstm.csv", "w", newline="") as f:
@@ -228,17 +267,22 @@ def cmd_report(args) -> None:
             import matplotlib
             matplotlib.use("Agg")
             import matplotlib.pyplot as plt
-            fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
+            fig, axes = plt.subplots(1, 3, figsize=(17, 4.5))
             for w, c in curves.items():
                 st, l = zip(*c["history"])
-                k = 50
-                smooth = [sum(l[max(0, i - k):i + 1]) / len(l[max(0, i - k):i + 1]) for i in range(len(l))]
-                label = f"{w} H={c['hidden']} d={c['density']:.2f} ({c['total_params'] / 1e6:.1f}M)"
+                k = 200
+                csum = [0.0]
+                for v in l:
+                    csum.append(csum[-1] + v)
+                smooth = [(csum[i + 1] - csum[max(0, i - k)]) / (i + 1 - max(0, i - k)) for i in range(len(l))]
+                label = f"{w} H={c['hidden']} d={c['density']:.3f} ({c['total_params'] / 1e6:.1f}M)"
                 axes[0].plot(st, [v / 0.6931 for v in smooth], label=label)
                 vs, vt, vb = zip(*c["valid_history"])
-                axes[1].plot(vt, vb, marker="o", label=f"{label}: {c['valid_bpb']:.3f}")
-            axes[0].set(xlabel="step", ylabel="train bits/byte (50-step mean)", ylim=(None, 3.0))
-            axes[1].set(xlabel="seconds", ylabel="valid bits/byte")
+                axes[1].plot(vs, vb, marker="o", label=f"{label}: {c['valid_bpb']:.3f}")
+                axes[2].plot(vt, vb, marker="o", label=f"{label}: {c['valid_bpb']:.3f}")
+            axes[0].set(xlabel="step", ylabel="train bits/byte (200-step mean)", ylim=(None, 3.0))
+            axes[1].set(xlabel="step", ylabel="valid bits/byte", ylim=(None, 3.0))
+            axes[2].set(xlabel="seconds", ylabel="valid bits/byte", ylim=(None, 3.0))
             for ax in axes:
                 ax.legend()
                 ax.grid(alpha=0.3)
@@ -256,11 +300,13 @@ def cmd_report(args) -> None:
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("command", choices=["steptime", "profile", "curve", "report"])
+    ap.add_argument("command", choices=["steptime", "profile", "curve", "scaling", "report"])
     ap.add_argument("--out", default="benchmarks")
     ap.add_argument("--which", choices=sorted(PAIR), default="sparse")
-    ap.add_argument("--seconds", type=float, default=300.0)
-    ap.add_argument("--corpus", default="/tmp/bstrain-stdlib-all.txt")
+    ap.add_argument("--seconds", type=float, default=450.0)
+    ap.add_argument("--corpus", default=None, help="data.path (default: site-packages/**/*.py)")
+    ap.add_argument("--nproc", type=int, default=1, help="scaling: processes (GPUs)")
+    ap.add_argument("--steps", type=int, default=80, help="scaling: training steps")
     ap.add_argument("--runs", default="/tmp/bstrain-lstm-runs")
     ap.add_argument("--batches", default="64,256", help="steptime/profile: batch sizes")
     ap.add_argument("--block-sizes", default="32", help="steptime/profile: block sizes")
@@ -269,7 +315,7 @@ def main():
     ap.add_argument("--append", action="store_true", help="steptime: add rows to an existing JSON")
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
-    {"steptime": cmd_steptime, "profile": cmd_profile, "curve": cmd_curve,
+    {"steptime": cmd_steptime, "profile": cmd_profile, "curve": cmd_curve, "scaling": cmd_scaling,
      "report": cmd_report}[args.command](args)
 
 

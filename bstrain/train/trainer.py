@@ -534,7 +534,7 @@ def fit(run: Run) -> dict:
 def _result(run: Run) -> dict:
     out = {"steps": run.step, "train_loss": run.train_loss, "run_dir": str(run.run_dir), "history": run.history,
            "valid_history": run.valid_history, "valid": dict(run.valid),
-           "params": sum(p.numel() for p in run.model.parameters())}
+           "params": sum(p.numel() for p in run.model.parameters()), "data": run.task.describe()}
     out.update({f"valid_{k}": v for k, v in run.valid.items()})
     out.setdefault("valid_loss", math.nan)
     out.setdefault(f"valid_{run.task.metric}", math.nan)
