@@ -322,6 +322,7 @@ def one_step(run: Run, x: torch.Tensor, y: torch.Tensor, fresh: bool):
         run.state = None                                # the data stream restarts: so does the state
     if run.captured is not None:                        # the whole step in one graph replay
         loss, grad_norm = run.captured.step(x, y, reset_state=run.state is None)
+        loss, grad_norm = loss.clone(), grad_norm.clone()   # the graph's outputs are overwritten by the next replay
         run.state = run.captured.state
     else:
         scale = run.scaler._scale.clone() if run.scaler.is_enabled() and run.scaler._scale is not None else None
