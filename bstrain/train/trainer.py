@@ -66,11 +66,14 @@ def resolve_device(name) -> torch.device:
 
 
 def set_threads(n: int) -> int:
-    """torch's CPU threads: ``n``, or for 0 half the cores this process may use (at least 1).
+    """torch's CPU threads: ``n``; for 0, OMP_NUM_THREADS when set (torchrun sets 1 per process),
+    else half the cores this process may use (at least 1).
 
     Half, because a second busy process on the machine then slows a run by about its share
     instead of stalling OpenMP's spinning threads (measured: README, "Set-up").
     """
+    if n <= 0 and os.environ.get("OMP_NUM_THREADS", "").isdigit():
+        return torch.get_num_threads()
     if n <= 0:
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
         n = max(1, cores // 2)

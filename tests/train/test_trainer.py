@@ -307,7 +307,8 @@ def test_same_loss_curve_as_the_code_before_the_trainer_refactor(make_cfg):
     golden = json.loads((Path(__file__).parent / "golden_lstm.json").read_text())
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")                   # barabasi_albert at 4x4 blocks misses density 0.4
-        out = train(make_cfg("model.layout=barabasi_albert", trainer__max_steps=20, trainer__eval_every=10,
+        out = train(make_cfg("model.layout=barabasi_albert", "trainer.device=cpu", trainer__max_steps=20,
+                             trainer__eval_every=10,
                              trainer__ckpt_every=0, trainer__log_every=2))
     got, want = dict(out["history"]), dict(golden["history"])
     assert sorted(got) == sorted(want)
