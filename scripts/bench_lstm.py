@@ -191,7 +191,9 @@ def cmd_scaling(args) -> None:
     """tokens/s of the enwik8-sized config: one process here, or args.nproc processes via torchrun."""
     import re
     import subprocess
+    import shutil
     run = Path(args.runs) / f"scaling_{args.nproc}"
+    shutil.rmtree(run, ignore_errors=True)                 # a fresh run (an old one would refuse to start)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.nproc}", "-m",
            "bstrain", "train", *SCALING, f"data.path={args.corpus or site_packages_glob()}",
            f"trainer.max_steps={args.steps}", f"hydra.run.dir={run}"]
