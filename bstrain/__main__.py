@@ -107,6 +107,7 @@ def _describe(prefix: str, schema) -> list[str]:
             continue
         default = f.default if f.default is not dataclasses.MISSING else "(required)"
         default = getattr(default, "value", default)
+        default = "(required)" if default == "???" else default
         lines.append(f"  {prefix}{f.name:<20} {_type_name(hints[f.name]):<24} default {default!s:<10} "
                      f"{f.metadata.get('help', '')}".rstrip())
     return lines
@@ -116,7 +117,8 @@ def _help(command: str) -> str:
     from bstrain.configs import schema
     if command != "train":
         node = schema.EvalConfig if command == "eval" else schema.SampleConfig
-        return f"usage: python -m bstrain {command} ckpt=PATH [key=value ...]\n\nkeys:\n" + "\n".join(_describe("", node))
+        keys = "\n".join(_describe("", node))
+        return f"usage: python -m bstrain {command} ckpt=PATH [key=value ...]\n\nkeys:\n{keys}"
     parts = [f"usage: python -m bstrain train [config=NAME|PATH.yaml] [key=value ...]\n\n"
              f"config=NAME picks an experiment ({', '.join(_experiments())}; default lstm_tiny) or your own YAML. "
              f"A section's\n_target_ names the class to build: model._target_=my_package.MyLM trains your model "

@@ -97,7 +97,7 @@ def step_time(cfg, batch: int, seq: int, group: int, graph: bool) -> tuple[float
     torch.cuda.synchronize()
     ms = triton.testing.do_bench(fn, warmup=200, rep=1500, return_mode="median")
     live, full = recurrent(model)
-    del model, opt, fn
+    del model, fn
     torch.cuda.empty_cache()
     return ms, live / full
 
@@ -161,7 +161,7 @@ def cmd_profile(args) -> None:
             torch.cuda.synchronize()
         print(f"== block {bs}, batch {batch}, density {args.densities.split(',')[0]}")
         print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=18, max_name_column_width=70))
-        del model, opt
+        del model
 
 
 # --- learning curves ---------------------------------------------------------------------------------
@@ -220,7 +220,8 @@ def cmd_report(args) -> None:
         lines += ["## Step time at hidden 8192 (bf16, depth 2, group 8; fwd + bwd + clip + AdamW)", "",
                   "sparse / (density x dense); target <= 1.5. `graph`: the step replayed from a CUDA graph "
                   "(trainer.cuda_graph=true); `eager`: launched op by op from Python.", "",
-                  "| batch x seq | mode | block | density | sparse ms | dense ms | ratio |", "|---|---|---|---|---|---|---|"]
+                  "| batch x seq | mode | block | density | sparse ms | dense ms | ratio |",
+                  "|---|---|---|---|---|---|---|"]
         lines += [f"| {r['batch']} x {r['seq']} | {'graph' if r['graph'] else 'eager'} | {r.get('block', 32)} | "
                   f"{r['density']:.3f} | "
                   f"{r['sparse_ms']:.2f} | {r['dense_ms']:.2f} | {r['ratio']:.2f} |" for r in steptime]

@@ -19,7 +19,6 @@ Host syncs: the loop keeps losses and gradient norms on the device and reads the
 from __future__ import annotations
 
 import contextlib
-import logging
 import math
 import os
 import signal
@@ -30,7 +29,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 from omegaconf import DictConfig, OmegaConf
 
@@ -43,7 +41,7 @@ from bstrain.train.distributed import (World, barrier, broadcast, check_same_lay
                                        init_world)
 from bstrain.train.graphs import CapturedStep, check_graph_config
 from bstrain.train.progress import Board, Progress, log, remove_logging, setup_logging
-from bstrain.train.step import Forward, is_stateful, state_tensors, train_step, unwrap
+from bstrain.train.step import Forward, is_stateful, train_step, unwrap
 
 PRECISIONS = {"fp32": None, "fp16": torch.float16, "bf16": torch.bfloat16}
 

@@ -315,3 +315,39 @@ def test_same_loss_curve_as_the_code_before_the_trainer_refactor(make_cfg):
     for step in want:
         assert got[step] == pytest.approx(want[step], rel=1e-5, abs=1e-6), step
     assert out["valid_bpb"] == pytest.approx(golden["valid_bpb"], rel=1e-5)
+
+
+def test_models_import_neither_hydra_nor_the_cli_schema():
+    code = ("import sys, bstrain.models.lstm, bstrain.models.layers; "
+            "bad = [m for m in sys.modules if m.split('.')[0] in ('hydra', 'omegaconf') "
+            "or m == 'bstrain.configs.schema']; "
+            "print(bad); sys.exit(1 if bad else 0)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO)
+    assert out.returncode == 0, out.stdout + out.stderr
+
+
+def test_the_loop_reads_the_host_only_at_log_steps(make_cfg, monkeypatch):
+    """Losses and gradient norms stay on the device: bstrain/train reads tensors on the host only in
+    log_window (two reads per log step) and in evaluation."""
+    reads = []
+    for name in ("item", "tolist", "__float__", "__int__", "__bool__"):
+        original = getattr(torch.Tensor, name)
+
+        def spy(self, *args, _original=original, _name=name, **kwargs):
+            caller = sys._getframe(1)
+            if "bstrain/train" in caller.f_code.co_filename.replace(os.sep, "/"):
+                reads.append((_name, caller.f_code.co_name))
+            return _original(self, *args, **kwargs)
+        monkeypatch.setattr(torch.Tensor, name, spy)
+    train(make_cfg(trainer__max_steps=10, trainer__log_every=5, trainer__eval_every=0, trainer__ckpt_every=0))
+    outside_eval = [r for r in reads if r[1] != "evaluate"]
+    assert sorted(outside_eval) == [("tolist", "log_window")] * 4, reads
+
+
+def test_eval_progress_bar_only_on_a_terminal(monkeypatch):
+    from bstrain.train.tasks import eval_progress
+    assert isinstance(eval_progress(5, True, "eval"), range)            # pytest's stderr is not a terminal
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: True, raising=False)
+    bar = eval_progress(5, True, "eval valid")
+    assert list(bar) == list(range(5)) and type(bar).__name__ == "tqdm"
+    assert isinstance(eval_progress(5, False, "eval"), range)
