@@ -24,8 +24,8 @@ def synthetic_images(n: int, classes: int = 10, size: int = 32, seed: int = 0) -
     """n (3, size, size) uint8 images of ``classes`` classes, with nothing to download.
 
     Class k is a sinusoidal grating at angle k·180°/classes, with a random frequency, phase,
-    colour, offset and pixel noise per image: a convnet learns it in a few hundred steps; a linear
-    model does not reach 100%.
+    colour and pixel noise per image. A small convnet learns it in a few hundred steps
+    (examples/my_cnn.py).
     """
     rng = np.random.default_rng(seed)
     y = rng.integers(0, classes, n)
@@ -87,7 +87,8 @@ class ImageData:
             images NHWC or NCHW, integer labels), or None for :func:`synthetic_images`.
         batch_size: images per batch, per process.
         valid_size: the last ``valid_size`` training images are the validation split.
-        augment: random crop (4-pixel zero padding) and horizontal flip of training batches.
+        augment: random crop (4-pixel zero padding) and horizontal flip of training batches
+            (no flip for the synthetic set, whose classes are orientations).
         synthetic_size: images of the synthetic set (split 80/10/10 with its own valid/test).
     """
 
@@ -137,12 +138,13 @@ class ImageData:
         return (x.float() / 255.0 - self.mean.to(x.device)) / self.std.to(x.device)
 
     def augment_batch(self, x: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
-        """Random 4-pixel-padded crop and horizontal flip of a uint8 (B, C, H, W) batch."""
+        """Random 4-pixel-padded crop and horizontal flip of a uint8 (B, C, H, W) batch. The
+        synthetic set is not flipped: a mirrored grating belongs to another class."""
         b, _, h, w = x.shape
         padded = torch.nn.functional.pad(x, (4, 4, 4, 4))
         dy = torch.randint(0, 9, (b,), generator=gen)
         dx = torch.randint(0, 9, (b,), generator=gen)
-        flip = torch.rand(b, generator=gen) < 0.5
+        flip = (torch.rand(b, generator=gen) < 0.5) & bool(self.path)
         rows = (dy[:, None] + torch.arange(h)[None])                       # (B, H)
         cols = (dx[:, None] + torch.arange(w)[None])                       # (B, W)
         cols = torch.where(flip[:, None], cols.flip(1), cols)

@@ -96,3 +96,12 @@ def test_stateless_lm_and_stateful_protocol():
     y = x.clone()
     y[:, 8] = (y[:, 8] + 1) % 256
     torch.testing.assert_close(conv(y)[:, :8], conv(x)[:, :8])
+
+
+def test_cnn_example_on_the_classification_task(tmp_path):
+    """examples/my_cnn.yaml switches data and task with `override` in a user YAML."""
+    out = run_cli("train", "config=my_cnn.yaml", f"hydra.run.dir={tmp_path / 'cnn'}", "trainer.max_steps=3",
+                  "trainer.eval_every=3", "data.synthetic_size=200", "trainer.progress=false", cwd=REPO / "examples")
+    assert out.returncode == 0, out.stderr[-3000:]
+    log = (tmp_path / "cnn" / "train.log").read_text()
+    assert "SmallCNN" in log and "classification on synthetic gratings" in log and ", acc " in log

@@ -1,0 +1,63 @@
+"""Image data: the synthetic set, .npz and CIFAR-directory loading, normalisation, augmentation, errors."""
+from __future__ import annotations
+
+import pickle
+
+import numpy as np
+import pytest
+import torch
+
+from bstrain.data.images import ImageData, synthetic_images
+from bstrain.data.text import DataError
+
+
+def test_synthetic_set_is_deterministic_and_balanced():
+    x, y = synthetic_images(500)
+    x2, y2 = synthetic_images(500)
+    assert x.shape == (500, 3, 32, 32) and x.dtype == np.uint8 and np.array_equal(x, x2) and np.array_equal(y, y2)
+    assert set(y.tolist()) == set(range(10)) and np.bincount(y).min() > 20
+    data = ImageData(synthetic_size=500)
+    s = data.splits()
+    assert [len(s[k][0]) for k in ("train", "valid", "test")] == [400, 50, 50] and data.classes == 10
+    z = data.normalise(torch.from_numpy(s["train"][0]))
+    torch.testing.assert_close(z.mean((0, 2, 3)), torch.zeros(3), atol=1e-4, rtol=0)
+    torch.testing.assert_close(z.std((0, 2, 3)), torch.ones(3), atol=1e-2, rtol=0)
+
+
+def test_npz_and_cifar_directory(tmp_path):
+    rng = np.random.default_rng(0)
+    xtr, xte = rng.integers(0, 256, (60, 8, 8, 3), dtype=np.uint8), rng.integers(0, 256, (20, 8, 8, 3), dtype=np.uint8)
+    np.savez(tmp_path / "d.npz", x_train=xtr, y_train=np.arange(60) % 4, x_test=xte, y_test=np.arange(20) % 4)
+    s = ImageData(str(tmp_path / "d.npz"), valid_size=10).splits()
+    assert s["train"][0].shape == (50, 3, 8, 8) and np.array_equal(s["train"][0][0], xtr[0].transpose(2, 0, 1))
+    assert np.array_equal(s["valid"][1], np.arange(50, 60) % 4) and len(s["test"][0]) == 20
+    cifar = tmp_path / "cifar-10-batches-py"
+    cifar.mkdir()
+    for name, n in [(f"data_batch_{i}", 10) for i in range(1, 6)] + [("test_batch", 7)]:
+        with open(cifar / name, "wb") as f:
+            pickle.dump({b"data": rng.integers(0, 256, (n, 3072), dtype=np.uint8), b"labels": list(range(n))}, f)
+    s = ImageData(str(cifar), valid_size=5).splits()
+    assert [len(s[k][0]) for k in ("train", "valid", "test")] == [45, 5, 7] and s["train"][0].shape[1:] == (3, 32, 32)
+    with pytest.raises(DataError, match="expected a CIFAR python directory"):
+        ImageData(str(tmp_path)).splits()
+    with pytest.raises(DataError, match="does not exist"):
+        ImageData(str(tmp_path / "none")).splits()
+    with pytest.raises(DataError, match="data.valid_size: expected fewer than the 60 training images"):
+        ImageData(str(tmp_path / "d.npz"), valid_size=60).splits()
+    with pytest.raises(DataError, match="data.batch_size: expected an int >= 1, got 0"):
+        ImageData(batch_size=0)
+
+
+@pytest.mark.parametrize("path", [None, "some/cifar"])
+def test_augmentation_is_a_padded_crop_and_a_flip(path):
+    data = ImageData(path)
+    x = torch.randint(1, 256, (16, 3, 8, 8), dtype=torch.uint8)
+    out = data.augment_batch(x, torch.Generator().manual_seed(0))
+    padded = torch.nn.functional.pad(x, (4, 4, 4, 4))
+    flipped = 0
+    for i in range(16):
+        crops = [(padded[i, :, dy:dy + 8, dx:dx + 8], f) for dy in range(9) for dx in range(9) for f in (0, 1)]
+        match = [f for c, f in crops if torch.equal(out[i], c.flip(-1) if f else c)]
+        assert match, f"image {i} is not a crop of the padded input"
+        flipped += min(match)
+    assert (flipped > 0) == (path is not None), "the synthetic set is never flipped; real images sometimes"
