@@ -18,12 +18,26 @@ def _required_ckpt(cfg) -> str:
     return str(cfg.ckpt)
 
 
+def upgrade_config(config: dict) -> dict:
+    """A checkpoint config from before model/data/task were built by ``_target_`` (bstrain 0.1.0 up
+    to a562ef9: the sparse LSTM on bytes, ``model.name: lstm``) in today's form."""
+    config = dict(config)
+    model = dict(config.get("model") or {})
+    if "_target_" not in model and model.get("name", "lstm") == "lstm":
+        model.pop("name", None)
+        config["model"] = {"_target_": "bstrain.models.lstm.SparseLSTM", **model}
+    if "_target_" not in (config.get("data") or {}):
+        config["data"] = {"_target_": "bstrain.data.text.ByteCorpus", **(config.get("data") or {})}
+    config.setdefault("task", {"_target_": "bstrain.train.tasks.lm.ByteLM"})
+    return config
+
+
 def _load(cfg, data_path=None):
     """(train config, model on the device in eval mode, task set up for one process, checkpoint, forward)."""
     device = resolve_device(cfg.device)
     set_threads(cfg.threads)
     ckpt = load_checkpoint(_required_ckpt(cfg))
-    train_cfg = OmegaConf.create(ckpt["config"])
+    train_cfg = OmegaConf.create(upgrade_config(ckpt["config"]))
     if data_path is not None:
         train_cfg.data.path = data_path
     task = instantiate(train_cfg.task, "task")

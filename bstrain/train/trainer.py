@@ -341,6 +341,9 @@ class Window:
     """The device-side losses and gradient norms of the steps since the last log line."""
 
     def __init__(self):
+        self.reset()
+
+    def reset(self) -> None:
         self.losses, self.norms, self.t0, self.paused = [], [], time.perf_counter(), 0.0
 
     def add(self, loss: torch.Tensor, grad_norm: torch.Tensor) -> None:
@@ -387,7 +390,7 @@ def log_window(run: Run, window: Window, progress: Progress, board: Board) -> No
         metrics["gpu_mem_gb"] = torch.cuda.max_memory_allocated(run.device) / 2**30
     progress.show(run.step, metrics, run.task.metric)
     board.scalars(run.step, {f"train/{k}": v for k, v in metrics.items()})
-    window.__init__()
+    window.reset()
 
 
 def _check_same_scale(run: Run, scale: float) -> None:

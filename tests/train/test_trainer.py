@@ -351,3 +351,40 @@ def test_eval_progress_bar_only_on_a_terminal(monkeypatch):
     bar = eval_progress(5, True, "eval valid")
     assert list(bar) == list(range(5)) and type(bar).__name__ == "tqdm"
     assert isinstance(eval_progress(5, False, "eval"), range)
+
+
+def test_eval_reads_a_checkpoint_written_before_target_configs(make_cfg, command_cfg, tmp_path):
+    """Checkpoints of the first trainer (model.name: lstm, no _target_, no task) still evaluate."""
+    from bstrain.train.commands import evaluate_checkpoint
+    out = train(make_cfg(trainer__max_steps=2))
+    ckpt = torch.load(Path(out["run_dir"]) / "ckpt" / "step_00000002.pt", weights_only=True)
+    config = ckpt["config"]
+    config["model"] = {"name": "lstm", **{k: v for k, v in config["model"].items() if k != "_target_"}}
+    config["data"] = {k: v for k, v in config["data"].items() if k not in ("_target_", "max_bytes")}
+    del config["task"]
+    torch.save(ckpt, tmp_path / "old.pt")
+    res = evaluate_checkpoint(command_cfg("eval", f"ckpt={tmp_path / 'old.pt'}", "batches=1", "device=cpu"))
+    assert math.isfinite(res["bpb"]) and res["step"] == 2
+
+
+def test_tokens_per_second_is_the_window_mean_without_eval_time(make_cfg, monkeypatch):
+    """Steps take 0.5 s and 1.5 s in turn on a fake clock, validations 100 s: each logged rate is
+    batch x seq_len (64 bytes) per 1 s, the mean over the log window with evaluation excluded (a
+    single step's rate would read 128 or 43)."""
+    clock = {"t": 0.0, "n": 0}
+    monkeypatch.setattr(trainer_mod.time, "perf_counter", lambda: clock["t"])
+    real_step, real_validate = trainer_mod.one_step, trainer_mod.validate
+
+    def step(*args):
+        clock["n"] += 1
+        clock["t"] += 0.5 if clock["n"] % 2 else 1.5
+        return real_step(*args)
+
+    def validate(*args):
+        clock["t"] += 100.0
+        return real_validate(*args)
+    monkeypatch.setattr(trainer_mod, "one_step", step)
+    monkeypatch.setattr(trainer_mod, "validate", validate)
+    out = train(make_cfg(trainer__max_steps=12, trainer__log_every=4, trainer__eval_every=2))
+    rates = re.findall(r" INFO step \d+ loss .* tokens/s (\d+)", (Path(out["run_dir"]) / "train.log").read_text())
+    assert rates == ["64"] * 3
