@@ -59,9 +59,14 @@ def _user_yaml(path: str) -> list[str]:
     return [f"config={name}", f"hydra.searchpath=[file://{root}]"]
 
 
-def _quote(value: str) -> str:
-    """A Hydra-quoted string: any characters, trailing spaces kept."""
-    return "'" + value.replace("\\", "\\\\").replace("'", "\\'") + "'"
+def _prompt_file(value: str) -> str:
+    """A sample prompt, any characters, passed to the command through a temporary file: Hydra's
+    override parser would drop trailing spaces, unescape backslashes and resolve ``${...}``."""
+    fd, path = tempfile.mkstemp(prefix="bstrain-prompt-", suffix=".txt")
+    atexit.register(os.unlink, path)
+    with os.fdopen(fd, "wb") as f:
+        f.write(os.fsencode(value))                     # the bytes the shell passed, undecodable ones too
+    return path
 
 
 def _rewrite(command: str, argv: list[str]) -> list[str]:
@@ -76,9 +81,10 @@ def _rewrite(command: str, argv: list[str]) -> list[str]:
             if command == "train" and value not in _experiments():
                 raise _Exit(f"config: no experiment named {value!r}; shipped: {', '.join(_experiments())}; or pass "
                             f"the path of a YAML file")
-        if key == "prompt" and eq and command == "sample" and not (value[:1] in "'\"" and value[-1:] == value[:1]
-                                                                    and len(value) > 1):
-            arg = "prompt=" + _quote(value)
+        if key == "prompt" and eq and command == "sample":
+            if any(a.startswith("prompt_file=") for a in argv):
+                raise _Exit("prompt, prompt_file: give one of them")
+            arg = "prompt_file=" + _prompt_file(value)
         out.append(arg)
     if command == "train":
         runs = {k: v for k, _, v in (a.partition("=") for a in out) if k in ("trainer.run_dir", "hydra.run.dir")}

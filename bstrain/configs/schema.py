@@ -171,7 +171,8 @@ class EvalConfig:
 @dataclass
 class SampleConfig:
     ckpt: str = field(default="???", metadata={"help": "checkpoint file or run dir (required)"})
-    prompt: str = field(default="def ", metadata={"help": "text to continue (any characters; quoted for you)"})
+    prompt: str = field(default="def ", metadata={"help": "text to continue, any characters (the CLI passes it "
+                                                           "through a file, so Hydra leaves it as typed)"})
     prompt_file: Optional[str] = field(default=None, metadata={"help": "read the prompt from this file instead"})
     length: int = field(default=200, metadata={"help": "bytes to generate"})
     temperature: float = field(default=0.8, metadata={"help": "softmax temperature; ~0: greedy"})

@@ -48,6 +48,17 @@ def _chw(x: np.ndarray, path) -> np.ndarray:
     return np.ascontiguousarray(x, dtype=np.uint8)
 
 
+def _labels(y: np.ndarray, n: int, path) -> np.ndarray:
+    """(N,) int64 class indices from (N,) or (N, 1) integer labels (the Keras CIFAR layout)."""
+    y = np.asarray(y)
+    if y.ndim == 2 and y.shape[1] == 1:
+        y = y[:, 0]
+    if y.ndim != 1 or len(y) != n or not np.issubdtype(y.dtype, np.integer) or (len(y) and y.min() < 0):
+        raise DataError(f"data path '{path}': expected {n} non-negative integer labels, shape (N,) or (N, 1), got "
+                        f"{y.dtype} of shape {y.shape}")
+    return y.astype(np.int64)
+
+
 def _load(path: str) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """(x_train, y_train, x_test, y_test) from a CIFAR python directory or an .npz file."""
     p = Path(os.path.expanduser(path))
@@ -61,7 +72,7 @@ def _load(path: str) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
             raise DataError(f"data path '{path}': expected an .npz with x_train, y_train, x_test, y_test "
                             f"({type(exc).__name__}: {exc})") from None
         xtr, ytr, xte, yte = arrays
-        return _chw(xtr, path), ytr.astype(np.int64), _chw(xte, path), yte.astype(np.int64)
+        return _chw(xtr, path), _labels(ytr, len(xtr), path), _chw(xte, path), _labels(yte, len(xte), path)
 
     def read(names, label_key):
         xs, ys = [], []
@@ -94,7 +105,7 @@ class ImageData:
 
     def __init__(self, path: str | None = None, batch_size: int = 128, valid_size: int = 5000, augment: bool = True,
                  synthetic_size: int = 4096):
-        for key, value, low in (("data.batch_size", batch_size, 1), ("data.valid_size", valid_size, 0),
+        for key, value, low in (("data.batch_size", batch_size, 1), ("data.valid_size", valid_size, 1),
                                 ("data.synthetic_size", synthetic_size, 10)):
             if isinstance(value, bool) or not isinstance(value, int) or value < low:
                 raise DataError(f"{key}: expected an int >= {low}, got {value!r}")
@@ -107,7 +118,7 @@ class ImageData:
         if self._splits is None:
             if self.path:
                 xtr, ytr, xte, yte = _load(self.path)
-                if not 0 <= self.valid_size < len(xtr):
+                if self.valid_size >= len(xtr):
                     raise DataError(f"data.valid_size: expected fewer than the {len(xtr)} training images, "
                                     f"got {self.valid_size}")
                 cut = len(xtr) - self.valid_size
@@ -137,14 +148,20 @@ class ImageData:
         """uint8 (B, C, H, W) -> float32, per-channel standardised (on x's device)."""
         return (x.float() / 255.0 - self.mean.to(x.device)) / self.std.to(x.device)
 
-    def augment_batch(self, x: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
+    def augment_batch(self, x: torch.Tensor, gen: torch.Generator, offset: int = 0, total: int = 0) -> torch.Tensor:
         """Random 4-pixel-padded crop and horizontal flip of a uint8 (B, C, H, W) batch. The
-        synthetic set is not flipped: a mirrored grating belongs to another class."""
+        synthetic set is not flipped: a mirrored grating belongs to another class.
+
+        offset, total: x is rows [offset, offset + B) of a global batch of ``total``; the draws are
+        made for the whole global batch, so every rank's slice gets its own.
+        """
         b, _, h, w = x.shape
+        total = max(total, offset + b)
         padded = torch.nn.functional.pad(x, (4, 4, 4, 4))
-        dy = torch.randint(0, 9, (b,), generator=gen)
-        dx = torch.randint(0, 9, (b,), generator=gen)
-        flip = (torch.rand(b, generator=gen) < 0.5) & bool(self.path)
+        rows_of_mine = slice(offset, offset + b)
+        dy = torch.randint(0, 9, (total,), generator=gen)[rows_of_mine]
+        dx = torch.randint(0, 9, (total,), generator=gen)[rows_of_mine]
+        flip = (torch.rand(total, generator=gen)[rows_of_mine] < 0.5) & bool(self.path)
         rows = (dy[:, None] + torch.arange(h)[None])                       # (B, H)
         cols = (dx[:, None] + torch.arange(w)[None])                       # (B, W)
         cols = torch.where(flip[:, None], cols.flip(1), cols)

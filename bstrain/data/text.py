@@ -112,7 +112,7 @@ def _expand(path: str) -> tuple[list[Path], Path]:
     a glob (``*``, ``?``, ``[``; ``**`` recurses) every file it matches.
     """
     text = os.path.expanduser(str(path))
-    if _GLOB_CHARS & set(text):
+    if _GLOB_CHARS & set(text) and not os.path.exists(text):     # an existing name like a[1].txt is itself
         files = sorted(Path(p) for p in glob.glob(text, recursive=True) if os.path.isfile(p))
         prefix = text[:min(text.index(c) for c in _GLOB_CHARS if c in text)]
         root = Path(prefix if prefix.endswith(os.sep) else os.path.dirname(prefix) or ".")

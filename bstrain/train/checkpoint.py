@@ -127,13 +127,20 @@ def capture(run) -> dict | None:
     return out
 
 
-def check_model_entries(model: torch.nn.Module, saved: dict, path) -> None:
-    """CheckpointError naming the first parameter or buffer whose name or shape differs."""
+def check_model_entries(model: torch.nn.Module, saved: dict, path, adopt_layouts: bool = False) -> None:
+    """CheckpointError naming the first parameter or buffer whose name or shape differs.
+
+    adopt_layouts: the weight of a layer whose ``layout`` the checkpoint holds may differ in shape
+    (evaluation loads the checkpoint's layouts with ``assign=True``; training may not).
+    """
     own = model.state_dict()
     for name, value in saved.items():
         if name not in own:
             raise CheckpointError(f"checkpoint {path}: it holds {name!r}, which the model this config builds lacks; "
                                   f"resume with the config that wrote it")
+        layer = name.rsplit(".", 1)[0] + "." if "." in name else ""
+        if adopt_layouts and f"{layer}layout" in saved and name == f"{layer}weight":
+            continue
         if tuple(own[name].shape) != tuple(value.shape):
             raise CheckpointError(f"checkpoint {path}: {name} has shape {tuple(value.shape)} there and "
                                   f"{tuple(own[name].shape)} in the model this config builds (a changed model.* key?); "
@@ -146,20 +153,28 @@ def check_model_entries(model: torch.nn.Module, saved: dict, path) -> None:
 def restore(run, ckpt: dict) -> None:
     """Loads a checkpoint into a freshly built run, checking the model's entries first. The
     carried state waits in ``run.pending_state`` until the first batch shows this rank's batch size."""
+    if missing := [k for k in KEYS if k not in ckpt]:
+        raise CheckpointError(f"checkpoint {ckpt['path']}: no {', '.join(missing)} entries (written by an older "
+                              f"bstrain?); it can be evaluated and sampled, not resumed")
     check_model_entries(run.model, ckpt["model"], ckpt["path"])
     before = [id(p) for p in run.model.parameters()]
     run.model.load_state_dict(ckpt["model"])
     if [id(p) for p in run.model.parameters()] != before:
         raise RuntimeError("loading the checkpoint replaced a parameter the optimizer holds")
     run.optimizer.load_state_dict(ckpt["optimizer"])
-    run.scaler.load_state_dict(ckpt["scaler"])
+    if ckpt["scaler"] and run.scaler.is_enabled():
+        run.scaler.load_state_dict(ckpt["scaler"])
+        run.scaler.set_growth_interval(run.cfg.trainer.loss_scale_window)     # this run's setting wins
+    elif run.scaler.is_enabled():
+        from bstrain.train.progress import log
+        log.info("checkpoint %s: no fp16 loss scale in it; scaling starts at %g", ckpt["path"], run.scaler.get_scale())
     if run.ema is not None and ckpt.get("ema") is not None:
         run.ema.load_state_dict(ckpt["ema"])
     run.task.load_state_dict(ckpt["task"], run.world)
     torch.set_rng_state(ckpt["rng"]["cpu"])
     if run.device.type == "cuda" and ckpt["rng"].get("cuda") is not None:
         torch.cuda.set_rng_state(ckpt["rng"]["cuda"], run.device)
-    run.pending_state = ckpt.get("state")
+    run.pending_state = ckpt.get("state") if run.task.state_continues else None
     run.step = int(ckpt["step"])
     metrics = ckpt.get("metrics") or {}
     run.train_loss = metrics.get("train_loss", float("nan"))

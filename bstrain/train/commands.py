@@ -34,7 +34,7 @@ def upgrade_config(config: dict) -> dict:
 
 def _load(cfg, data_path=None):
     """(train config, model on the device in eval mode, task set up for one process, checkpoint, forward)."""
-    device = resolve_device(cfg.device)
+    device = resolve_device(cfg.device, "device")
     set_threads(cfg.threads)
     ckpt = load_checkpoint(_required_ckpt(cfg))
     train_cfg = OmegaConf.create(upgrade_config(ckpt["config"]))
@@ -46,8 +46,8 @@ def _load(cfg, data_path=None):
     weights = ckpt["model"]
     if ckpt.get("ema") is not None:                    # evaluate with the EMA weights when trained with them
         weights = {k.removeprefix("module."): v for k, v in ckpt["ema"].items() if k.startswith("module.")}
-    check_model_entries(model, weights, ckpt["path"])
-    model.load_state_dict(weights)
+    check_model_entries(model, weights, ckpt["path"], adopt_layouts=True)
+    model.load_state_dict(weights, assign=True)                # the checkpoint's layouts, whatever the config draws
     model.to(device).eval()
     forward = Forward(model, PRECISIONS[str(train_cfg.trainer.precision)], device)
     return train_cfg, model, task, ckpt, forward

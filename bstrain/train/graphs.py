@@ -36,7 +36,8 @@ class CapturedStep:
     writes the new state back, so consecutive batches carry it as the eager loop does.
     Capturing needs warm-up steps (kernel compilation, lookup tables, optimizer state); they run on
     the first batch and are undone (weights, optimizer state and RNG restored), so training with
-    and without the graph follows the same trajectory.
+    and without the graph follows the same trajectory (buffers such as BatchNorm statistics are
+    restored too).
     """
 
     def __init__(self, forward: Forward, loss_fn, optimizer: torch.optim.Optimizer, grad_clip: float,
@@ -70,6 +71,7 @@ class CapturedStep:
         saved_opt = {p: {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in opt_state[p].items()}
                      for p in self.params if opt_state.get(p)}
         saved_state = [s.clone() for s in state_tensors(self.state)]
+        saved_buffers = [b.clone() for b in self.model.buffers()]       # e.g. BatchNorm running statistics
         saved_rng = torch.cuda.get_rng_state(self.device)
         side = torch.cuda.Stream(self.device)
         side.wait_stream(torch.cuda.current_stream(self.device))
@@ -82,6 +84,8 @@ class CapturedStep:
             for p, s in zip(self.params, saved_params):
                 p.copy_(s)
             for buf, s in zip(state_tensors(self.state), saved_state):
+                buf.copy_(s)
+            for buf, s in zip(self.model.buffers(), saved_buffers):
                 buf.copy_(s)
             # Optimizer state is restored in place: the warm-up created it outside the graph, and
             # the graph must update those tensors, not re-create them at every replay. A state the

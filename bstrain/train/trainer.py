@@ -52,14 +52,14 @@ def _value(x):
 
 
 # --- set-up helpers -------------------------------------------------------------------------------
-def resolve_device(name) -> torch.device:
+def resolve_device(name, key: str = "trainer.device") -> torch.device:
     name = _value(name)
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if name == "cuda" and not torch.cuda.is_available():
-        raise UserError("trainer.device: 'cuda' was asked for, but no CUDA device is available")
+        raise UserError(f"{key}: 'cuda' was asked for, but no CUDA device is available")
     if name not in ("cpu", "cuda"):
-        raise UserError(f"trainer.device: expected auto, cpu or cuda, got {name!r}")
+        raise UserError(f"{key}: expected auto, cpu or cuda, got {name!r}")
     return torch.device(name)
 
 
@@ -216,9 +216,16 @@ def _resume_path(cfg, run_dir: Path) -> Path | None:
                             f"with hydra.run.dir=... (or give trainer.resume=PATH)")
         return latest
     path = Path(value)
-    if latest is not None and path.resolve().parent != (run_dir / "ckpt").resolve():
+    if path.is_dir():                                    # a run dir or its ckpt/: its latest checkpoint
+        path = latest_checkpoint(path) or latest_checkpoint(path / "ckpt") or path
+    if latest is None or not path.is_file():
+        return path                                      # (load_checkpoint names a missing file)
+    if path.resolve().parent != (run_dir / "ckpt").resolve():
         raise UserError(f"trainer.resume={value}: run dir {run_dir} holds checkpoints of another run; resume into "
                         f"a new directory")
+    if latest.resolve() != path.resolve():
+        raise UserError(f"trainer.resume={value}: run dir {run_dir} holds a later checkpoint ({latest.name}); "
+                        f"continuing an earlier one here would mix two runs: resume into a new directory")
     return path
 
 
@@ -400,9 +407,27 @@ def _check_same_scale(run: Run, scale: float) -> None:
         raise RuntimeError(f"fp16 loss scales differ across ranks at step {run.step}: {scales}")
 
 
+def on_main(run: Run, fn):
+    """fn() on rank 0. Under DDP its exception is raised on every rank, which would otherwise wait
+    in the next collective until the process group times out."""
+    result, error = None, None
+    if run.world.main:
+        try:
+            result = fn()
+        except Exception as exc:            # re-raised below, after the other ranks hear of it
+            error = exc
+    if run.world.active:
+        failed = broadcast(None if error is None else f"{type(error).__name__}: {error}", run.world)
+        if failed and error is None:
+            raise RuntimeError(f"rank 0 failed: {failed}")
+    if error is not None:
+        raise error
+    return result
+
+
 def validate(run: Run, progress: Progress, board: Board, elapsed: float) -> None:
     """Rank 0 evaluates (the EMA weights when kept) on the valid split; every rank gets the result."""
-    if run.world.main:
+    def evaluate():
         model = run.ema.module if run.ema is not None else run.model
         model.eval()
         try:
@@ -414,17 +439,19 @@ def validate(run: Run, progress: Progress, board: Board, elapsed: float) -> None
         shown = ", ".join(f"{k} {v:.4f}" for k, v in valid.items() if isinstance(v, float))
         log.info("step %d: valid %s", run.step, shown)
         run.valid_history.append((run.step, elapsed, valid.get(run.task.metric, valid["loss"])))
-        run.valid = valid
-    run.valid = broadcast(run.valid, run.world)
+        return valid
+    run.valid = broadcast(on_main(run, evaluate), run.world)
 
 
 def save(run: Run) -> Path | None:
-    """A checkpoint of this step (collective under DDP; rank 0 writes); returns its path on rank 0."""
+    """A checkpoint of this step (collective under DDP; rank 0 writes); returns its path."""
     state = ckpt_io.capture(run)
-    if state is None:
-        return None
-    path = save_checkpoint(checkpoint_path(run.run_dir / "ckpt", run.step), state)
-    prune_checkpoints(run.run_dir / "ckpt", run.cfg.trainer.keep_ckpts)
+    path = checkpoint_path(run.run_dir / "ckpt", run.step)
+
+    def write():
+        save_checkpoint(path, state)
+        prune_checkpoints(run.run_dir / "ckpt", run.cfg.trainer.keep_ckpts)
+    on_main(run, write)
     return path
 
 

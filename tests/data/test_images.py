@@ -61,3 +61,25 @@ def test_augmentation_is_a_padded_crop_and_a_flip(path):
         assert match, f"image {i} is not a crop of the padded input"
         flipped += min(match)
     assert (flipped > 0) == (path is not None), "the synthetic set is never flipped; real images sometimes"
+
+
+def test_rank_slices_draw_their_own_augmentation(tmp_path):
+    """Each rank's slice of a global batch gets the draws one process would give those rows."""
+    data = ImageData("some/cifar")
+    x = torch.randint(0, 256, (8, 3, 8, 8), dtype=torch.uint8)
+    whole = data.augment_batch(x, torch.Generator().manual_seed(3))
+    parts = [data.augment_batch(x[r * 4:(r + 1) * 4], torch.Generator().manual_seed(3), r * 4, 8) for r in range(2)]
+    assert torch.equal(torch.cat(parts), whole)
+
+
+def test_label_shapes_and_empty_validation(tmp_path):
+    x = np.zeros((30, 4, 4, 3), dtype=np.uint8)
+    np.savez(tmp_path / "k.npz", x_train=x, y_train=(np.arange(30) % 3)[:, None], x_test=x[:5],
+             y_test=np.zeros((5, 1), dtype=np.uint8))
+    s = ImageData(str(tmp_path / "k.npz"), valid_size=5).splits()
+    assert s["train"][1].shape == (25,) and s["test"][1].dtype == np.int64
+    np.savez(tmp_path / "bad.npz", x_train=x, y_train=np.zeros((30, 2)), x_test=x[:5], y_test=np.zeros(5))
+    with pytest.raises(DataError, match=r"expected 30 non-negative integer labels"):
+        ImageData(str(tmp_path / "bad.npz"), valid_size=5).splits()
+    with pytest.raises(DataError, match="data.valid_size: expected an int >= 1, got 0"):
+        ImageData(valid_size=0)

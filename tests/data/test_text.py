@@ -306,3 +306,10 @@ def test_enwik8_full_size_uses_standard_cuts(tmp_path):
     other = tmp_path / "big.bin"
     path.rename(other)
     assert _lengths(load_bytes(str(other))) == (90_000_009, 5_000_000, 5_000_001)
+
+
+def test_an_existing_name_with_glob_characters_is_a_file(tmp_path):
+    path = tmp_path / "corpus[v2].txt"
+    path.write_bytes(b"abc" * 1000)
+    train, valid, test = load_bytes(str(path))
+    assert len(train) + len(valid) + len(test) == 3000

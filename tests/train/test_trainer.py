@@ -388,3 +388,54 @@ def test_tokens_per_second_is_the_window_mean_without_eval_time(make_cfg, monkey
     out = train(make_cfg(trainer__max_steps=12, trainer__log_every=4, trainer__eval_every=2))
     rates = re.findall(r" INFO step \d+ loss .* tokens/s (\d+)", (Path(out["run_dir"]) / "train.log").read_text())
     assert rates == ["64"] * 3
+
+
+def test_resume_rules_for_run_dirs_precision_and_old_checkpoints(make_cfg, tmp_path):
+    first = train(make_cfg(trainer__max_steps=8, trainer__ckpt_every=4, trainer__keep_ckpts=5, run="a"))
+    run = Path(first["run_dir"])
+    # an earlier checkpoint of the same run dir would mix two trajectories
+    with pytest.raises(UserError, match="holds a later checkpoint"):
+        train(make_cfg(f"trainer.resume={run / 'ckpt' / 'step_00000004.pt'}", trainer__max_steps=10, run="a"))
+    # the run dir itself names its latest checkpoint; fp32 -> fp16 starts a fresh loss scale
+    more = train(make_cfg(f"trainer.resume={run}", trainer__max_steps=10, trainer__precision="fp16",
+                          trainer__loss_scale_window=50, run="a"))
+    assert [s for s, _ in more["history"]] == [9, 10]
+    scaler = torch.load(run / "ckpt" / "step_00000010.pt", weights_only=True)["scaler"]
+    assert scaler["scale"] == 2.0**16 and scaler["growth_interval"] == 50
+    # fp16 -> fp16 with another window: the config's window wins over the checkpoint's
+    again = train(make_cfg(f"trainer.resume={run}", trainer__max_steps=12, trainer__precision="fp16",
+                           trainer__loss_scale_window=7, run="a"))
+    assert again["steps"] == 12
+    assert torch.load(run / "ckpt" / "step_00000012.pt", weights_only=True)["scaler"]["growth_interval"] == 7
+    # a checkpoint without the newer entries can be evaluated, not resumed
+    old = torch.load(run / "ckpt" / "step_00000012.pt", weights_only=True)
+    old["data"] = old.pop("task")["batches"]
+    torch.save(old, tmp_path / "old.pt")
+    with pytest.raises(UserError, match="no task entries .* not resumed"):
+        train(make_cfg(f"trainer.resume={tmp_path / 'old.pt'}", trainer__max_steps=14, run="b"))
+
+
+def test_resume_with_another_seq_len_starts_a_fresh_state(make_cfg, caplog):
+    first = train(make_cfg(trainer__max_steps=4, run="a"))
+    path = Path(first["run_dir"]) / "ckpt" / "step_00000004.pt"
+    out = train(make_cfg(f"trainer.resume={path}", trainer__max_steps=6, data__seq_len=8, run="b"))
+    assert out["steps"] == 6
+    assert "with a fresh carried state" in (Path(out["run_dir"]) / "train.log").read_text()
+
+
+def test_eval_adopts_the_checkpoints_layouts(make_cfg, command_cfg, tmp_path):
+    """A checkpoint whose layouts another draw would not give (other block counts) still evaluates."""
+    from bstrain.train.commands import evaluate_checkpoint
+    out = train(make_cfg(trainer__max_steps=2, model__density=0.5))
+    ckpt = torch.load(Path(out["run_dir"]) / "ckpt" / "step_00000002.pt", weights_only=True)
+    ckpt["config"]["model"]["density"] = 0.25                           # the config would draw fewer blocks
+    torch.save(ckpt, tmp_path / "other.pt")
+    res = evaluate_checkpoint(command_cfg("eval", f"ckpt={tmp_path / 'other.pt'}", "batches=1", "device=cpu"))
+    assert math.isfinite(res["bpb"])
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error of a machine without CUDA")
+def test_eval_device_error_names_its_own_key(command_cfg, tmp_path):
+    from bstrain.train.commands import evaluate_checkpoint
+    with pytest.raises(UserError, match=r"^device: 'cuda' was asked for"):
+        evaluate_checkpoint(command_cfg("eval", f"ckpt={tmp_path}", "device=cuda"))

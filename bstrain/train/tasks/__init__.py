@@ -12,7 +12,8 @@ from the ``data`` config the same way). The trainer calls, in this order:
 - ``train_metrics(loss) -> dict``: host-side metrics derived from a mean loss (``bpb``);
 - ``evaluate(forward, split, max_batches) -> dict``: ``loss`` and the task's metrics on a split,
   where ``forward(x, state) -> (output, state)`` runs the model (state None: a fresh one);
-- ``state_dict()`` / ``load_state_dict(state, world)``: the data position, for exact resumes;
+- ``state_dict()`` / ``load_state_dict(state, world)``: the data position, for exact resumes
+  (``state_continues = False`` after loading tells the trainer to drop a carried model state);
 - ``sample(forward, stateful, prompt, ...)`` (language tasks only).
 
 ``metric`` names the validation value a run reports and TensorBoard's hparams view shows.
@@ -31,6 +32,7 @@ class Task:
     """Base class: the protocol above, with defaults for the optional parts."""
 
     metric: str = "loss"
+    state_continues: bool = True   # False after load_state_dict when a carried model state no longer fits the data
 
     def setup(self, data, world, seed: int) -> None:
         raise NotImplementedError

@@ -57,7 +57,7 @@ class Classification(Task):
         x, y = torch.from_numpy(x_all[idx.numpy()]), torch.from_numpy(y_all[idx.numpy()])
         if self.data.augment:
             gen = torch.Generator().manual_seed((self.seed * 1_000_003 + self.epoch) * 100_003 + self.position)
-            x = self.data.augment_batch(x, gen)
+            x = self.data.augment_batch(x, gen, self.world.rank * self.data.batch_size, self.global_batch)
         fresh = self.position == 0
         self.position += 1
         if self.position == self.per_epoch:
@@ -89,7 +89,8 @@ class Classification(Task):
             hits[0] += (top[:, 0] == y).sum()
             hits[1] += (top == y[:, None]).any(1).sum()
             seen += len(y)
-        seen = max(seen, 1)
+        if seen == 0:
+            raise UserError(f"data: the {split} split has no images")
         return {"loss": float(loss) / seen, "acc": float(hits[0]) / seen, "top5": float(hits[1]) / seen,
                 "images": seen}
 

@@ -87,13 +87,19 @@ class ByteLM(Task):
         return {"loss": loss, "bpb": bits_per_byte(loss), "batches": n}
 
     def state_dict(self) -> dict:
-        return {"batches": self.batches.state_dict(), "streams": self.data.batch_size * self.world.size}
+        return {"batches": self.batches.state_dict(), "streams": self.data.batch_size * self.world.size,
+                "seq_len": self.data.seq_len}
 
     def load_state_dict(self, state: dict, world) -> None:
+        """The same stream count and seq_len continue exactly; otherwise the epoch continues at the
+        same fraction, and a carried model state (which belongs to other bytes) starts fresh."""
         streams = self.data.batch_size * world.size
-        if state.get("streams", streams) != streams:
-            log.warning("data: the checkpoint read %s streams, this run reads %d (data.batch_size x ranks): "
-                        "continuing at the same fraction of the epoch", state.get("streams"), streams)
+        old = (state.get("streams", streams), state.get("seq_len", self.data.seq_len))
+        if old != (streams, self.data.seq_len):
+            log.warning("data: the checkpoint read %s streams of %s bytes, this run reads %d of %d (data.batch_size "
+                        "x ranks, data.seq_len): continuing at the same fraction of the epoch with a fresh carried "
+                        "state", *old, streams, self.data.seq_len)
+            self.state_continues = False
         self.batches.load_state_dict(state["batches"])
 
     def hparams(self) -> dict:
