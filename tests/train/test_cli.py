@@ -199,3 +199,12 @@ def test_non_ascii_prompt_and_trailing_space(tmp_path):
     assert out.returncode == 0 and out.stdout.startswith("naïve\n  indented "), out.stderr[-1000:]
     one_line_error(run("sample", f"ckpt={a}", "prompt=x", f"prompt_file={tmp_path / 'p.txt'}", cwd=tmp_path),
                    "prompt, prompt_file: give one of them")
+
+
+def test_a_bug_keeps_its_traceback(tmp_path):
+    (tmp_path / "broken.yaml").write_text("model:\n  _target_: tests.train.user_models.Broken\n")
+    out = run("train", f"config={tmp_path / 'broken.yaml'}", f"hydra.run.dir={tmp_path / 'r'}",
+              "trainer.progress=false", cwd=tmp_path)
+    assert out.returncode != 0 and "Traceback" in out.stderr and "a bug in the model" in out.stderr
+    out = run("train", "config=" + str(tmp_path / "broken.yaml"), "model.nope=1", cwd=tmp_path)
+    assert out.returncode != 0 and "Traceback" not in out.stderr

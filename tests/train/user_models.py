@@ -42,3 +42,14 @@ class OverflowLM(nn.Module):
             if int(os.environ.get("RANK", "0")) == rank and self.calls == step:
                 logits = logits * float("inf")
         return logits
+
+
+class Broken(nn.Module):
+    """A model with a bug in its forward: the CLI must show the traceback."""
+
+    def __init__(self):
+        super().__init__()
+        self.w = nn.Parameter(torch.zeros(1))
+
+    def forward(self, x):
+        raise RuntimeError("a bug in the model")
