@@ -146,7 +146,9 @@ class ImageData:
 
     def normalise(self, x: torch.Tensor) -> torch.Tensor:
         """uint8 (B, C, H, W) -> float32, per-channel standardised (on x's device)."""
-        return (x.float() / 255.0 - self.mean.to(x.device)) / self.std.to(x.device)
+        if self.mean.device != x.device:                  # moved once, not at every batch
+            self.mean, self.std = self.mean.to(x.device), self.std.to(x.device)
+        return (x.float() / 255.0 - self.mean) / self.std
 
     def augment_batch(self, x: torch.Tensor, gen: torch.Generator, offset: int = 0, total: int = 0) -> torch.Tensor:
         """Random 4-pixel-padded crop and horizontal flip of a uint8 (B, C, H, W) batch. The

@@ -207,15 +207,17 @@ def load_bytes(path: str | None, name: str = "auto",
     return _split(data, _STANDARD_CUTS if standard else _proportional_cuts(len(data)))
 
 
-def check_size(split: np.ndarray, batch_size: int, seq_len: int, path: str | None, split_name: str) -> None:
-    """Raise DataError unless ``split`` can fill one (batch_size, seq_len) batch.
+def check_size(split: np.ndarray, batch_size: int, seq_len: int, path: str | None, split_name: str,
+               ranks: int = 1) -> None:
+    """Raise DataError unless ``split`` can fill one (batch_size x ranks, seq_len) batch.
 
-    One batch needs batch_size * seq_len input bytes plus one more for the last target.
+    One batch needs batch_size * ranks * seq_len input bytes plus one more for the last target.
     """
-    need = batch_size * seq_len + 1
+    need = batch_size * ranks * seq_len + 1
     if len(split) < need:
         where = f"data path '{path}'" if path else _DEFAULT_CORPUS_LABEL
-        raise DataError(f"{where}: the {split_name} split has {len(split)} bytes, but batch_size {batch_size} "
+        per = f"batch_size {batch_size} x {ranks} ranks" if ranks > 1 else f"batch_size {batch_size}"
+        raise DataError(f"{where}: the {split_name} split has {len(split)} bytes, but {per} "
                         f"x seq_len {seq_len} needs at least {need}")
 
 

@@ -244,6 +244,7 @@ class Run:
     optimizer: torch.optim.Optimizer
     scaler: torch.amp.GradScaler
     ema: Any = None
+    params: list = field(default_factory=list)    # the model's parameters, listed once for clipping
     captured: CapturedStep | None = None
     step: int = 0
     state: Any = None                     # carried model state (stateful models)
@@ -286,7 +287,8 @@ def build(cfg: DictConfig, run_dir: Path, device: torch.device, world: World) ->
         from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
         ema = AveragedModel(model, multi_avg_fn=get_ema_multi_avg_fn(cfg.optim.ema))
     forward = Forward(net, amp_dtype, device)
-    run = Run(cfg, world, device, run_dir, task, model, net, forward, optimizer, scaler, ema)
+    run = Run(cfg, world, device, run_dir, task, model, net, forward, optimizer, scaler, ema,
+              params=list(model.parameters()))
     if graphed:
         run.captured = CapturedStep(forward, task.loss, optimizer, cfg.optim.grad_clip)
     if resume is not None:
@@ -335,7 +337,7 @@ def one_step(run: Run, x: torch.Tensor, y: torch.Tensor, fresh: bool):
     else:
         scale = run.scaler._scale.clone() if run.scaler.is_enabled() and run.scaler._scale is not None else None
         loss, grad_norm, run.state = train_step(run.forward, run.task.loss, x, y, run.state, run.optimizer,
-                                                list(run.model.parameters()), run.cfg.optim.grad_clip, run.scaler)
+                                                run.params, run.cfg.optim.grad_clip, run.scaler)
         if scale is not None:                           # fp16: a lowered scale means a skipped step
             run.skipped = run.skipped + (run.scaler._scale < scale).int()
     if run.ema is not None:

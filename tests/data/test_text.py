@@ -313,3 +313,9 @@ def test_an_existing_name_with_glob_characters_is_a_file(tmp_path):
     path.write_bytes(b"abc" * 1000)
     train, valid, test = load_bytes(str(path))
     assert len(train) + len(valid) + len(test) == 3000
+
+
+def test_check_size_names_the_per_rank_batch():
+    with pytest.raises(DataError, match=r"batch_size 4 x 2 ranks x seq_len 8 needs at least 65"):
+        check_size(_ramp(64), 4, 8, None, "train", ranks=2)
+    check_size(_ramp(65), 4, 8, None, "train", ranks=2)

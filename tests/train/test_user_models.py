@@ -51,23 +51,29 @@ def _user_model(cfg, target: str, **kwargs):
     return cfg
 
 
-def test_classification_task_learns_the_synthetic_set(make_cfg):
+@pytest.fixture
+def examples_on_path(monkeypatch):
+    """examples/ importable, as it is for `cd examples && python -m bstrain train ...`."""
+    monkeypatch.syspath_prepend(str(REPO / "examples"))
+
+
+def test_classification_task_learns_the_synthetic_set(make_cfg, examples_on_path):
     cfg = _user_model(make_cfg("data=images", "task=classify", "data.augment=false", lm=False, trainer__max_steps=150,
                                trainer__eval_every=50, trainer__eval_batches=0, optim__lr=3e-3, optim__warmup_steps=20,
                                data__batch_size=32, data__synthetic_size=1000),
-                      "tests.train.user_models.TinyCNN", width=8)
+                      "my_cnn.SmallCNN", width=8)
     out = train(cfg)
     assert out["valid_acc"] > 0.6, out["valid"]                   # 10 classes: chance is 0.1; measured 0.93
     assert 0 <= out["valid_acc"] <= out["valid_top5"] <= 1 and math.isfinite(out["valid_loss"])
     assert "acc" in (Path(out["run_dir"]) / "train.log").read_text()
 
 
-def test_classification_resume_is_exact(make_cfg):
+def test_classification_resume_is_exact(make_cfg, examples_on_path):
     def cfg(run, *extra, steps=8):
         return _user_model(make_cfg("data=images", "task=classify", "optim.schedule=constant", *extra, lm=False,
                                     trainer__max_steps=steps,
                                     trainer__ckpt_every=4, data__batch_size=16, data__synthetic_size=200, run=run),
-                           "tests.train.user_models.TinyCNN", width=4)
+                           "my_cnn.SmallCNN", width=4)
     full = train(cfg("full"))                  # a constant schedule: stopping at 4 changes no learning rate
     train(cfg("split", steps=4))
     second = train(cfg("split", "trainer.resume=true"))

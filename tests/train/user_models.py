@@ -9,20 +9,6 @@ from torch import nn
 from bstrain.models.layers import BlockSparseLinear
 
 
-class TinyCNN(nn.Module):
-    """A small image classifier with one block-sparse layer."""
-
-    def __init__(self, classes: int = 10, width: int = 16, density: float = 0.5):
-        super().__init__()
-        self.features = nn.Sequential(nn.Conv2d(3, width, 3, padding=1), nn.ReLU(), nn.MaxPool2d(4),
-                                      nn.Conv2d(width, 2 * width, 3, padding=1), nn.ReLU(), nn.AdaptiveAvgPool2d(2))
-        self.hidden = BlockSparseLinear(8 * width, 64, block_size=16, density=density)
-        self.head = nn.Linear(64, classes)
-
-    def forward(self, x):
-        return self.head(torch.relu(self.hidden(self.features(x).flatten(1))))
-
-
 class OverflowLM(nn.Module):
     """A stateless byte LM whose output overflows in fp16 at one training step on one rank
     (environment: BSTRAIN_TEST_OVERFLOW="RANK:STEP")."""

@@ -40,9 +40,8 @@ class ByteLM(Task):
             raise UserError(f"data: the byte LM task needs a ByteCorpus (data=bytes), got {type(data).__name__}")
         self.data, self.world = data, world
         train, valid, _ = data.splits()
-        streams = data.batch_size * world.size
-        check_size(train, streams, data.seq_len, data.path, "train")
-        check_size(valid, streams, data.seq_len, data.path, "valid")
+        check_size(train, data.batch_size, data.seq_len, data.path, "train", world.size)
+        check_size(valid, data.batch_size, data.seq_len, data.path, "valid", world.size)
         self.batches = BpttBatches(train, data.batch_size, data.seq_len, world.rank, world.size)
         self.context = self.context or data.seq_len
 
@@ -73,9 +72,9 @@ class ByteLM(Task):
         in batches of the world's global shape (the same numbers on any number of ranks)."""
         _, valid, test = self.data.splits()
         data = {"valid": valid, "test": test}[split]
-        streams = self.data.batch_size * (self.world.size if self.world else 1)
-        check_size(data, streams, self.data.seq_len, self.data.path, split)
-        batches = BpttBatches(data, streams, self.data.seq_len)
+        ranks = self.world.size if self.world else 1
+        check_size(data, self.data.batch_size, self.data.seq_len, self.data.path, split, ranks)
+        batches = BpttBatches(data, self.data.batch_size * ranks, self.data.seq_len)
         n = len(batches) if max_batches <= 0 else min(max_batches, len(batches))
         state, total = None, torch.zeros((), dtype=torch.float64)
         device = forward.device
