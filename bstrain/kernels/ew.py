@@ -15,6 +15,7 @@ import triton
 import triton.language as tl
 
 from bstrain.kernels.alloc import empty
+from bstrain.kernels.launch import Launch, aligned, plan
 
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -102,32 +103,51 @@ def _check_gates(c: torch.Tensor, gates, bias) -> None:
         raise ValueError(f"bias: expected a contiguous ({4 * c.shape[1]},) tensor, got {tuple(bias.shape)}")
 
 
-def lstm_gates_forward(c, i, u, f, o, bias=None, forget_bias=1.0, block=1024):
+_PLANS: dict = {}
+
+
+def _gates_key(tag, block, c, gates, bias, forget_bias, *more):
+    """Everything a launch plan depends on: shapes, row strides, dtypes, alignment, the device."""
+    i, u, f, o = gates
+    return (tag, tuple(c.shape), c.stride(0), i.stride(0), u.stride(0), f.stride(0), o.stride(0), c.dtype,
+            bias is not None, float(forget_bias), aligned(c, i, u, f, o, *(t for t in (bias, *more) if t is not None)),
+            c.device, block, bias.dtype if bias is not None else None) + tuple(
+                t.dtype if t is not None else None for t in more)
+
+
+def lstm_gates_forward(c, i, u, f, o, bias=None, forget_bias=1.0, block=1024, check=True):
     """c, i, u, f, o: (N, K); bias: (4K,) or None. Returns (new_c, new_h), (N, K) contiguous."""
-    _check_gates(c, (i, u, f, o), bias)
+    if check:
+        _check_gates(c, (i, u, f, o), bias)
     n, k = c.shape
     cn = empty((n, k), c.dtype, c.device)
     hn = empty((n, k), c.dtype, c.device)
     if c.numel():
-        _lstm_gates_fwd_kernel[(triton.cdiv(c.numel(), block),)](
-            c, i, u, f, o, bias if bias is not None else c, cn, hn, c.numel(), k,
-            c.stride(0), i.stride(0), u.stride(0), f.stride(0), o.stride(0), float(forget_bias),
-            HAS_BIAS=bias is not None, BLOCK=block)
+        def make():
+            launch = Launch(_lstm_gates_fwd_kernel, (triton.cdiv(c.numel(), block),), c.device,
+                            dict(HAS_BIAS=bias is not None, BLOCK=block))
+            ints = (c.numel(), k, c.stride(0), i.stride(0), u.stride(0), f.stride(0), o.stride(0), float(forget_bias))
+            return lambda *t: launch(*t, *ints)
+        run = plan(_PLANS, _gates_key("fwd", block, c, (i, u, f, o), bias, forget_bias), make)
+        run(c, i, u, f, o, bias if bias is not None else c, cn, hn)
     return cn, hn
 
 
-def lstm_gates_backward(c, i, u, f, o, dc_new, dh_new, bias=None, forget_bias=1.0, block=1024):
+def lstm_gates_backward(c, i, u, f, o, dc_new, dh_new, bias=None, forget_bias=1.0, block=1024, check=True):
     """Returns (dc (N, K), dgates (N, 4K) in order i, u, f, o). dc_new may be None."""
-    _check_gates(c, (i, u, f, o), bias)
+    if check:
+        _check_gates(c, (i, u, f, o), bias)
     dh_new = dh_new.contiguous()
     dc_new = dc_new.contiguous() if dc_new is not None else None
     n, k = c.shape
     dc = empty((n, k), c.dtype, c.device)
     dg = empty((n, 4 * k), c.dtype, c.device)
     if c.numel():
-        _lstm_gates_bwd_kernel[(triton.cdiv(c.numel(), block),)](
-            c, i, u, f, o, bias if bias is not None else c, dc_new if dc_new is not None else dh_new,
-            dh_new, dc, dg, c.numel(), k,
-            c.stride(0), i.stride(0), u.stride(0), f.stride(0), o.stride(0), float(forget_bias),
-            HAS_BIAS=bias is not None, HAS_DC=dc_new is not None, BLOCK=block)
+        def make():
+            launch = Launch(_lstm_gates_bwd_kernel, (triton.cdiv(c.numel(), block),), c.device,
+                            dict(HAS_BIAS=bias is not None, HAS_DC=dc_new is not None, BLOCK=block))
+            ints = (c.numel(), k, c.stride(0), i.stride(0), u.stride(0), f.stride(0), o.stride(0), float(forget_bias))
+            return lambda *t: launch(*t, *ints)
+        run = plan(_PLANS, _gates_key("bwd", block, c, (i, u, f, o), bias, forget_bias, dc_new, dh_new), make)
+        run(c, i, u, f, o, bias if bias is not None else c, dc_new if dc_new is not None else dh_new, dh_new, dc, dg)
     return dc, dg

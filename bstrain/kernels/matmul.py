@@ -35,6 +35,7 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from bstrain.kernels.alloc import empty
+from bstrain.kernels.launch import Launch, aligned, plan
 
 BLOCK_SIZES = (8, 16, 32, 64, 128)
 _INT32_MAX = 2**31 - 1
@@ -243,6 +244,7 @@ class SegmentLut:
     max_count: int
     packed: torch.Tensor  # (nnz,) int32: idx * n_in + blk, one load per entry
     n_in: int
+    plans: dict = field(default_factory=dict)    # launch plans by argument shape/layout (launch.plan)
 
     @property
     def n_out(self) -> int:
@@ -259,6 +261,7 @@ class BsmmLuts:
     fwd: SegmentLut      # per output block-column k: (c, weight idx); also dW's source
     bwd: SegmentLut      # per input block-row c: (k, weight idx); dX
     _dw_items: dict = field(default_factory=dict)
+    dw_plans: dict = field(default_factory=dict)
 
     def dw_items(self, group: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(column, first entry, count) of runs of up to ``group`` entries of one column."""
@@ -392,10 +395,6 @@ def _tma_ok(*tensors: torch.Tensor) -> bool:
     return True
 
 
-def _desc(t: torch.Tensor, block: list[int]) -> TensorDescriptor:
-    return TensorDescriptor(t, list(t.shape), list(t.stride()), block)
-
-
 # ---------------------------------------------------------------------------------------------
 # Launchers
 # ---------------------------------------------------------------------------------------------
@@ -432,8 +431,24 @@ def _rows_view(t: torch.Tensor, feature_axis: int) -> torch.Tensor:
     return t if feature_axis == 1 else t.t()
 
 
-def _launch_ds_tma(a: torch.Tensor, out: torch.Tensor, a_src: torch.Tensor, y_src: torch.Tensor,
-                   trans: bool, w: torch.Tensor, lut: SegmentLut, bs: int, transpose_w: bool, cfg: DsConfig) -> None:
+def _template(t: torch.Tensor, block: list[int]) -> TensorDescriptor:
+    """A descriptor of t's shape, strides and block, checked, holding no tensor."""
+    d = TensorDescriptor(t, list(t.shape), list(t.stride()), block)
+    d.base = None
+    return d
+
+
+def _desc_like(template: TensorDescriptor, t: torch.Tensor) -> TensorDescriptor:
+    """``template`` over tensor t, which has its shape, strides and alignment: the checks were
+    made once, when the template was built."""
+    d = object.__new__(TensorDescriptor)
+    d.__dict__.update(template.__dict__)
+    d.base = t
+    return d
+
+
+def _ds_tma_plan(a: torch.Tensor, out: torch.Tensor, a_src: torch.Tensor, y_src: torch.Tensor, trans: bool,
+                 w: torch.Tensor, lut: SegmentLut, bs: int, transpose_w: bool, cfg: DsConfig):
     """TMA path: a, out are (rows, features) views; a_src, y_src the tensors read and written
     (their transposes when trans, for axis-0 activations)."""
     M = a.shape[0]
@@ -441,30 +456,36 @@ def _launch_ds_tma(a: torch.Tensor, out: torch.Tensor, a_src: torch.Tensor, y_sr
     bn = bs
     while bn > 32 and num_m * lut.n_out * (bs // bn) < _sm_count(a.device):
         bn //= 2                                                  # small M: split blocks across programs
-    a_desc = _desc(a_src, [cfg.kc, cfg.block_m] if trans else [cfg.block_m, cfg.kc])
-    y_desc = _desc(y_src, [bn, cfg.block_m] if trans else [cfg.block_m, bn])
-    w_desc = _desc(w.view(-1, bs), [bn, cfg.kc] if transpose_w else [cfg.kc, bn])
-    _bsmm_ds_tma_kernel[(num_m * lut.n_out * (bs // bn),)](
-        a_desc, w_desc, y_desc, lut.ptr, lut.packed, lut.order, M, lut.n_out, lut.n_in,
+    a_t = _template(a_src, [cfg.kc, cfg.block_m] if trans else [cfg.block_m, cfg.kc])
+    y_t = _template(y_src, [bn, cfg.block_m] if trans else [cfg.block_m, bn])
+    w_t = _template(w.view(-1, bs), [bn, cfg.kc] if transpose_w else [cfg.kc, bn])
+    launch = Launch(_bsmm_ds_tma_kernel, (num_m * lut.n_out * (bs // bn),), a.device, dict(
         BS=bs, BN=bn, KC=cfg.kc, BLOCK_M=cfg.block_m, MAXC=max(16, triton.next_power_of_2(lut.max_count)),
-        GROUP_M=GROUP_M, TRANS_A=trans,
-        TRANS_W=transpose_w, PRECISION=_precision(a.dtype), num_warps=cfg.warps,
-        num_stages=_fit_stages(cfg.stages, (cfg.block_m + bn) * cfg.kc * a.element_size()))
+        GROUP_M=GROUP_M, TRANS_A=trans, TRANS_W=transpose_w, PRECISION=_precision(a.dtype)),
+        num_warps=cfg.warps, num_stages=_fit_stages(cfg.stages, (cfg.block_m + bn) * cfg.kc * a.element_size()))
+    ints = (M, lut.n_out, lut.n_in)
+
+    def run(a, w, out):
+        a_src, y_src = (a.t(), out.t()) if trans else (a, out)
+        launch(_desc_like(a_t, a_src), _desc_like(w_t, w.view(-1, bs)), _desc_like(y_t, y_src),
+               lut.ptr, lut.packed, lut.order, *ints)
+    return run
 
 
-def _launch_ds(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, lut: SegmentLut, bs: int,
-               transpose_w: bool, split: int | None) -> None:
-    """out (M, n_out*bs) = a (M, n_in*bs) @ sparse; both given as (rows, features) views."""
+def _ds_plan(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, lut: SegmentLut, bs: int,
+             transpose_w: bool, split: int | None):
+    """How to compute out (M, n_out*bs) = a (M, n_in*bs) @ sparse for tensors shaped and laid out
+    like these: the config, the path (TMA or pointers), the reduction split and the grid."""
     M = a.shape[0]
     if M == 0:
-        return
+        return lambda a, w, out: None
     mean_steps = lut.blk.numel() / max(1, lut.n_out) * max(1, bs // GPU_DS[bs].kc)
     cfg = ds_config(bs, M, a.device, mean_steps)
     trans = a.stride(0) == 1 and a.stride(1) != 1                # axis-0 activations
     a_src, y_src = (a.t(), out.t()) if trans else (a, out)
     if cfg.tma and cfg.kc <= bs and split in (None, 1) and lut.max_count <= MAX_REGISTER_LUT \
             and _tma_ok(a_src, y_src, w):
-        return _launch_ds_tma(a, out, a_src, y_src, trans, w, lut, bs, transpose_w, cfg)
+        return _ds_tma_plan(a, out, a_src, y_src, trans, w, lut, bs, transpose_w, cfg)
     group = max(1, cfg.kc // bs)
     sub = max(1, bs // cfg.kc)
     num_m = triton.cdiv(M, cfg.block_m)
@@ -472,19 +493,34 @@ def _launch_ds(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, lut: Segment
     max_iter = lut.max_count * sub if group == 1 else triton.cdiv(lut.max_count, group)
     if split is None:
         split = max(1, min(triton.cdiv(2 * _sm_count(a.device), n_prog), max_iter)) if max_iter else 1
-    target = out if split == 1 else empty((split,) + tuple(out.shape), torch.float32, a.device)
-    ys = target.stride(0) if split > 1 else 0
-    ym, yn = (target.stride(1), target.stride(2)) if split > 1 else (out.stride(0), out.stride(1))
     wr, wc = (1, bs) if transpose_w else (bs, 1)
-    _bsmm_ds_kernel[(n_prog, split)](
-        a, w, target, lut.ptr, lut.blk, lut.idx, lut.order,
-        M, lut.n_out, split,
-        a.stride(0), a.stride(1), wr, wc, ys, ym, yn,
+    launch = Launch(_bsmm_ds_kernel, (n_prog, split), a.device, dict(
         BS=bs, BS_PAD=max(bs, 16), G=group, SUB=sub, KC=cfg.kc, BLOCK_M=cfg.block_m, GROUP_M=GROUP_M,
-        PRECISION=_precision(a.dtype), num_warps=cfg.warps,
+        PRECISION=_precision(a.dtype)), num_warps=cfg.warps,
         num_stages=_fit_stages(cfg.stages, (cfg.block_m + max(bs, 16)) * cfg.kc * a.element_size()))
-    if split > 1:
+    if split == 1:
+        ints = (M, lut.n_out, 1, a.stride(0), a.stride(1), wr, wc, 0, out.stride(0), out.stride(1))
+
+        def run(a, w, out):
+            launch(a, w, out, lut.ptr, lut.blk, lut.idx, lut.order, *ints)
+        return run
+    shape = (split,) + tuple(out.shape)
+    n_out_f = out.shape[1]
+    ints = (M, lut.n_out, split, a.stride(0), a.stride(1), wr, wc, M * n_out_f, n_out_f, 1)
+
+    def run_split(a, w, out):
+        target = empty(shape, torch.float32, a.device)
+        launch(a, w, target, lut.ptr, lut.blk, lut.idx, lut.order, *ints)
         torch.sum(target, dim=0, out=out) if out.dtype == torch.float32 else out.copy_(target.sum(0))
+    return run_split
+
+
+def _launch_ds(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, lut: SegmentLut, bs: int,
+               transpose_w: bool, split: int | None) -> None:
+    """out (M, n_out*bs) = a (M, n_in*bs) @ sparse; both given as (rows, features) views."""
+    key = (a.shape[0], a.dtype, a.stride(0), a.stride(1), out.stride(0), out.stride(1), transpose_w, split,
+           aligned(a, w, out), a.device)
+    plan(lut.plans, key, lambda: _ds_plan(a, w, out, lut, bs, transpose_w, split))(a, w, out)
 
 
 def _alloc_out(out: torch.Tensor | None, shape: tuple[int, int], like: torch.Tensor,
@@ -496,6 +532,24 @@ def _alloc_out(out: torch.Tensor | None, shape: tuple[int, int], like: torch.Ten
         raise ValueError(f"out: expected {shape} {dtype} on {like.device}, got "
                          f"{tuple(out.shape)} {out.dtype} on {out.device}")
     return out
+
+
+def run_forward(x: torch.Tensor, w: torch.Tensor, luts: BsmmLuts, feature_axis: int = 1,
+                out: torch.Tensor | None = None, split: int | None = None) -> torch.Tensor:
+    """:func:`bsmm_forward` without its argument checks (the op layer checks once, at its boundary)."""
+    n = x.shape[1 - feature_axis]
+    y = out if out is not None else empty((n, luts.K) if feature_axis == 1 else (luts.K, n), x.dtype, x.device)
+    _launch_ds(_rows_view(x, feature_axis), w, _rows_view(y, feature_axis), luts.fwd, luts.block_size, False, split)
+    return y
+
+
+def run_dx(dy: torch.Tensor, w: torch.Tensor, luts: BsmmLuts, feature_axis: int = 1,
+           out: torch.Tensor | None = None, split: int | None = None) -> torch.Tensor:
+    """:func:`bsmm_dx` without its argument checks."""
+    n = dy.shape[1 - feature_axis]
+    dx = out if out is not None else empty((n, luts.C) if feature_axis == 1 else (luts.C, n), dy.dtype, dy.device)
+    _launch_ds(_rows_view(dy, feature_axis), w, _rows_view(dx, feature_axis), luts.bwd, luts.block_size, True, split)
+    return dx
 
 
 def bsmm_forward(x: torch.Tensor, w: torch.Tensor, luts: BsmmLuts, feature_axis: int = 1,
@@ -510,8 +564,7 @@ def bsmm_forward(x: torch.Tensor, w: torch.Tensor, luts: BsmmLuts, feature_axis:
         raise ValueError(f"x: expected {luts.C} features on axis {feature_axis}, got shape {tuple(x.shape)}")
     n = xr.shape[0]
     y = _alloc_out(out, (n, luts.K) if feature_axis == 1 else (luts.K, n), x)
-    _launch_ds(xr, w, _rows_view(y, feature_axis), luts.fwd, luts.block_size, False, split)
-    return y
+    return run_forward(x, w, luts, feature_axis, y, split)
 
 
 def bsmm_dx(dy: torch.Tensor, w: torch.Tensor, luts: BsmmLuts, feature_axis: int = 1,
@@ -523,8 +576,7 @@ def bsmm_dx(dy: torch.Tensor, w: torch.Tensor, luts: BsmmLuts, feature_axis: int
         raise ValueError(f"dy: expected {luts.K} features on axis {feature_axis}, got shape {tuple(dy.shape)}")
     n = dyr.shape[0]
     dx = _alloc_out(out, (n, luts.C) if feature_axis == 1 else (luts.C, n), dy)
-    _launch_ds(dyr, w, _rows_view(dx, feature_axis), luts.bwd, luts.block_size, True, split)
-    return dx
+    return run_dx(dy, w, luts, feature_axis, dx, split)
 
 
 def _check_dw(x: torch.Tensor, dy: torch.Tensor, luts: BsmmLuts, feature_axis: int,
@@ -541,18 +593,12 @@ def _check_dw(x: torch.Tensor, dy: torch.Tensor, luts: BsmmLuts, feature_axis: i
     return xr, dyr
 
 
-def bsmm_dw(x: torch.Tensor, dy: torch.Tensor, luts: BsmmLuts, feature_axis: int = 1,
-            dw_dtype: torch.dtype = torch.float32, out: torch.Tensor | None = None,
-            split: int | None = None) -> torch.Tensor:
-    """dW = Xᵀ·dY on live blocks only; returns (nnz, bs, bs) in dw_dtype (fp32 accumulation).
-
-    x: (N, C) or (C, N); dy: (N, K) or (K, N). split sets how many ways the N reduction is split.
-    """
-    xr, dyr = _check_dw(x, dy, luts, feature_axis, dw_dtype)
+def _dw_plan(x: torch.Tensor, dy: torch.Tensor, xr: torch.Tensor, dyr: torch.Tensor, luts: BsmmLuts,
+             feature_axis: int, dw_dtype: torch.dtype, split: int | None):
     bs, n = luts.block_size, xr.shape[0]
-    dw = _alloc_out(out, (luts.nnz, bs, bs), x, dw_dtype)
+    shape = (luts.nnz, bs, bs)
     if n == 0:
-        return dw.zero_()
+        return lambda x, dy, xr, dyr, dw: dw.zero_()
     cfg = dw_config(bs, x.device)
     trans = feature_axis == 0
     x_src, dy_src = (x, dy) if trans else (xr, dyr)
@@ -560,22 +606,66 @@ def bsmm_dw(x: torch.Tensor, dy: torch.Tensor, luts: BsmmLuts, feature_axis: int
     cols, starts, counts = luts.dw_items(1 if use_tma else cfg.group)
     if split is None:
         split = max(1, min(triton.cdiv(2 * _sm_count(x.device), cols.numel()), triton.cdiv(n, 4 * cfg.block_n)))
-    target = dw if split == 1 else empty((split, luts.nnz, bs, bs), torch.float32, x.device)
     prec = _precision(x.dtype)
+    grid = (cols.numel(), split)
+    blk, fwd = luts.fwd.blk, luts.fwd.idx
+
+    def finish(target, dw):
+        if split > 1:
+            torch.sum(target, dim=0, out=dw) if dw.dtype == torch.float32 else dw.copy_(target.sum(0))
+
+    def workspace(dw):
+        return dw if split == 1 else empty((split,) + shape, torch.float32, x.device)
     if use_tma:
-        blk = [bs, cfg.block_n] if trans else [cfg.block_n, bs]
-        _bsmm_dw_tma_kernel[(cols.numel(), split)](
-            _desc(x_src, blk), _desc(dy_src, blk), _desc(target.view(-1, bs), [bs, bs]),
-            cols, starts, luts.fwd.blk, luts.fwd.idx, n, luts.nnz, split,
-            BS=bs, BLOCK_N=cfg.block_n, TRANS=trans, PRECISION=prec, num_warps=cfg.warps,
-            num_stages=_fit_stages(cfg.stages, 2 * bs * cfg.block_n * x.element_size()))
-    else:
-        _bsmm_dw_kernel[(cols.numel(), split)](
-            xr, dyr, target, cols, starts, counts, luts.fwd.blk, luts.fwd.idx,
-            n, split, xr.stride(0), xr.stride(1), dyr.stride(0), dyr.stride(1),
-            target.stride(0) if split > 1 else 0,
-            BS=bs, BS_PAD=max(bs, 16), G=cfg.group, BLOCK_N=cfg.block_n, PRECISION=prec, num_warps=cfg.warps,
-            num_stages=_fit_stages(cfg.stages, (cfg.group * bs + max(bs, 16)) * cfg.block_n * x.element_size()))
-    if split > 1:
-        torch.sum(target, dim=0, out=dw) if dw.dtype == torch.float32 else dw.copy_(target.sum(0))
+        blk_shape = [bs, cfg.block_n] if trans else [cfg.block_n, bs]
+        x_t, dy_t = _template(x_src, blk_shape), _template(dy_src, blk_shape)
+        dw_t = _template(empty((split * luts.nnz * bs, bs), dw_dtype if split == 1 else torch.float32, x.device),
+                         [bs, bs])
+        launch = Launch(_bsmm_dw_tma_kernel, grid, x.device,
+                        dict(BS=bs, BLOCK_N=cfg.block_n, TRANS=trans, PRECISION=prec), num_warps=cfg.warps,
+                        num_stages=_fit_stages(cfg.stages, 2 * bs * cfg.block_n * x.element_size()))
+
+        def run_tma(x, dy, xr, dyr, dw):
+            target = workspace(dw)
+            x_src, dy_src = (x, dy) if trans else (xr, dyr)
+            launch(_desc_like(x_t, x_src), _desc_like(dy_t, dy_src), _desc_like(dw_t, target.view(-1, bs)),
+                   cols, starts, blk, fwd, n, luts.nnz, split)
+            finish(target, dw)
+        return run_tma
+    launch = Launch(_bsmm_dw_kernel, grid, x.device,
+                    dict(BS=bs, BS_PAD=max(bs, 16), G=cfg.group, BLOCK_N=cfg.block_n, PRECISION=prec),
+                    num_warps=cfg.warps,
+                    num_stages=_fit_stages(cfg.stages, (cfg.group * bs + max(bs, 16)) * cfg.block_n * x.element_size()))
+    ints = (n, split, xr.stride(0), xr.stride(1), dyr.stride(0), dyr.stride(1), luts.nnz * bs * bs if split > 1 else 0)
+
+    def run(x, dy, xr, dyr, dw):
+        target = workspace(dw)
+        launch(xr, dyr, target, cols, starts, counts, blk, fwd, *ints)
+        finish(target, dw)
+    return run
+
+
+def run_dw(x: torch.Tensor, dy: torch.Tensor, luts: BsmmLuts, feature_axis: int = 1,
+           dw_dtype: torch.dtype = torch.float32, out: torch.Tensor | None = None,
+           split: int | None = None) -> torch.Tensor:
+    """:func:`bsmm_dw` without its argument checks (the op layer checks once, at its boundary)."""
+    xr, dyr = _rows_view(x, feature_axis), _rows_view(dy, feature_axis)
+    bs = luts.block_size
+    dw = out if out is not None else empty((luts.nnz, bs, bs), dw_dtype, x.device)
+    key = (xr.shape[0], x.dtype, x.stride(0), x.stride(1), dy.stride(0), dy.stride(1), feature_axis, dw_dtype,
+           split, aligned(x, dy), x.device)
+    plan(luts.dw_plans, key, lambda: _dw_plan(x, dy, xr, dyr, luts, feature_axis, dw_dtype, split))(x, dy, xr, dyr, dw)
     return dw
+
+
+def bsmm_dw(x: torch.Tensor, dy: torch.Tensor, luts: BsmmLuts, feature_axis: int = 1,
+            dw_dtype: torch.dtype = torch.float32, out: torch.Tensor | None = None,
+            split: int | None = None) -> torch.Tensor:
+    """dW = Xᵀ·dY on live blocks only; returns (nnz, bs, bs) in dw_dtype (fp32 accumulation).
+
+    x: (N, C) or (C, N); dy: (N, K) or (K, N). split sets how many ways the N reduction is split.
+    """
+    _check_dw(x, dy, luts, feature_axis, dw_dtype)
+    bs = luts.block_size
+    dw = _alloc_out(out, (luts.nnz, bs, bs), x, dw_dtype)
+    return run_dw(x, dy, luts, feature_axis, dw_dtype, dw, split)

@@ -12,6 +12,7 @@ import triton
 import triton.language as tl
 
 from bstrain.kernels.alloc import empty, empty_like
+from bstrain.kernels.launch import Launch, aligned, plan
 from bstrain.kernels.matmul import _sm_count
 
 MAX_SEGMENT = 8192  # features per segment the one-tile kernel handles
@@ -189,34 +190,57 @@ def _geometry(x: torch.Tensor, axis: int, segments: int):
     return n_groups, seg_size, stride_g, stride_f, block_g, max(2, TILE // block_g), True, 8
 
 
+_PLANS: dict = {}
+
+
+def _fwd_plan(x, axis: int, eps: float, relu: bool, segments: int):
+    n_groups, seg_size, sg, sf, block_g, ks, looped, warps = _geometry(x, axis, segments)
+    if not n_groups:
+        return None
+    kernel = _layer_norm_fwd_loop_kernel if looped else _layer_norm_fwd_kernel
+    tile = dict(FCHUNK=ks) if looped else dict(KS=ks)
+    launch = Launch(kernel, (triton.cdiv(n_groups, block_g), segments), x.device,
+                    dict(RELU=relu, BLOCK_G=block_g, **tile), num_warps=warps)
+    ints = (n_groups, segments, seg_size, sg, sf, float(eps))
+    return lambda x, g, b, y, mean, rstd: launch(x, g, b, y, mean, rstd, *ints)
+
+
 def layer_norm_forward(x, g, b, axis: int, eps: float, relu: bool, segments: int):
     """x: contiguous (N, C) for axis=1 or (C, N) for axis=0; g, b: (C,). Returns (y like x, mean (groups, segments) fp32, rstd (groups, segments) fp32)."""
-    n_groups, seg_size, sg, sf, block_g, ks, looped, warps = _geometry(x, axis, segments)
     y = empty_like(x)
+    n_groups = x.shape[1 - axis]
     mean = empty((n_groups, segments), torch.float32, x.device)
-    rstd = empty_like(mean)
-    grid = (triton.cdiv(n_groups, block_g), segments)
-    if n_groups and looped:
-        _layer_norm_fwd_loop_kernel[grid](x, g, b, y, mean, rstd, n_groups, segments, seg_size, sg, sf,
-                                          float(eps), RELU=relu, BLOCK_G=block_g, FCHUNK=ks, num_warps=warps)
-    elif n_groups:
-        _layer_norm_fwd_kernel[grid](x, g, b, y, mean, rstd, n_groups, segments, seg_size, sg, sf, float(eps),
-                                     RELU=relu, BLOCK_G=block_g, KS=ks, num_warps=warps)
+    rstd = empty((n_groups, segments), torch.float32, x.device)
+    key = ("fwd", tuple(x.shape), x.stride(0), x.stride(1), x.dtype, g.dtype, b.dtype, axis, eps, relu, segments,
+           aligned(x, g, b), x.device)
+    run = plan(_PLANS, key, lambda: _fwd_plan(x, axis, eps, relu, segments))
+    if run is not None:
+        run(x, g, b, y, mean, rstd)
     return y, mean, rstd
+
+
+def _bwd_plan(x, axis: int, relu: bool, segments: int):
+    n_groups, seg_size, sg, sf, block_g, ks, looped, warps = _geometry(x, axis, segments)
+    C = x.shape[axis]
+    n_prog = triton.cdiv(n_groups, block_g)
+    kernel = _layer_norm_bwd_loop_kernel if looped else _layer_norm_bwd_kernel
+    tile = dict(FCHUNK=ks) if looped else dict(KS=ks)
+    launch = Launch(kernel, (n_prog, segments), x.device, dict(RELU=relu, BLOCK_G=block_g, **tile), num_warps=warps)
+    ints = (n_groups, segments, seg_size, C, sg, sf)
+
+    def run(dy, x, g, b, mean, rstd, dx):
+        parts = empty((2, n_prog, C), torch.float32, x.device)   # dg, db per program
+        if n_groups:
+            launch(x, g, b, dy, dx, mean, rstd, parts[0], parts[1], *ints)
+        return parts.sum(1)                                       # one reduction for both
+    return run
 
 
 def layer_norm_backward(dy, x, g, b, mean, rstd, axis: int, relu: bool, segments: int):
     """dy, x: contiguous, same shape. Returns (dx like x, dg (C,), db (C,)) with dg/db in g's dtype."""
-    n_groups, seg_size, sg, sf, block_g, ks, looped, warps = _geometry(x, axis, segments)
-    C = x.shape[axis]
     dx = empty_like(x)
-    n_prog = triton.cdiv(n_groups, block_g)
-    parts = empty((2, n_prog, C), torch.float32, x.device)   # dg, db per program
-    dg_part, db_part = parts[0], parts[1]
-    kernel = _layer_norm_bwd_loop_kernel if looped else _layer_norm_bwd_kernel
-    tile = dict(FCHUNK=ks) if looped else dict(KS=ks)
-    if n_groups:
-        kernel[(n_prog, segments)](x, g, b, dy, dx, mean, rstd, dg_part, db_part, n_groups, segments, seg_size, C,
-                                   sg, sf, RELU=relu, BLOCK_G=block_g, num_warps=warps, **tile)
-    sums = parts.sum(1)                                                           # one reduction for both
+    key = ("bwd", tuple(x.shape), x.stride(0), x.stride(1), dy.stride(0), dy.stride(1), x.dtype, dy.dtype, g.dtype,
+           b.dtype, axis,
+           relu, segments, aligned(x, g, b, dy), x.device)
+    sums = plan(_PLANS, key, lambda: _bwd_plan(x, axis, relu, segments))(dy, x, g, b, mean, rstd, dx)
     return dx, sums[0].to(g.dtype), sums[1].to(b.dtype)

@@ -100,11 +100,12 @@ class BlockSparseLinear(nn.Module):
         For weights applied at many timesteps (recurrent weights): wrap the time loop, then call
         backward as usual; W.grad equals the ungrouped result. group_size <= 1 is a no-op when
         gradients are on. Without autograd (evaluation, sampling) there is no dW to group, and the
-        context only casts the weight once for all its calls instead of at each call.
+        context only casts the weight once for all its calls instead of at each call. Under
+        torch.compile the context does nothing: autograd's graph computes each call's dW.
         """
         grad = torch.is_grad_enabled()
         group_size = self.group_size if group_size is None else group_size
-        if self._group is not None or (grad and group_size <= 1):
+        if self._group is not None or (grad and group_size <= 1) or torch.compiler.is_compiling():
             yield None
             return
         group = self.op.grad_group(group_size) if grad else None

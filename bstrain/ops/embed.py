@@ -43,4 +43,6 @@ def embedding_lookup(emb: torch.Tensor, idx: torch.Tensor, sort_grad: bool = Tru
                          f"{getattr(emb, 'shape', type(emb).__name__)}")
     if isinstance(idx, torch.Tensor) and idx.device != emb.device:
         raise ValueError(f"idx: expected device {emb.device} (as emb), got {idx.device}")
-    return _EmbeddingLookup.apply(emb, as_index("idx", idx, emb.shape[0]))
+    # contiguous: a strided index (e.g. x.t()) makes eager and meta strides of emb[idx] disagree
+    # under torch.compile
+    return _EmbeddingLookup.apply(emb, as_index("idx", idx, emb.shape[0]).contiguous())

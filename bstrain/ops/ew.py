@@ -15,6 +15,8 @@ import os
 import torch
 import torch.nn.functional as F
 
+from bstrain.ops.library import eager
+
 __all__ = [
     "add", "multiply", "subtract", "divide", "maximum", "minimum", "negative", "reciprocal", "square",
     "sqrt", "exp", "log", "sigmoid", "tanh", "relu", "elu", "gelu", "fast_gelu", "swish", "bias_relu",
@@ -36,9 +38,19 @@ def _use_kernel(*tensors: torch.Tensor) -> bool:
     return os.environ.get("BSTRAIN_FORCE_TRITON") == "1" and os.environ.get("TRITON_INTERPRET") == "1"
 
 
+_DTYPE_BOUND = {torch.uint8: 256, torch.uint16: 65536}
+
+
 def check_index_range(name: str, idx: torch.Tensor, n: int) -> None:
-    """ValueError unless every value of ``idx`` lies in [0, n). One host sync; skipped while a CUDA
-    graph is being captured (the values are not known then)."""
+    """ValueError unless every value of ``idx`` lies in [0, n).
+
+    One host sync on CUDA, so it is skipped where the values cannot be read: while a CUDA graph
+    is captured, and while tracing (torch.compile, export; the indexing op then asserts on the
+    device). :func:`as_index` skips it for dtypes whose every value is below n (bytes into a
+    256-row table).
+    """
+    if not eager(idx):
+        return
     if idx.numel() and not (idx.is_cuda and torch.cuda.is_current_stream_capturing()):
         lo, hi = torch.stack(torch.aminmax(idx)).tolist()
         if lo < 0 or hi >= n:
@@ -87,9 +99,9 @@ def as_index(name: str, idx, n: int) -> torch.Tensor:
     if not isinstance(idx, torch.Tensor) or idx.dtype not in INDEX_DTYPES:
         raise TypeError(f"{name}: expected an int64, int32, int16, uint16 or uint8 tensor, got "
                         f"{getattr(idx, 'dtype', type(idx).__name__)}")
-    idx = idx.long()
-    check_index_range(name, idx, n)
-    return idx
+    if _DTYPE_BOUND.get(idx.dtype, n + 1) > n:          # else every value of the dtype is in range
+        check_index_range(name, idx.long(), n)
+    return idx.long()
 
 
 def _check_same(names: tuple[str, ...], *xs: torch.Tensor) -> None:
@@ -278,8 +290,12 @@ def fused_lstm_gates(c: torch.Tensor, *args: torch.Tensor, bias: torch.Tensor | 
     else:
         raise ValueError(f"args: expected one (N, 4K) gate tensor or four (N, K) tensors i, u, f, o, "
                          f"got {len(args)} tensors")
-    if _use_kernel(c):
-        return _LstmGates.apply(c, bias, float(forget_bias), *gates)           # the kernel adds the bias
+    if _use_kernel(c):                                                       # the kernel adds the bias
+        if eager(c):
+            return _LstmGates.apply(c, bias, float(forget_bias), *gates)
+        c, *gates = (t if t.stride(1) == 1 else t.contiguous() for t in (c, *gates))
+        return torch.ops.bstrain.lstm_gates(c, *gates, bias.contiguous() if bias is not None else None,
+                                            float(forget_bias))
     if bias is not None:
         gates = (args[0] + bias).chunk(4, dim=1)                             # fp32 with an fp32 bias
     elif c.dtype in _HALF:
@@ -296,7 +312,7 @@ class _LstmGates(torch.autograd.Function):
         bias = bias.contiguous() if bias is not None else None
         ctx.save_for_backward(c, bias, i, u, f, o)
         ctx.forget_bias = forget_bias
-        return lstm_gates_forward(c, i, u, f, o, bias, forget_bias)
+        return lstm_gates_forward(c, i, u, f, o, bias, forget_bias, check=False)
 
     @staticmethod
     def backward(ctx, dc_new, dh_new):
@@ -304,7 +320,7 @@ class _LstmGates(torch.autograd.Function):
         c, bias, i, u, f, o = ctx.saved_tensors
         if dh_new is None:
             dh_new = torch.zeros_like(c)
-        dc, dg = lstm_gates_backward(c, i, u, f, o, dc_new, dh_new, bias, ctx.forget_bias)
+        dc, dg = lstm_gates_backward(c, i, u, f, o, dc_new, dh_new, bias, ctx.forget_bias, check=False)
         dbias = dg.sum(0, dtype=torch.float32).to(bias.dtype) if bias is not None and ctx.needs_input_grad[1] else None
         return (dc, dbias, None) + tuple(dg.chunk(4, dim=1))
 

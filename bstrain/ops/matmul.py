@@ -19,6 +19,7 @@ import numpy as np
 import torch
 
 from bstrain.layout import as_layout
+from bstrain.ops.library import eager, register_layout
 from bstrain.ops.proj import SparseProj  # noqa: F401  (the seed exports it from matmul)
 
 BLOCK_SIZES = (8, 16, 32, 64, 128)
@@ -113,26 +114,31 @@ def _autocast_input(I: torch.Tensor) -> torch.Tensor:
     return I.to(compute_dtype(I))
 
 
+def _as(w: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """w in ``dtype``, contiguous: fp32 master weights meet 16-bit activations."""
+    return (w if w.dtype == dtype else w.to(dtype)).contiguous()
+
+
 class _BlocksparseMatMulFn(torch.autograd.Function):
+    """The eager path: the launchers of torch.ops.bstrain.bsmm and its backward, without the
+    dispatcher's round trip (bstrain.ops.library)."""
+
     @staticmethod
-    def forward(ctx, x, w, op, dw_dtype):
-        from bstrain.kernels import matmul as kernels
-        luts = op.luts(x.device)
-        wk = w.to(x.dtype).contiguous()           # fp32 master weights meet 16-bit activations
+    def forward(ctx, x, w, luts, axis, dw_dtype):
+        from bstrain.kernels.matmul import run_forward
+        wk = _as(w, x.dtype)
         ctx.save_for_backward(x, wk)
-        ctx.op, ctx.dw_dtype = op, dw_dtype
-        return kernels.bsmm_forward(x, wk, luts, op.feature_axis)
+        ctx.luts, ctx.axis, ctx.dw_dtype = luts, axis, dw_dtype
+        return run_forward(x, wk, luts, axis)
 
     @staticmethod
     def backward(ctx, dy):
-        from bstrain.kernels import matmul as kernels
+        from bstrain.kernels.matmul import run_dw, run_dx
         x, wk = ctx.saved_tensors
-        op = ctx.op
-        luts = op.luts(x.device)
         dy = dy.to(x.dtype)
-        dx = kernels.bsmm_dx(dy, wk, luts, op.feature_axis) if ctx.needs_input_grad[0] else None
-        dw = kernels.bsmm_dw(x, dy, luts, op.feature_axis, ctx.dw_dtype) if ctx.needs_input_grad[1] else None
-        return dx, dw, None, None
+        dx = run_dx(dy, wk, ctx.luts, ctx.axis) if ctx.needs_input_grad[0] else None
+        dw = run_dw(x, dy, ctx.luts, ctx.axis, ctx.dw_dtype) if ctx.needs_input_grad[1] else None
+        return dx, dw, None, None, None
 
 
 class BlocksparseMatMul:
@@ -158,10 +164,10 @@ class BlocksparseMatMul:
         self.backend = backend
         cb, kb = self.layout.shape
         self.C, self.K = cb * self.block_size, kb * self.block_size
-        c_idx, k_idx = np.nonzero(self.layout)                   # row-major block order
-        self.blocks = int(c_idx.size)
-        self._coords = torch.as_tensor(np.stack([c_idx, k_idx]), dtype=torch.int64)  # (2, nnz)
-        self._luts: dict = {}                                     # device -> BsmmLuts
+        # the layout's name for torch.ops.bstrain.*, and its lookup tables (shared by equal layouts)
+        self.key, self._tables = register_layout(self.layout, self.block_size)
+        self.blocks = self._tables.blocks
+        self._coords = self._tables.coords                        # (2, nnz), row-major block order
         self._ref_idx: dict = {}                                  # device -> (c_idx, k_idx)
 
     # --- shapes ---------------------------------------------------------------------------
@@ -283,15 +289,12 @@ class BlocksparseMatMul:
 
     # --- apply -----------------------------------------------------------------------------
     def luts(self, device: torch.device | str):
-        """Kernel lookup tables on ``device``, built on first use and cached."""
-        from bstrain.kernels.matmul import make_luts
+        """Kernel lookup tables on ``device``, built on first use and cached (never while tracing)."""
         device = torch.device(device)
-        if device in self._luts:
-            return self._luts[device]
-        luts = make_luts(self.layout, self.block_size, device)
-        if not tracing(luts.fwd.ptr):
-            self._luts[device] = luts
-        return luts
+        if torch.compiler.is_compiling():
+            from bstrain.kernels.matmul import make_luts
+            return make_luts(self.layout, self.block_size, device)
+        return self._tables.luts(device)
 
     def _ref_coords(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         """(c_idx, k_idx) on ``device`` for the PyTorch path; cached, except while tracing."""
@@ -365,7 +368,14 @@ class BlocksparseMatMul:
         if self._use_kernels(X):
             if dw_dtype == torch.float64:
                 raise TypeError("dw_dtype: the Triton backend writes float32, float16 or bfloat16, got float64")
-            return self._from_2d(_BlocksparseMatMulFn.apply(X, W, self, dw_dtype), I)
+            if not eager(X):
+                Y = torch.ops.bstrain.bsmm(X, W, self.key, self.feature_axis, dw_dtype)
+            elif torch.is_grad_enabled() and (X.requires_grad or W.requires_grad):
+                Y = _BlocksparseMatMulFn.apply(X, W, self._tables.luts(X.device), self.feature_axis, dw_dtype)
+            else:
+                from bstrain.kernels.matmul import run_forward
+                Y = run_forward(X, _as(W, X.dtype), self._tables.luts(X.device), self.feature_axis)
+            return self._from_2d(Y, I)
         c_idx, k_idx = self._ref_coords(X.device)
         return self._from_2d(bsmm_ref(X, W.to(X.dtype), c_idx, k_idx, self.K, self.feature_axis), I)
 
@@ -374,16 +384,20 @@ class BlocksparseMatMul:
     def forward_raw(self, I: torch.Tensor, W: torch.Tensor) -> torch.Tensor:
         """Y = I·W without autograd; W in I's dtype."""
         if self._use_kernels(I):
+            if not eager(I):
+                return torch.ops.bstrain.bsmm(I, W, self.key, self.feature_axis, W.dtype)
             from bstrain.kernels import matmul as kernels
-            return kernels.bsmm_forward(I, W, self.luts(I.device), self.feature_axis)
+            return kernels.run_forward(I, _as(W, I.dtype), self._tables.luts(I.device), self.feature_axis)
         c_idx, k_idx = self._ref_coords(I.device)
         return bsmm_ref(I, W, c_idx, k_idx, self.K, self.feature_axis)
 
     def dx(self, dY: torch.Tensor, W: torch.Tensor) -> torch.Tensor:
         """dX = dY·Wᵀ without autograd."""
         if self._use_kernels(dY):
+            if not eager(dY):
+                return torch.ops.bstrain.bsmm_dx(dY, W, self.key, self.feature_axis)
             from bstrain.kernels import matmul as kernels
-            return kernels.bsmm_dx(dY, W, self.luts(dY.device), self.feature_axis)
+            return kernels.run_dx(dY, _as(W, dY.dtype), self._tables.luts(dY.device), self.feature_axis)
         c_idx, k_idx = self._ref_coords(dY.device)
         return bsmm_dx_ref(dY, W, c_idx, k_idx, self.C, self.feature_axis)
 
@@ -392,8 +406,10 @@ class BlocksparseMatMul:
         or fp64 for fp64 inputs)."""
         dw_dtype = dw_dtype or (torch.float64 if I.dtype == torch.float64 else torch.float32)
         if self._use_kernels(I):
+            if not eager(I):
+                return torch.ops.bstrain.bsmm_dw(I, dY, self.key, self.feature_axis, dw_dtype)
             from bstrain.kernels import matmul as kernels
-            return kernels.bsmm_dw(I, dY, self.luts(I.device), self.feature_axis, dw_dtype)
+            return kernels.run_dw(I, dY.to(I.dtype), self._tables.luts(I.device), self.feature_axis, dw_dtype)
         c_idx, k_idx = self._ref_coords(I.device)
         return bsmm_dw_ref(I, dY, c_idx, k_idx, self.block_size, self.feature_axis).to(dw_dtype)
 
@@ -412,6 +428,8 @@ class BlocksparseMatMul:
         if dtype is None:
             dev = W.device.type
             dtype = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else W.dtype
+        if not eager(W.detach()):                  # traced: no deferred dW; autograd sums the steps
+            return W.to(dtype)
         return _GroupedWeight.apply(W, group, dtype)
 
     def grouped(self, I: torch.Tensor, W_grouped: torch.Tensor, group: "GradGroup") -> torch.Tensor:
@@ -420,6 +438,8 @@ class BlocksparseMatMul:
         dX is computed at once in backward; dW is computed for up to group.group_size timesteps
         per launch and handed to W when the backward pass reaches the weight.
         """
+        if not eager(I):
+            return self(I, W_grouped)
         self._check_call(I, W_grouped, torch.float32)
         I = _autocast_input(I)
         return self._from_2d(_StepMatMul.apply(self._as_2d(I), W_grouped, group), I)

@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from bstrain.ops.ew import _check_tensor, _use_kernel, check_axis, check_param
+from bstrain.ops.library import eager
 
 __all__ = ["layer_norm", "layer_norm_ref", "batch_norm", "batch_norm_inference"]
 
@@ -71,7 +72,10 @@ def _layer_norm_2d(x, g, b, axis: int, epsilon: float, relu: bool, segments: int
     if _use_kernel(x):
         from bstrain.kernels.norms import MAX_SEGMENT
         if x.shape[axis] // segments <= MAX_SEGMENT:
-            return _LayerNorm.apply(x, g, b, axis, float(epsilon), bool(relu), segments)
+            if eager(x):
+                return _LayerNorm.apply(x, g, b, axis, float(epsilon), bool(relu), segments)
+            return torch.ops.bstrain.layer_norm(x.contiguous(), g.contiguous(), b.contiguous(), axis, float(epsilon),
+                                                bool(relu), segments)[0]
     return layer_norm_ref(x, g, b, axis, epsilon, relu, segments)
 
 

@@ -67,7 +67,7 @@ def test_two_weights_share_one_layout():
     for w, y in ((w1, y1), (w2, y2)):
         wd = dense_weight(op.layout, w)
         assert_close(y, x.double().cpu() @ wd, torch_mm(x.double().cpu(), wd, torch.float32), torch.float32)
-    assert len(op._luts) == 1, "lookup tables must be built once per device"
+    assert len(op._tables._luts) == 1, "lookup tables must be built once per device"
 
 
 def test_master_weights_fp32_with_fp16_activations():

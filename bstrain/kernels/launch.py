@@ -1,0 +1,89 @@
+"""Cheap launches of compiled Triton kernels.
+
+``kernel[grid](*args, **meta)`` binds and specialises every argument, hashes a cache key and looks
+the compiled kernel up on each call: about 10 µs of Python per launch, which at small sizes is
+longer than the kernel runs. A :class:`Launch` does that once. Its first call goes through the
+JIT (compiling if needed) and keeps the compiled kernel; later calls hand the runtime arguments
+straight to the compiled kernel's launcher, as ``CompiledKernel.__getitem__`` does.
+
+A Launch is valid only for arguments the kernel was specialised for: the same dtypes, the same
+16-byte alignment of every pointer and the same integer values (the JIT specialises integers
+equal to 1 and multiples of 16). Launchers therefore keep one Launch per key of those
+properties, stored on the lookup tables they belong to (:func:`plan`).
+
+Falls back to the JIT on every call under the interpreter (CPU tensors), while a launch hook is
+set (profilers), on a device other than the current one, or when ``BSTRAIN_FAST_LAUNCH=0``.
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+
+_ENABLED = os.environ.get("BSTRAIN_FAST_LAUNCH", "1") != "0"
+_INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+MAX_PLANS = 512            # per cache: shapes past this (ragged batches) evict the oldest
+stats = {"direct": 0, "jit": 0}   # launches by path (tests check that the direct path is taken)
+
+
+def _hooks():
+    import triton
+    knobs = getattr(triton, "knobs", None)
+    if knobs is None:
+        return True                    # an older triton: always go through the JIT
+    rt = knobs.runtime
+    return rt.launch_enter_hook is not None or rt.launch_exit_hook is not None
+
+
+class Launch:
+    """One kernel with a fixed grid, compile-time values and options.
+
+    ``launch(*args)`` takes the kernel's runtime arguments in signature order; the compile-time
+    (constexpr) parameters must all come after them in the kernel's signature.
+    """
+
+    __slots__ = ("kernel", "grid", "consts", "const_vals", "options", "device", "_run", "_fn", "_meta")
+
+    def __init__(self, kernel, grid: tuple[int, ...], device: torch.device, consts: dict, **options):
+        names = kernel.arg_names
+        first_const = min(names.index(k) for k in consts) if consts else len(names)
+        if any(n not in consts for n in names[first_const:]):
+            raise TypeError(f"{kernel.__name__}: constexpr parameters must come last to be launched directly")
+        self.kernel, self.consts, self.options = kernel, consts, options
+        self.grid = tuple(grid) + (1,) * (3 - len(grid))
+        self.const_vals = tuple(consts[n] for n in names[first_const:])
+        self.device = device
+        self._run = None
+
+    def __call__(self, *args) -> None:
+        run = self._run
+        if run is not None and torch.cuda.current_device() == self.device.index and not _hooks():
+            g = self.grid
+            run(g[0], g[1], g[2], torch._C._cuda_getCurrentRawStream(self.device.index), self._fn, self._meta,
+                None, None, None, *args, *self.const_vals)
+            stats["direct"] += 1
+            return
+        stats["jit"] += 1
+        compiled = self.kernel[self.grid](*args, **self.consts, **self.options)
+        if (self._run is None and _ENABLED and not _INTERPRET and self.device.type == "cuda"
+                and torch.cuda.current_device() == self.device.index):
+            self._run, self._fn, self._meta = compiled.run, compiled.function, compiled.packed_metadata
+
+
+def aligned(*tensors: torch.Tensor) -> int:
+    """A bit per tensor: its data pointer is a multiple of 16 bytes (what the JIT specialises on)."""
+    bits = 0
+    for i, t in enumerate(tensors):
+        if t.data_ptr() % 16 == 0:
+            bits |= 1 << i
+    return bits
+
+
+def plan(cache: dict, key, make):
+    """``cache[key]``, made by ``make()`` on a miss; the cache keeps at most MAX_PLANS entries."""
+    p = cache.get(key)
+    if p is None:
+        if len(cache) >= MAX_PLANS:
+            cache.pop(next(iter(cache)))
+        p = cache[key] = make()
+    return p

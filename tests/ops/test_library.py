@@ -1,0 +1,285 @@
+"""torch.ops.bstrain.*: registration (opcheck), fake tensors, autograd, and torch.compile through them.
+
+On CPU the ops run their PyTorch references; on the GPU the Triton kernels. The compile tests
+force the kernel path on CPU (``backend="triton"``, BSTRAIN_FORCE_TRITON) so that the traced
+graph holds the custom ops, which then run their CPU references.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import bstrain.ops.library  # noqa: F401  (registers the ops)
+from bstrain.models.layers import BlockSparseLinear
+from bstrain.ops.ew import fused_lstm_gates_ref
+from bstrain.ops.matmul import BlocksparseMatMul
+from bstrain.ops.norms import layer_norm_ref
+from tests.conftest import assert_close, fresh_seed
+from tests.kernels.test_matmul import dense_weight, ragged_layout
+
+OPS = torch.ops.bstrain
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+
+
+def _rand(*shape, device="cpu", dtype=torch.float32, grad=False):
+    return torch.randn(*shape, device=device, dtype=dtype).requires_grad_(grad)
+
+
+# --- opcheck: schema, fake tensors, autograd registration, AOT dispatch -----------------------------
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("axis", [0, 1])
+def test_opcheck_bsmm_family(device, axis):
+    op = BlocksparseMatMul(ragged_layout(3, 4, seed=fresh_seed()), 16, axis)
+    for grad in (False, True):
+        x = _rand(*op.i_shape(5), device=device, grad=grad)
+        w = _rand(*op.w_shape, device=device, grad=grad)
+        dy = _rand(*op.o_shape(5), device=device, grad=grad)
+        torch.library.opcheck(OPS.bsmm.default, (x, w, op.key, axis, torch.float32))
+        torch.library.opcheck(OPS.bsmm_dx.default, (dy, w, op.key, axis))
+        torch.library.opcheck(OPS.bsmm_dw.default, (x, dy, op.key, axis, torch.float32))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("axis,relu,segments", [(1, False, 1), (1, True, 4), (0, False, 2)])
+def test_opcheck_layer_norm(device, axis, relu, segments):
+    shape = (6, 32) if axis == 1 else (32, 6)
+    x = _rand(*shape, device=device, grad=True)
+    g = (1 + 0.1 * _rand(32, device=device)).requires_grad_()
+    b = _rand(32, device=device, grad=True)
+    torch.library.opcheck(OPS.layer_norm.default, (x, g, b, axis, 1e-5, relu, segments))
+    y, mean, rstd = OPS.layer_norm(x.detach(), g.detach(), b.detach(), axis, 1e-5, relu, segments)
+    torch.library.opcheck(OPS.layer_norm_bwd.default,
+                          (torch.randn_like(y), x.detach(), g.detach(), b.detach(), mean, rstd, axis, relu, segments))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("bias", [False, True])
+def test_opcheck_lstm_gates(device, bias):
+    h = _rand(5, 4 * 16, device=device, grad=True)
+    c = _rand(5, 16, device=device, grad=True)
+    b = _rand(4 * 16, device=device, grad=True) if bias else None
+    i, u, f, o = h.chunk(4, dim=1)
+    torch.library.opcheck(OPS.lstm_gates.default, (c, i, u, f, o, b, 1.0))
+    d = [torch.randn_like(c) for _ in range(2)]
+    args = (c.detach(), *(t.detach() for t in (i, u, f, o)), None if b is None else b.detach())
+    torch.library.opcheck(OPS.lstm_gates_bwd.default, (*args, d[0], d[1], 1.0))
+    torch.library.opcheck(OPS.lstm_gates_bwd.default, (*args, None, d[1], 1.0))
+
+
+# --- the ops' numbers against float64 references (CPU: the references; GPU: the kernels) ----------
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("axis", [0, 1])
+def test_bsmm_ops_and_their_gradients_match_float64(device, axis):
+    op = BlocksparseMatMul(ragged_layout(4, 3, seed=fresh_seed()), 16, axis)
+    x, w = _rand(*op.i_shape(7), device=device, grad=True), _rand(*op.w_shape, device=device, grad=True)
+    y = OPS.bsmm(x, w, op.key, axis, torch.float32)
+    wd = dense_weight(op.layout, w.detach())
+    xr = (x if axis == 1 else x.t()).detach().double().cpu()
+    yr = y if axis == 1 else y.t()
+    assert_close(yr, xr @ wd, None, torch.float32, "y")
+    dy = torch.randn_like(y)
+    dyr = (dy if axis == 1 else dy.t()).double().cpu()
+    (dx, dw) = torch.autograd.grad(y, (x, w), dy, create_graph=True)
+    assert_close(dx if axis == 1 else dx.t(), dyr @ wd.t(), None, torch.float32, "dx")
+    mask = dense_weight(op.layout, torch.ones_like(w)) != 0
+    assert_close(dense_weight(op.layout, dw.detach()), (xr.t() @ dyr) * mask, None, torch.float32, "dw")
+    # second order, through the registered gradients of bsmm_dx and bsmm_dw: d/dw of <dx, g>
+    g = torch.randn_like(dx)
+    gw, = torch.autograd.grad(dx, w, g)
+    gr = (g if axis == 1 else g.t()).double().cpu()
+    assert_close(dense_weight(op.layout, gw), (gr.t() @ dyr) * mask, None, torch.float32, "d2w")
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("axis,relu,segments", [(1, False, 1), (1, True, 4), (0, True, 2)])
+def test_layer_norm_op_matches_float64(device, axis, relu, segments):
+    shape = (9, 48) if axis == 1 else (48, 9)
+    x = _rand(*shape, device=device, grad=True)
+    g, b = (1 + 0.2 * _rand(48, device=device)).requires_grad_(), _rand(48, device=device, grad=True)
+    y, mean, rstd = OPS.layer_norm(x, g, b, axis, 1e-5, relu, segments)
+    x64, g64, b64 = (t.detach().double().cpu().requires_grad_() for t in (x, g, b))
+    y64 = layer_norm_ref(x64, g64, b64, axis, 1e-5, relu, segments)
+    assert_close(y, y64, None, torch.float32, "y")
+    dy = torch.randn_like(y)
+    got = torch.autograd.grad(y, (x, g, b), dy)
+    want = torch.autograd.grad(y64, (x64, g64, b64), dy.double().cpu())
+    for name, a, r in zip(("dx", "dg", "db"), got, want):
+        assert_close(a, r, None, torch.float32, name)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("bias", [False, True])
+def test_lstm_gates_op_matches_float64(device, bias):
+    h, c = _rand(6, 4 * 24, device=device, grad=True), _rand(6, 24, device=device, grad=True)
+    b = _rand(4 * 24, device=device, grad=True) if bias else None
+    cn, hn = OPS.lstm_gates(c, *h.chunk(4, dim=1), b, 1.0)
+    h64, c64 = (t.detach().double().cpu().requires_grad_() for t in (h, c))
+    b64 = b.detach().double().cpu().requires_grad_() if bias else None
+    gates = (h64 + b64 if bias else h64).chunk(4, dim=1)
+    cn64, hn64 = fused_lstm_gates_ref(c64, *gates, forget_bias=1.0)
+    assert_close(cn, cn64, None, torch.float32, "new_c")
+    assert_close(hn, hn64, None, torch.float32, "new_h")
+    dc, dh = torch.randn_like(cn), torch.randn_like(hn)
+    inputs, inputs64 = [h, c] + ([b] if bias else []), [h64, c64] + ([b64] if bias else [])
+    got = torch.autograd.grad((cn, hn), inputs, (dc, dh))
+    want = torch.autograd.grad((cn64, hn64), inputs64, (dc.double().cpu(), dh.double().cpu()))
+    for name, a, r in zip(("dh", "dc", "dbias"), got, want):
+        assert_close(a, r, None, torch.float32, name)
+    # only new_c used: new_h's gradient arrives as None
+    got = torch.autograd.grad(OPS.lstm_gates(c, *h.chunk(4, dim=1), b, 1.0)[0], h, dc)[0]
+    want = torch.autograd.grad(fused_lstm_gates_ref(c64, *gates, forget_bias=1.0)[0], h64, dc.double().cpu())[0]
+    assert_close(got, want, None, torch.float32, "dh (new_c only)")
+
+
+def test_unregistered_layout_is_a_clear_error():
+    x = torch.randn(4, 32)
+    with pytest.raises(RuntimeError, match="no block-sparse layout is registered"):
+        OPS.bsmm(x, torch.randn(2, 16, 16), "bs16-2x2-0000", 1, torch.float32)
+
+
+def test_equal_layouts_share_tables():
+    lay = ragged_layout(3, 3, seed=fresh_seed())
+    a, b = BlocksparseMatMul(lay, 16), BlocksparseMatMul(lay.copy(), 16)
+    assert a.key == b.key and a._tables is b._tables
+    assert BlocksparseMatMul(lay, 16, feature_axis=0).key == a.key        # the tables do not depend on the axis
+    assert BlocksparseMatMul(lay.repeat(2, 0).repeat(2, 1), 8).key != a.key
+
+
+# --- torch.compile through the ops ----------------------------------------------------------------
+@pytest.fixture
+def kernel_path(monkeypatch):
+    """Route CPU calls through the kernel path, so traced graphs hold torch.ops.bstrain.* (which
+    run their references on CPU); eager CPU calls would run the interpreter."""
+    monkeypatch.setenv("BSTRAIN_FORCE_TRITON", "1")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+
+
+def _to_kernels(model: torch.nn.Module) -> torch.nn.Module:
+    for m in model.modules():
+        if isinstance(m, BlockSparseLinear):
+            m.op.backend = "triton"
+        if isinstance(getattr(m, "op", None), BlocksparseMatMul):
+            m.op.backend = "triton"
+    return model
+
+
+class UsesOp(torch.nn.Module):
+    """A user's module calling BlocksparseMatMul directly, with torch ops around it."""
+
+    def __init__(self, device="cpu"):
+        super().__init__()
+        self.op = BlocksparseMatMul(ragged_layout(4, 4, seed=fresh_seed()), 16)
+        self.w = torch.nn.Parameter(0.1 * torch.randn(self.op.w_shape, device=device))
+
+    def forward(self, x):
+        return F.gelu(self.op(x, self.w)).sum(-1)
+
+
+def _explain(fn, *args):
+    out = torch._dynamo.explain(fn)(*args)
+    code = "".join(g.code for g in out.graphs)
+    return out.graph_break_count, out.graph_count, code
+
+
+def _check_compiled(model, compiled, make_inputs, steps=3):
+    """Outputs and gradients of ``steps`` fresh batches, compiled against eager."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    for _ in range(steps):
+        args = make_inputs()
+        want = model(*args)
+        want_grads = torch.autograd.grad(want.float().sum(), params)
+        got = compiled(*args)
+        got_grads = torch.autograd.grad(got.float().sum(), params)
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+        for a, b in zip(got_grads, want_grads):
+            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+
+
+def _compile_counted(model, **kwargs):
+    from torch._dynamo.testing import CompileCounterWithBackend
+    counter = CompileCounterWithBackend(kwargs.pop("backend", "aot_eager"))
+    return torch.compile(model, backend=counter, fullgraph=True, **kwargs), counter
+
+
+def test_compile_block_sparse_linear_through_custom_op(kernel_path):
+    torch._dynamo.reset()
+    layer = _to_kernels(BlockSparseLinear(64, 48, block_size=16, density=0.5, seed=fresh_seed()))
+    x = torch.randn(5, 64)
+    breaks, graphs, code = _explain(layer, x)
+    assert breaks == 0 and graphs == 1 and "bstrain.bsmm" in code, code
+    compiled, counter = _compile_counted(layer)
+    _check_compiled(layer, compiled, lambda: (torch.randn(5, 64, requires_grad=True),))
+    assert counter.frame_count == 1, "recompiled between steps"
+
+
+def test_compile_user_module_calling_the_op(kernel_path):
+    torch._dynamo.reset()
+    m = _to_kernels(UsesOp())
+    breaks, _, code = _explain(m, torch.randn(3, 64))
+    assert breaks == 0 and "bstrain.bsmm" in code
+    compiled, counter = _compile_counted(m)
+    _check_compiled(m, compiled, lambda: (torch.randn(3, 64),))
+    assert counter.frame_count == 1
+
+
+def test_compile_inductor_cpu(kernel_path):
+    """The default backend (Inductor) on CPU, forward and backward, with a dynamic batch."""
+    torch._dynamo.reset()
+    m = _to_kernels(UsesOp())
+    compiled = torch.compile(m, fullgraph=True, dynamic=True)
+    _check_compiled(m, compiled, lambda: (torch.randn(int(torch.randint(2, 9, ())), 64),))
+
+
+def test_compile_sparse_lstm_training_step(kernel_path):
+    """The mLSTM forward + loss in one graph: block-sparse matmuls, segmented layer norm and the
+    LSTM gates as custom ops, no graph break, no recompilation; gradients as in eager."""
+    from bstrain.models.lstm import SparseLSTM
+    torch._dynamo.reset()
+    model = _to_kernels(SparseLSTM(hidden=32, embed=8, block_size=16, density=0.5, depth=2))
+    state = model.init_state(3)
+
+    def step(x, c, h):
+        logits, (c, h) = model(x, (c, h))
+        return F.cross_entropy(logits.reshape(-1, 256), x.reshape(-1)) + 0 * c.sum() + 0 * h.sum()
+    x = torch.randint(0, 256, (3, 4))
+    breaks, _, code = _explain(step, x, *state)
+    assert breaks == 0
+    for name in ("bstrain.bsmm", "bstrain.layer_norm", "bstrain.lstm_gates"):
+        assert name in code, name
+    compiled, counter = _compile_counted(step)
+
+    def loss_check(fn):
+        out = fn(x, *state)
+        return out, torch.autograd.grad(out, list(model.parameters()))
+    for _ in range(2):
+        x = torch.randint(0, 256, (3, 4))
+        (a, ga), (b, gb) = loss_check(compiled), loss_check(step)
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+        for p, q in zip(ga, gb):
+            torch.testing.assert_close(p, q, rtol=1e-4, atol=1e-5)
+    assert counter.frame_count == 1
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", [None, "reduce-overhead"])
+def test_compile_on_gpu_matches_eager(mode):
+    """Inductor on CUDA: the Triton kernels inside the graph, bf16 under autocast; reduce-overhead
+    captures CUDA graphs through the ops (no cudagraph skips)."""
+    from torch._dynamo.utils import counters
+    torch._dynamo.reset()
+    counters.clear()
+    layer = BlockSparseLinear(256, 256, block_size=32, density=0.3, seed=fresh_seed(), device="cuda")
+    compiled = torch.compile(layer, fullgraph=True, mode=mode)
+    for _ in range(4):
+        x = torch.randn(64, 256, device="cuda", requires_grad=True)
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            want, got = layer(x), compiled(x)
+        gw_want = torch.autograd.grad(want.float().square().sum(), (x, layer.weight))
+        gw_got = torch.autograd.grad(got.float().square().sum(), (x, layer.weight))
+        torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2)
+        for a, b in zip(gw_got, gw_want):
+            torch.testing.assert_close(a, b, rtol=3e-2, atol=3e-2)
+    assert counters["stats"]["unique_graphs"] == 1
+    if mode == "reduce-overhead":
+        assert not counters["inductor"]["cudagraph_skips"], dict(counters["inductor"])
