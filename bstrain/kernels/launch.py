@@ -26,13 +26,26 @@ MAX_PLANS = 512            # per cache: shapes past this (ragged batches) evict 
 stats = {"direct": 0, "jit": 0}   # launches by path (tests check that the direct path is taken)
 
 
-def _hooks():
+def _runtime_knobs():
     import triton
     knobs = getattr(triton, "knobs", None)
-    if knobs is None:
+    return None if knobs is None else knobs.runtime
+
+
+_RT = _runtime_knobs()
+
+
+def _active(hook) -> bool:
+    """A launch hook is set: a function, or a non-empty HookChain (triton >= 3.5 keeps an empty
+    chain rather than None)."""
+    return hook is not None and (not hasattr(hook, "calls") or bool(hook.calls))
+
+
+def _hooks() -> bool:
+    rt = _RT
+    if rt is None:
         return True                    # an older triton: always go through the JIT
-    rt = knobs.runtime
-    return rt.launch_enter_hook is not None or rt.launch_exit_hook is not None
+    return _active(rt.launch_enter_hook) or _active(rt.launch_exit_hook)
 
 
 class Launch:
@@ -57,7 +70,7 @@ class Launch:
 
     def __call__(self, *args) -> None:
         run = self._run
-        if run is not None and torch.cuda.current_device() == self.device.index and not _hooks():
+        if run is not None and torch._C._cuda_getDevice() == self.device.index and not _hooks():
             g = self.grid
             run(g[0], g[1], g[2], torch._C._cuda_getCurrentRawStream(self.device.index), self._fn, self._meta,
                 None, None, None, *args, *self.const_vals)

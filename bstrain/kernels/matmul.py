@@ -350,6 +350,7 @@ CPU_DW = {8: DwConfig(16, 4, 4, 1, False), 16: DwConfig(16, 2, 4, 1, False),
 GROUP_M = 8
 MAX_REGISTER_LUT = 1024  # longest entry list the TMA kernel holds in registers
 SMALL_M = 256  # at or below this many rows, tiles shrink to keep every multiprocessor busy
+DW_SMALL_N = 1024  # at or below this many rows, an eager dW launches once, unsplit (host_bound)
 
 
 def ds_config(bs: int, M: int, device: torch.device, mean_steps: float = float("inf")) -> DsConfig:
@@ -493,6 +494,7 @@ def _ds_plan(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, lut: SegmentLu
     max_iter = lut.max_count * sub if group == 1 else triton.cdiv(lut.max_count, group)
     if split is None:
         split = max(1, min(triton.cdiv(2 * _sm_count(a.device), n_prog), max_iter)) if max_iter else 1
+    split = max(split, 1)                                     # 0: host-bound, one launch
     wr, wc = (1, bs) if transpose_w else (bs, 1)
     launch = Launch(_bsmm_ds_kernel, (n_prog, split), a.device, dict(
         BS=bs, BS_PAD=max(bs, 16), G=group, SUB=sub, KC=cfg.kc, BLOCK_M=cfg.block_m, GROUP_M=GROUP_M,
@@ -515,9 +517,19 @@ def _ds_plan(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, lut: SegmentLu
     return run_split
 
 
+def host_bound(rows: int, limit: int, t: torch.Tensor) -> bool:
+    """An eager CUDA launch over this few rows costs more host time than GPU time: take the plan
+    that is cheapest to launch (one pointer-kernel launch: no TMA descriptors to encode, no
+    split workspace to allocate and reduce). Not while a CUDA graph is captured, where only the
+    GPU time counts."""
+    return rows <= limit and t.is_cuda and not torch.cuda.is_current_stream_capturing()
+
+
 def _launch_ds(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, lut: SegmentLut, bs: int,
                transpose_w: bool, split: int | None) -> None:
     """out (M, n_out*bs) = a (M, n_in*bs) @ sparse; both given as (rows, features) views."""
+    if split is None and host_bound(a.shape[0], SMALL_M, a):
+        split = 0                                          # one launch, pointer kernel
     key = (a.shape[0], a.dtype, a.stride(0), a.stride(1), out.stride(0), out.stride(1), transpose_w, split,
            aligned(a, w, out), a.device)
     plan(lut.plans, key, lambda: _ds_plan(a, w, out, lut, bs, transpose_w, split))(a, w, out)
@@ -652,6 +664,8 @@ def run_dw(x: torch.Tensor, dy: torch.Tensor, luts: BsmmLuts, feature_axis: int 
     xr, dyr = _rows_view(x, feature_axis), _rows_view(dy, feature_axis)
     bs = luts.block_size
     dw = out if out is not None else empty((luts.nnz, bs, bs), dw_dtype, x.device)
+    if split is None and host_bound(xr.shape[0], DW_SMALL_N, x):
+        split = 1                                          # one launch, no workspace
     key = (xr.shape[0], x.dtype, x.stride(0), x.stride(1), dy.stride(0), dy.stride(1), feature_axis, dw_dtype,
            split, aligned(x, dy), x.device)
     plan(luts.dw_plans, key, lambda: _dw_plan(x, dy, xr, dyr, luts, feature_axis, dw_dtype, split))(x, dy, xr, dyr, dw)

@@ -139,13 +139,19 @@ class _Norm(nn.Module):
         self.g = nn.Parameter(torch.ones(features)) if enabled else None
         self.b = nn.Parameter(torch.zeros(features)) if enabled else None
 
-    def cast(self, dtype: torch.dtype):
-        """(g, b) accessors in ``dtype``: cast once per sequence, not at every timestep."""
-        return (shared_cast(self.g, dtype), shared_cast(self.b, dtype)) if self.enabled else None
+    def cast(self, dtype: torch.dtype, device: torch.device):
+        """(g, b) accessors in ``dtype``: cast once per sequence, not at every timestep. None on
+        CUDA, where the layer-norm kernel takes the fp32 parameters with 16-bit x as they are
+        (fp32 math, fp32 dg/db: nothing to cast either way)."""
+        if not self.enabled or device.type == "cuda":
+            return None
+        return shared_cast(self.g, dtype), shared_cast(self.b, dtype)
 
     def forward(self, x: torch.Tensor, params=None) -> torch.Tensor:
         if not self.enabled:
             return torch.relu(x) if self.relu else x
+        if x.is_cuda:                # the kernel path: fp32 params, x's dtype out, autocast does not apply
+            return norms.layer_norm(x, self.g, self.b, axis=1, relu=self.relu, segments=self.segments)
         if params is None:
             g, b = self.g.to(x.dtype), self.b.to(x.dtype)
         else:
@@ -244,9 +250,10 @@ class SparseLSTM(nn.Module):
         # [t] would build and add a full-size gradient at every timestep
         xm_t, xg_t = xm.unbind(0), xg.unbind(0)
         # parameters cast once per sequence rather than at every timestep
-        p_hm, p_gates = self.norm_hm.cast(dt), self.norm_gates.cast(dt)
-        p_deep = [norm.cast(dt) for norm in self.norm_deep]
-        bias = shared_cast(self.gate_bias, dt)
+        p_hm, p_gates = self.norm_hm.cast(dt, x.device), self.norm_gates.cast(dt, x.device)
+        p_deep = [norm.cast(dt, x.device) for norm in self.norm_deep]
+        # the gates kernel adds an fp32 bias to 16-bit gates as it is
+        bias = (lambda: self.gate_bias) if x.is_cuda else shared_cast(self.gate_bias, dt)
         outputs = []
         with contextlib.ExitStack() as stack:
             for layer in self.sparse_layers():

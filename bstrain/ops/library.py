@@ -252,7 +252,10 @@ def layer_norm_bwd(dy: Tensor, x: Tensor, g: Tensor, b: Tensor, mean: Tensor, rs
     """(dx like x, dg, db in g's and b's dtypes)."""
     if _kernels(x):
         from bstrain.kernels.norms import layer_norm_backward
-        return layer_norm_backward(dy.contiguous(), x, g, b, mean, rstd, axis, relu, segments)
+        dx, dg, db = layer_norm_backward(dy.contiguous(), x, g, b, mean, rstd, axis, relu, segments)
+        if dg.untyped_storage().data_ptr() == db.untyped_storage().data_ptr():
+            db = db.clone()                                 # views of one sum: outputs may not share storage
+        return dx, dg, db
     work = mean.dtype
     xr, dyr = _ln_groups(x, axis).to(work), _ln_groups(dy, axis).to(work)
     n, c = xr.shape

@@ -1,9 +1,10 @@
 """Layer norm and batch norm, seed-compatible.
 
-``layer_norm`` on the common case (features last, no ReLU, one segment) is
-``torch.nn.functional.layer_norm``. The seed's other cases (features on axis 0, a fused ReLU,
-several independently normalised segments) run a Triton kernel on CUDA where it measurably beats
-``torch.compile`` (scripts/bench_ops.py), else :func:`layer_norm_ref`.
+``layer_norm`` on the common case (features last, no ReLU, one segment, parameters in x's dtype)
+is ``torch.nn.functional.layer_norm``. The seed's other cases (features on axis 0, a fused ReLU,
+several independently normalised segments, fp32 parameters with 16-bit x) run a Triton kernel
+on CUDA where it measurably beats ``torch.compile`` (scripts/bench_ops.py), else
+:func:`layer_norm_ref`.
 """
 from __future__ import annotations
 
@@ -65,11 +66,12 @@ def layer_norm(x: torch.Tensor, g: torch.Tensor, b: torch.Tensor, axis: int = 1,
 
 def _layer_norm_2d(x, g, b, axis: int, epsilon: float, relu: bool, segments: int) -> torch.Tensor:
     """x: (N, C) for axis=1 or (C, N) for axis=0; g, b: (C,)."""
-    if axis == 1 and not relu and segments == 1:
+    kernel = _use_kernel(x)
+    if axis == 1 and not relu and segments == 1 and (g.dtype == x.dtype or not kernel):
         if g.dtype == x.dtype:
             return F.layer_norm(x, (x.shape[1],), g, b, eps=epsilon)
         return F.layer_norm(x.float(), (x.shape[1],), g, b, eps=epsilon).to(x.dtype)  # fp32 params
-    if _use_kernel(x):
+    if kernel:                  # fp32 params with 16-bit x too: one kernel instead of three casts around torch's
         from bstrain.kernels.norms import MAX_SEGMENT
         if x.shape[axis] // segments <= MAX_SEGMENT:
             if eager(x):
