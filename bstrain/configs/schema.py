@@ -146,6 +146,8 @@ class TrainerConfig:
     threads: int = field(default=0, metadata={"help": "CPU threads for torch; 0: half the available cores"})
     cuda_graph: bool = field(default=False, metadata={"help": "capture each training step in a CUDA graph "
                                                                "(CUDA, fp32/bf16, one process)"})
+    compile: bool = field(default=False, metadata={"help": "torch.compile the model (forward and backward; the "
+                                                            "block-sparse ops stay custom ops); any device, DDP too"})
 
 
 @dataclass

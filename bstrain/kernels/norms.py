@@ -243,4 +243,5 @@ def layer_norm_backward(dy, x, g, b, mean, rstd, axis: int, relu: bool, segments
            b.dtype, axis,
            relu, segments, aligned(x, g, b, dy), x.device)
     sums = plan(_PLANS, key, lambda: _bwd_plan(x, axis, relu, segments))(dy, x, g, b, mean, rstd, dx)
-    return dx, sums[0].to(g.dtype), sums[1].to(b.dtype)
+    dg, db = sums[0], sums[1]
+    return dx, dg if g.dtype == dg.dtype else dg.to(g.dtype), db if b.dtype == db.dtype else db.to(b.dtype)

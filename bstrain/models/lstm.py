@@ -122,6 +122,11 @@ class _SharedCast(torch.autograd.Function):
         return grad.to(ctx.dtype), None
 
 
+def _as(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """x in dtype; no call at all when it is already (an eager .to costs microseconds of host time)."""
+    return x if x.dtype == dtype else x.to(dtype)
+
+
 def shared_cast(param: torch.Tensor, dtype: torch.dtype):
     """A per-timestep accessor of ``param`` in ``dtype``: cast once, gradients summed in fp32."""
     if param.dtype == dtype:
@@ -259,10 +264,10 @@ class SparseLSTM(nn.Module):
             for layer in self.sparse_layers():
                 stack.enter_context(layer.grad_group())
             for t in range(T):
-                m = xm_t[t] * self.norm_hm(self.w_hm(h).to(dt), p_hm)                     # (B, H)
+                m = xm_t[t] * self.norm_hm(_as(self.w_hm(h), dt), p_hm)                   # (B, H)
                 for w_d, norm, p in zip(self.deep, self.norm_deep, p_deep):
-                    m = norm(w_d(m).to(dt), p)
-                gates = xg_t[t] + self.norm_gates(self.w_mg(m).to(dt), p_gates)          # (B, 4H)
+                    m = norm(_as(w_d(m), dt), p)
+                gates = xg_t[t] + self.norm_gates(_as(self.w_mg(m), dt), p_gates)        # (B, 4H)
                 c, h = ew.fused_lstm_gates(c, gates, bias=bias())
                 outputs.append(h)
         hs = torch.stack(outputs)                                           # (T, B, H)

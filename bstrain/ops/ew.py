@@ -83,7 +83,7 @@ def check_param(name: str, p, x: torch.Tensor, numel: int) -> torch.Tensor:
         raise TypeError(f"{name}: expected dtype {x.dtype} (as x), or float32 with 16-bit x, got {p.dtype}")
     if p.device != x.device:
         raise ValueError(f"{name}: expected device {x.device} (as x), got {p.device}")
-    return p.reshape(numel)
+    return p if p.dim() == 1 else p.reshape(numel)
 
 
 def check_axis(name: str, axis, ndim: int) -> int:
@@ -321,7 +321,10 @@ class _LstmGates(torch.autograd.Function):
         if dh_new is None:
             dh_new = torch.zeros_like(c)
         dc, dg = lstm_gates_backward(c, i, u, f, o, dc_new, dh_new, bias, ctx.forget_bias, check=False)
-        dbias = dg.sum(0, dtype=torch.float32).to(bias.dtype) if bias is not None and ctx.needs_input_grad[1] else None
+        dbias = None
+        if bias is not None and ctx.needs_input_grad[1]:
+            dbias = dg.sum(0, dtype=torch.float32)
+            dbias = dbias if dbias.dtype == bias.dtype else dbias.to(bias.dtype)
         return (dc, dbias, None) + tuple(dg.chunk(4, dim=1))
 
 

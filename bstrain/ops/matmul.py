@@ -111,7 +111,8 @@ def compute_dtype(I: torch.Tensor) -> torch.dtype:
 
 def _autocast_input(I: torch.Tensor) -> torch.Tensor:
     """Under torch.autocast, floating activations run in the autocast dtype (weights follow)."""
-    return I.to(compute_dtype(I))
+    dt = compute_dtype(I)
+    return I if I.dtype == dt else I.to(dt)
 
 
 def _as(w: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -135,7 +136,7 @@ class _BlocksparseMatMulFn(torch.autograd.Function):
     def backward(ctx, dy):
         from bstrain.kernels.matmul import run_dw, run_dx
         x, wk = ctx.saved_tensors
-        dy = dy.to(x.dtype)
+        dy = dy if dy.dtype == x.dtype else dy.to(x.dtype)
         dx = run_dx(dy, wk, ctx.luts, ctx.axis) if ctx.needs_input_grad[0] else None
         dw = run_dw(x, dy, ctx.luts, ctx.axis, ctx.dw_dtype) if ctx.needs_input_grad[1] else None
         return dx, dw, None, None, None
@@ -409,7 +410,7 @@ class BlocksparseMatMul:
             if not eager(I):
                 return torch.ops.bstrain.bsmm_dw(I, dY, self.key, self.feature_axis, dw_dtype)
             from bstrain.kernels import matmul as kernels
-            return kernels.run_dw(I, dY.to(I.dtype), self._tables.luts(I.device), self.feature_axis, dw_dtype)
+            return kernels.run_dw(I, dY if dY.dtype == I.dtype else dY.to(I.dtype), self._tables.luts(I.device), self.feature_axis, dw_dtype)
         c_idx, k_idx = self._ref_coords(I.device)
         return bsmm_dw_ref(I, dY, c_idx, k_idx, self.block_size, self.feature_axis).to(dw_dtype)
 
@@ -517,7 +518,7 @@ class _StepMatMul(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, w, group):
-        wk = w.to(x.dtype).contiguous()
+        wk = _as(w, x.dtype)
         ctx.save_for_backward(x, wk)
         ctx.group = group
         return group.op.forward_raw(x, wk)
@@ -525,7 +526,7 @@ class _StepMatMul(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy):
         x, wk = ctx.saved_tensors
-        dy = dy.to(x.dtype)
+        dy = dy if dy.dtype == x.dtype else dy.to(x.dtype)
         dx = ctx.group.op.dx(dy, wk) if ctx.needs_input_grad[0] else None
         if ctx.needs_input_grad[1]:
             ctx.group.add(x, dy)

@@ -57,6 +57,8 @@ def layer_norm(x: torch.Tensor, g: torch.Tensor, b: torch.Tensor, axis: int = 1,
     g, b = check_param("g", g, x, C), check_param("b", b, x, C)
     if isinstance(segments, bool) or not isinstance(segments, int) or segments < 1 or C % segments:
         raise ValueError(f"segments: expected a positive divisor of the {C} features, got {segments!r}")
+    if x.dim() == 2:                                           # (N, C) or (C, N) as they are: no views
+        return _layer_norm_2d(x, g, b, axis, epsilon, relu, segments)
     if axis == 0:                                              # features first: (C, N)
         return _layer_norm_2d(x.reshape(C, -1), g, b, 0, epsilon, relu, segments).reshape(x.shape)
     moved = x if axis == x.dim() - 1 else x.movedim(axis, -1)  # features last: (N, C)

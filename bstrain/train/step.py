@@ -15,12 +15,16 @@ from torch import nn
 
 
 def unwrap(net: nn.Module) -> nn.Module:
-    """The user's module inside DistributedDataParallel or an EMA AveragedModel."""
+    """The user's module inside DistributedDataParallel, an EMA AveragedModel or torch.compile."""
     from torch.nn.parallel import DistributedDataParallel
     from torch.optim.swa_utils import AveragedModel
-    while isinstance(net, (DistributedDataParallel, AveragedModel)):
-        net = net.module
-    return net
+    while True:
+        if isinstance(net, (DistributedDataParallel, AveragedModel)):
+            net = net.module
+        elif isinstance(getattr(net, "_orig_mod", None), nn.Module):      # torch.compile's wrapper
+            net = net._orig_mod
+        else:
+            return net
 
 
 def is_stateful(model: nn.Module) -> bool:

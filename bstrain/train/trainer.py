@@ -276,8 +276,14 @@ def build(cfg: DictConfig, run_dir: Path, device: torch.device, world: World) ->
         check_same_layouts(model, world)
         net = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
     graphed = bool(t_cfg.cuda_graph)
+    compiled = bool(t_cfg.get("compile", False))
+    if compiled and graphed:
+        raise UserError("trainer.compile, trainer.cuda_graph: expected one of them, got both (choose cuda_graph "
+                        "for small launch-bound steps, compile for larger ones; README, torch.compile)")
     if graphed:
         check_graph_config(device, t_cfg.precision, world.size)
+    if compiled:
+        net = torch.compile(net)        # the model (and DDP around it); checkpoints keep using `model`
     amp_dtype = PRECISIONS[_value(t_cfg.precision)]
     optimizer = make_optimizer(model, cfg.optim, device, capturable=graphed)
     scaler = torch.amp.GradScaler(device.type, init_scale=2.0**16, growth_interval=t_cfg.loss_scale_window,

@@ -439,3 +439,29 @@ def test_eval_device_error_names_its_own_key(command_cfg, tmp_path):
     from bstrain.train.commands import evaluate_checkpoint
     with pytest.raises(UserError, match=r"^device: 'cuda' was asked for"):
         evaluate_checkpoint(command_cfg("eval", f"ckpt={tmp_path}", "device=cuda"))
+
+
+def test_compiled_model_follows_the_eager_trajectory(make_cfg):
+    """trainer.compile=true: the same losses as the eager loop (the sparse LSTM on CPU, whose
+    block-sparse matmuls trace as PyTorch ops there), and a clear error beside cuda_graph."""
+    common = dict(trainer__max_steps=4, trainer__eval_every=100, data__seq_len=4, model__depth=1, model__hidden=32)
+    eager = train(make_cfg(**common, run="eager"))
+    compiled = train(make_cfg(**common, trainer__compile=True, run="compiled"))
+    got, want = dict(compiled["history"]), dict(eager["history"])
+    assert sorted(got) == sorted(want)
+    for step in want:
+        assert got[step] == pytest.approx(want[step], rel=1e-4), f"step {step}: {got[step]} != {want[step]}"
+    with pytest.raises(UserError, match="trainer.compile, trainer.cuda_graph: expected one of them"):
+        train(make_cfg(trainer__compile=True, trainer__cuda_graph=True, run="both"))
+
+
+@pytest.mark.gpu
+def test_compiled_model_on_cuda_follows_the_eager_trajectory(make_cfg):
+    """On CUDA the compiled graph calls the Triton kernels as torch.ops.bstrain.* custom ops."""
+    common = dict(trainer__max_steps=6, trainer__eval_every=3, trainer__device="cuda", data__seq_len=8)
+    eager = train(make_cfg(**common, run="eager"))
+    compiled = train(make_cfg(**common, trainer__compile=True, run="compiled"))
+    got, want = dict(compiled["history"]), dict(eager["history"])
+    for step in want:
+        assert got[step] == pytest.approx(want[step], rel=2e-4), f"step {step}: {got[step]} != {want[step]}"
+    assert compiled["valid_bpb"] == pytest.approx(eager["valid_bpb"], rel=2e-4)
