@@ -47,13 +47,16 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def per_call_us(fn, device: torch.device, calls: int = 200, repeats: int = 5) -> float:
+REPEATS = 5
+
+
+def per_call_us(fn, device: torch.device, calls: int = 200, repeats: int | None = None) -> float:
     """Median over ``repeats`` of the mean wall time of ``calls`` back-to-back calls, in µs."""
     for _ in range(10):
         fn()
     sync(device)
     times = []
-    for _ in range(repeats):
+    for _ in range(repeats or REPEATS):
         t = time.perf_counter()
         for _ in range(calls):
             fn()
@@ -176,7 +179,7 @@ def measure_lstm(args) -> list[dict]:
 def report(rows: list[dict], lstm: list[dict], extra: dict, out: str) -> None:
     lines = [f"# Eager call cost: {extra['device']}, {datetime.date.today()}", "",
              f"torch {torch.__version__}; scripts/bench_eager.py; per-call wall time of calls in a loop "
-             f"(µs, median of 5 loops), all in one run. An empty Triton kernel launch: "
+             f"(µs, median of {REPEATS} loops), all in one run. An empty Triton kernel launch: "
              f"{extra.get('triton_launch_us', 'n/a')} µs.", "",
              "Forward, M={M}: `x @ w` {d} µs per call (GPU time {g} µs).".format(
                  M=rows[0]["M"], d=rows[0]["dense_fwd_us"], g=rows[0]["dense_gpu_us"]) if rows else "", "",
@@ -227,8 +230,11 @@ def main() -> None:
     ap.add_argument("--parts", default="layer,lstm")
     ap.add_argument("--lstm-batch", type=int, default=64)
     ap.add_argument("--lstm-density", type=float, default=0.1)
+    ap.add_argument("--repeats", type=int, default=5, help="loops of calls per measurement (the median is kept)")
     ap.add_argument("--cpu-smoke", action="store_true")
     args = ap.parse_args()
+    global REPEATS
+    REPEATS = args.repeats
     os.makedirs(args.out, exist_ok=True)
     if args.cpu_smoke:
         device, dtype = torch.device("cpu"), torch.float32

@@ -305,6 +305,8 @@ def test_same_loss_curve_as_the_code_before_the_trainer_refactor(make_cfg):
     """The issue-4 trainer's losses for this seed and config (tests/train/golden_lstm.json, written
     by that code on torch 2.13 CPU): the new task/step/checkpoint path reproduces them."""
     golden = json.loads((Path(__file__).parent / "golden_lstm.json").read_text())
+    if not torch.__version__.startswith("2.13"):
+        pytest.skip(f"the golden losses were recorded with torch 2.13 on CPU, this is torch {torch.__version__}")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")                   # barabasi_albert at 4x4 blocks misses density 0.4
         out = train(make_cfg("model.layout=barabasi_albert", "trainer.device=cpu", trainer__max_steps=20,
