@@ -16,3 +16,13 @@ def test_readme_op_library_example_runs():
     code = section[section.index("```python") + len("```python"):]
     code = code[:code.index("```")]
     exec(compile(code, "README.md", "exec"), {})
+
+
+def test_readme_compile_example_runs(capsys):
+    """The torch.compile block of the README, with the device changed to the CPU: no graph break."""
+    text = (Path(__file__).parents[1] / "README.md").read_text()
+    section = text[text.index("## torch.compile, custom ops"):text.index("### Measured (benchmarks/eager.md")]
+    code = section[section.index("```python") + len("```python"):]
+    code = code[:code.index("```")].replace('"cuda"', '"cpu"').replace(".cuda()", "")
+    exec(compile(code, "README.md", "exec"), {})
+    assert capsys.readouterr().out.split()[-1] == "0"
