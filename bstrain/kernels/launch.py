@@ -77,9 +77,12 @@ class Launch:
             stats["direct"] += 1
             return
         stats["jit"] += 1
+        if self.device.type == "cuda" and torch._C._cuda_getDevice() != self.device.index:
+            with torch.cuda.device(self.device):           # the JIT launches on the current device
+                self.kernel[self.grid](*args, **self.consts, **self.options)
+            return
         compiled = self.kernel[self.grid](*args, **self.consts, **self.options)
-        if (self._run is None and _ENABLED and not _INTERPRET and self.device.type == "cuda"
-                and torch.cuda.current_device() == self.device.index):
+        if self._run is None and _ENABLED and not _INTERPRET and self.device.type == "cuda":
             self._run, self._fn, self._meta = compiled.run, compiled.function, compiled.packed_metadata
 
 

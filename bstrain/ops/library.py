@@ -59,6 +59,11 @@ class LayoutTables:
         self._luts: dict = {}
         self._ref: dict = {}
 
+    def __reduce__(self):
+        """Copies and pickles resolve to the registered tables of the same layout, so that a
+        deep-copied (EMA) or unpickled module's key still names live tables."""
+        return register_tables, (self.layout, self.block_size)
+
     def luts(self, device: torch.device):
         luts = self._luts.get(device)
         if luts is None:
@@ -93,6 +98,10 @@ def register_layout(layout: np.ndarray, block_size: int) -> tuple[str, LayoutTab
         tables = LayoutTables(layout, block_size)
         _TABLES[key] = tables
     return key, tables
+
+
+def register_tables(layout: np.ndarray, block_size: int) -> LayoutTables:
+    return register_layout(layout, block_size)[1]
 
 
 def layout_tables(key: str) -> LayoutTables:

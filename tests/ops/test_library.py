@@ -287,3 +287,20 @@ def test_compile_on_gpu_matches_eager(mode):
     assert counters["stats"]["unique_graphs"] == 1
     if mode == "reduce-overhead":
         assert not counters["inductor"]["cudagraph_skips"], dict(counters["inductor"])
+
+
+def test_copies_and_pickles_keep_their_layout_registered():
+    """A deep copy (as an EMA AveragedModel makes) or an unpickled module keeps a key that names
+    live tables after the original is gone."""
+    import copy
+    import gc
+    import pickle
+    layer = BlockSparseLinear(64, 48, block_size=16, density=0.5, seed=fresh_seed())
+    copied, loaded = copy.deepcopy(layer), pickle.loads(pickle.dumps(layer))
+    key = layer.op.key
+    del layer
+    gc.collect()
+    for m in (copied, loaded):
+        assert m.op.key == key and bstrain.ops.library.layout_tables(key) is m.op._tables
+        x = torch.randn(3, 64)
+        torch.testing.assert_close(OPS.bsmm(x, m.weight, key, 1, torch.float32), m(x) - m.bias)
