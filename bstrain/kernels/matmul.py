@@ -24,6 +24,7 @@ When M is small the reduction is split over a second grid axis into an fp32 work
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 from dataclasses import dataclass, field
 from typing import NamedTuple
@@ -517,12 +518,28 @@ def _ds_plan(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, lut: SegmentLu
     return run_split
 
 
+_GRAPH_PLANS = [False]
+
+
+@contextlib.contextmanager
+def graph_plans():
+    """Within this context launches take the plans a CUDA-graph capture takes (the GPU-fastest
+    ones), so that warm-up steps run before a capture compile and load every kernel the capture
+    launches. ``bstrain.train.graphs.CapturedStep`` warms up inside it."""
+    before = _GRAPH_PLANS[0]
+    _GRAPH_PLANS[0] = True
+    try:
+        yield
+    finally:
+        _GRAPH_PLANS[0] = before
+
+
 def host_bound(rows: int, limit: int, t: torch.Tensor) -> bool:
     """An eager CUDA launch over this few rows costs more host time than GPU time: take the plan
     that is cheapest to launch (one pointer-kernel launch: no TMA descriptors to encode, no
     split workspace to allocate and reduce). Not while a CUDA graph is captured, where only the
-    GPU time counts."""
-    return rows <= limit and t.is_cuda and not torch.cuda.is_current_stream_capturing()
+    GPU time counts, nor inside :func:`graph_plans`."""
+    return rows <= limit and t.is_cuda and not _GRAPH_PLANS[0] and not torch.cuda.is_current_stream_capturing()
 
 
 def _launch_ds(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, lut: SegmentLut, bs: int,
@@ -531,7 +548,7 @@ def _launch_ds(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, lut: Segment
     if split is None and host_bound(a.shape[0], SMALL_M, a):
         split = 0                                          # one launch, pointer kernel
     key = (a.shape[0], a.dtype, a.stride(0), a.stride(1), out.stride(0), out.stride(1), transpose_w, split,
-           aligned(a, w, out), a.device)
+           aligned(a, w, out), a.device, a.dtype == torch.float32 and torch.backends.cuda.matmul.allow_tf32)
     plan(lut.plans, key, lambda: _ds_plan(a, w, out, lut, bs, transpose_w, split))(a, w, out)
 
 
@@ -626,14 +643,16 @@ def _dw_plan(x: torch.Tensor, dy: torch.Tensor, xr: torch.Tensor, dyr: torch.Ten
         if split > 1:
             torch.sum(target, dim=0, out=dw) if dw.dtype == torch.float32 else dw.copy_(target.sum(0))
 
+    dev = x.device                                         # closures keep no argument tensor alive
+
     def workspace(dw):
-        return dw if split == 1 else empty((split,) + shape, torch.float32, x.device)
+        return dw if split == 1 else empty((split,) + shape, torch.float32, dev)
     if use_tma:
         blk_shape = [bs, cfg.block_n] if trans else [cfg.block_n, bs]
         x_t, dy_t = _template(x_src, blk_shape), _template(dy_src, blk_shape)
-        dw_t = _template(empty((split * luts.nnz * bs, bs), dw_dtype if split == 1 else torch.float32, x.device),
+        dw_t = _template(empty((split * luts.nnz * bs, bs), dw_dtype if split == 1 else torch.float32, dev),
                          [bs, bs])
-        launch = Launch(_bsmm_dw_tma_kernel, grid, x.device,
+        launch = Launch(_bsmm_dw_tma_kernel, grid, dev,
                         dict(BS=bs, BLOCK_N=cfg.block_n, TRANS=trans, PRECISION=prec), num_warps=cfg.warps,
                         num_stages=_fit_stages(cfg.stages, 2 * bs * cfg.block_n * x.element_size()))
 
@@ -644,7 +663,7 @@ def _dw_plan(x: torch.Tensor, dy: torch.Tensor, xr: torch.Tensor, dyr: torch.Ten
                    cols, starts, blk, fwd, n, luts.nnz, split)
             finish(target, dw)
         return run_tma
-    launch = Launch(_bsmm_dw_kernel, grid, x.device,
+    launch = Launch(_bsmm_dw_kernel, grid, dev,
                     dict(BS=bs, BS_PAD=max(bs, 16), G=cfg.group, BLOCK_N=cfg.block_n, PRECISION=prec),
                     num_warps=cfg.warps,
                     num_stages=_fit_stages(cfg.stages, (cfg.group * bs + max(bs, 16)) * cfg.block_n * x.element_size()))
@@ -667,7 +686,7 @@ def run_dw(x: torch.Tensor, dy: torch.Tensor, luts: BsmmLuts, feature_axis: int 
     if split is None and host_bound(xr.shape[0], DW_SMALL_N, x):
         split = 1                                          # one launch, no workspace
     key = (xr.shape[0], x.dtype, x.stride(0), x.stride(1), dy.stride(0), dy.stride(1), feature_axis, dw_dtype,
-           split, aligned(x, dy), x.device)
+           split, aligned(x, dy, dw), x.device, x.dtype == torch.float32 and torch.backends.cuda.matmul.allow_tf32)
     plan(luts.dw_plans, key, lambda: _dw_plan(x, dy, xr, dyr, luts, feature_axis, dw_dtype, split))(x, dy, xr, dyr, dw)
     return dw
 
@@ -682,4 +701,6 @@ def bsmm_dw(x: torch.Tensor, dy: torch.Tensor, luts: BsmmLuts, feature_axis: int
     _check_dw(x, dy, luts, feature_axis, dw_dtype)
     bs = luts.block_size
     dw = _alloc_out(out, (luts.nnz, bs, bs), x, dw_dtype)
+    if not dw.is_contiguous():
+        raise ValueError(f"out: expected a contiguous (nnz, bs, bs) tensor, got strides {dw.stride()}")
     return run_dw(x, dy, luts, feature_axis, dw_dtype, dw, split)

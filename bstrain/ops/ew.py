@@ -281,6 +281,8 @@ def fused_lstm_gates(c: torch.Tensor, *args: torch.Tensor, bias: torch.Tensor | 
         gates = h.chunk(4, dim=1)
     elif len(args) == 4:
         _check_same(("c", "i", "u", "f", "o"), c, *args)
+        if c.dim() != 2:
+            raise ValueError(f"c: expected a 2-D (N, K) tensor, got shape {tuple(c.shape)}")
         for name, g in zip("iufo", args):
             if g.shape != c.shape:
                 raise ValueError(f"{name}: expected shape {tuple(c.shape)} (as c), got {tuple(g.shape)}")

@@ -128,8 +128,8 @@ def bsmm(x: Tensor, w: Tensor, layout: str, feature_axis: int, dw_dtype: torch.d
     dw_dtype: the dtype of dW in backward (accumulated in fp32)."""
     t = layout_tables(layout)
     if _kernels(x):
-        from bstrain.kernels.matmul import run_forward
-        return run_forward(x, _as(w, x.dtype), t.luts(x.device), feature_axis)
+        from bstrain.kernels.matmul import bsmm_forward          # checked: the op may be called directly
+        return bsmm_forward(x, _as(w, x.dtype), t.luts(x.device), feature_axis)
     from bstrain.ops.matmul import bsmm_ref
     return bsmm_ref(x, w.to(x.dtype), *t.ref_coords(x.device), t.K, feature_axis)
 
@@ -146,8 +146,8 @@ def bsmm_dx(dy: Tensor, w: Tensor, layout: str, feature_axis: int) -> Tensor:
     """dX = dY·Wᵀ. dy: (N, K) or (K, N); w: (nnz, bs, bs) in dy's dtype or fp32."""
     t = layout_tables(layout)
     if _kernels(dy):
-        from bstrain.kernels.matmul import run_dx
-        return run_dx(dy, _as(w, dy.dtype), t.luts(dy.device), feature_axis)
+        from bstrain.kernels.matmul import bsmm_dx
+        return bsmm_dx(dy, _as(w, dy.dtype), t.luts(dy.device), feature_axis)
     from bstrain.ops.matmul import bsmm_dx_ref
     return bsmm_dx_ref(dy, w.to(dy.dtype), *t.ref_coords(dy.device), t.C, feature_axis)
 
@@ -165,8 +165,8 @@ def bsmm_dw(x: Tensor, dy: Tensor, layout: str, feature_axis: int, dw_dtype: tor
     (K, N), in x's dtype. The grouped-dW path calls it on the rows of many timesteps at once."""
     t = layout_tables(layout)
     if _kernels(x):
-        from bstrain.kernels.matmul import run_dw
-        return run_dw(x, dy.to(x.dtype), t.luts(x.device), feature_axis, dw_dtype)
+        from bstrain.kernels.matmul import bsmm_dw
+        return bsmm_dw(x, dy.to(x.dtype), t.luts(x.device), feature_axis, dw_dtype)
     from bstrain.ops.matmul import bsmm_dw_ref
     return bsmm_dw_ref(x, dy.to(x.dtype), *t.ref_coords(x.device), t.block_size, feature_axis).to(dw_dtype)
 
@@ -232,6 +232,25 @@ def layer_norm_stats_ref(x: Tensor, axis: int, eps: float, segments: int) -> tup
     return mean, torch.rsqrt(var + eps)
 
 
+def _check_ln(x: Tensor, g: Tensor, b: Tensor, axis: int, segments: int) -> None:
+    """The kernel's contract: x contiguous 2-D, features on axis 0 or 1 splitting into segments
+    of at most MAX_SEGMENT; g and b (C,) contiguous on x's device."""
+    from bstrain.kernels.norms import MAX_SEGMENT
+    if x.dim() != 2 or axis not in (0, 1) or not x.is_contiguous():
+        raise ValueError(f"x: expected a contiguous 2-D tensor with features on axis 0 or 1, got shape "
+                         f"{tuple(x.shape)}, axis {axis}")
+    if x.dtype not in (torch.float32, torch.float16, torch.bfloat16):
+        raise TypeError(f"x: expected float32, float16 or bfloat16, got {x.dtype}")
+    C = x.shape[axis]
+    if segments < 1 or C % segments or C // segments > MAX_SEGMENT:
+        raise ValueError(f"segments: expected a divisor of the {C} features into segments of at most "
+                         f"{MAX_SEGMENT}, got {segments}")
+    for name, p in (("g", g), ("b", b)):
+        if p.shape != (C,) or not p.is_contiguous() or p.device != x.device:
+            raise ValueError(f"{name}: expected a contiguous ({C},) tensor on {x.device}, got "
+                             f"{tuple(p.shape)} on {p.device}")
+
+
 @torch.library.custom_op("bstrain::layer_norm", mutates_args=())
 def layer_norm(x: Tensor, g: Tensor, b: Tensor, axis: int, eps: float, relu: bool,
                segments: int) -> tuple[Tensor, Tensor, Tensor]:
@@ -239,6 +258,7 @@ def layer_norm(x: Tensor, g: Tensor, b: Tensor, axis: int, eps: float, relu: boo
     statistics are (groups, segments) fp32."""
     if _kernels(x):
         from bstrain.kernels.norms import layer_norm_forward
+        _check_ln(x, g, b, axis, segments)
         return layer_norm_forward(x, g, b, axis, eps, relu, segments)
     mean, rstd = layer_norm_stats_ref(x, axis, eps, segments)
     xr = _ln_groups(x, axis)
@@ -251,7 +271,7 @@ def layer_norm(x: Tensor, g: Tensor, b: Tensor, axis: int, eps: float, relu: boo
 @layer_norm.register_fake
 def _(x, g, b, axis, eps, relu, segments):
     groups = x.shape[1 - axis]
-    stats = x.new_empty((groups, segments), dtype=torch.float32)
+    stats = x.new_empty((groups, segments), dtype=torch.promote_types(x.dtype, torch.float32))
     return torch.empty_like(x, memory_format=torch.contiguous_format), stats, stats.clone()
 
 
@@ -261,6 +281,9 @@ def layer_norm_bwd(dy: Tensor, x: Tensor, g: Tensor, b: Tensor, mean: Tensor, rs
     """(dx like x, dg, db in g's and b's dtypes)."""
     if _kernels(x):
         from bstrain.kernels.norms import layer_norm_backward
+        _check_ln(x, g, b, axis, segments)
+        if dy.shape != x.shape:
+            raise ValueError(f"dy: expected shape {tuple(x.shape)} (as x), got {tuple(dy.shape)}")
         dx, dg, db = layer_norm_backward(dy.contiguous(), x, g, b, mean, rstd, axis, relu, segments)
         if dg.untyped_storage().data_ptr() == db.untyped_storage().data_ptr():
             db = db.clone()                                 # views of one sum: outputs may not share storage
@@ -319,7 +342,7 @@ def lstm_gates(c: Tensor, i: Tensor, u: Tensor, f: Tensor, o: Tensor, bias: Tens
     stride); bias: (4K,) or None, added to the gates. The math is fp32 for 16-bit inputs."""
     if _kernels(c):
         from bstrain.kernels.ew import lstm_gates_forward
-        return lstm_gates_forward(c, i, u, f, o, bias, forget_bias, check=False)
+        return lstm_gates_forward(c, i, u, f, o, bias, forget_bias)
     cw, (gi, gu, gf, go) = _gates_ref(c, i, u, f, o, bias, forget_bias)
     new_c = cw * torch.sigmoid(gf + forget_bias) + torch.sigmoid(gi) * torch.tanh(gu)
     new_h = torch.tanh(new_c) * torch.sigmoid(go)
@@ -337,7 +360,10 @@ def lstm_gates_bwd(c: Tensor, i: Tensor, u: Tensor, f: Tensor, o: Tensor, bias: 
     """(dc (N, K), dgates (N, 4K) in the order i, u, f, o), in c's dtype."""
     if _kernels(c):
         from bstrain.kernels.ew import lstm_gates_backward
-        return lstm_gates_backward(c, i, u, f, o, dc_new, dh_new, bias, forget_bias, check=False)
+        for name, d in (("dc_new", dc_new), ("dh_new", dh_new)):
+            if d is not None and d.shape != c.shape:
+                raise ValueError(f"{name}: expected shape {tuple(c.shape)} (as c), got {tuple(d.shape)}")
+        return lstm_gates_backward(c, i, u, f, o, dc_new, dh_new, bias, forget_bias)
     cw, (gi, gu, gf, go) = _gates_ref(c, i, u, f, o, bias, forget_bias)
     si, tu, sf, so = torch.sigmoid(gi), torch.tanh(gu), torch.sigmoid(gf + forget_bias), torch.sigmoid(go)
     t = torch.tanh(cw * sf + si * tu)

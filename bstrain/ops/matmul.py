@@ -23,6 +23,7 @@ from bstrain.ops.library import eager, register_layout
 from bstrain.ops.proj import SparseProj  # noqa: F401  (the seed exports it from matmul)
 
 BLOCK_SIZES = (8, 16, 32, 64, 128)
+_INT32_MAX = 2**31 - 1
 _FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 _BACKENDS = ("auto", "triton", "torch")
 
@@ -331,6 +332,8 @@ class BlocksparseMatMul:
             raise ValueError(f"W: expected device {I.device} (as I), got {W.device}")
         if dw_dtype not in _FLOAT_DTYPES:
             raise TypeError(f"dw_dtype: expected a floating torch.dtype, got {dw_dtype!r}")
+        if eager(I) and I.numel() > _INT32_MAX and self._use_kernels(I):     # (traced: the op checks)
+            raise ValueError(f"I: the kernels take tensors of at most 2**31 - 1 elements, got {I.numel()}")
 
     def _use_kernels(self, I: torch.Tensor) -> bool:
         if self.backend == "torch" or I.dtype == torch.float64:
@@ -382,8 +385,47 @@ class BlocksparseMatMul:
 
     # --- no-autograd products (kernels on CUDA, references on CPU) -------------------------------
 
+    def _check_raw(self, name: str, a, features: int, W=None, b=None, b_features: int = 0) -> None:
+        """A 2-D activation ``a`` with ``features`` on the feature axis (and a second one ``b`` with
+        ``b_features`` and a's rows), and a weight W of w_shape in a's dtype, all on a's device."""
+        axis = self.feature_axis
+        for n, t, f in ((name, a, features), ("dY", b, b_features)):
+            if t is None:
+                continue
+            if not isinstance(t, torch.Tensor):
+                raise TypeError(f"{n}: expected a torch.Tensor, got {type(t).__name__}")
+            if t.dim() != 2 or t.shape[1 - axis] != a.shape[1 - axis] or t.shape[axis] != f:
+                want = f"(N, {f})" if axis == 1 else f"({f}, N)"
+                raise ValueError(f"{n}: expected a 2-D {want} tensor (feature_axis={axis}), got {tuple(t.shape)}")
+            if t.dtype != a.dtype or t.device != a.device:
+                raise TypeError(f"{n}: expected {a.dtype} on {a.device} (as {name}), got {t.dtype} on {t.device}")
+        if W is not None:
+            self._check_w(W)
+            if W.dtype != a.dtype or W.device != a.device:
+                raise TypeError(f"W: expected {a.dtype} on {a.device} (as {name}), got {W.dtype} on {W.device}")
+        if eager(a) and max(a.numel(), b.numel() if b is not None else 0) > _INT32_MAX and self._use_kernels(a):
+            raise ValueError(f"{name}: the kernels take tensors of at most 2**31 - 1 elements, got {a.numel()}")
+
     def forward_raw(self, I: torch.Tensor, W: torch.Tensor) -> torch.Tensor:
-        """Y = I·W without autograd; W in I's dtype."""
+        """Y = I·W without autograd. I: (N, C) (or (C, N)); W in I's dtype."""
+        self._check_raw("I", I, self.C, W)
+        return self._forward_raw(I, W)
+
+    def dx(self, dY: torch.Tensor, W: torch.Tensor) -> torch.Tensor:
+        """dX = dY·Wᵀ without autograd. dY: (N, K) (or (K, N)); W in dY's dtype."""
+        self._check_raw("dY", dY, self.K, W)
+        return self._dx(dY, W)
+
+    def dw(self, I: torch.Tensor, dY: torch.Tensor, dw_dtype: torch.dtype | None = None) -> torch.Tensor:
+        """dW = Iᵀ·dY on live blocks, without autograd: (nnz, bs, bs) in dw_dtype (default: fp32,
+        or fp64 for fp64 inputs)."""
+        self._check_raw("I", I, self.C, b=dY, b_features=self.K)
+        if dw_dtype is not None and dw_dtype not in _FLOAT_DTYPES:
+            raise TypeError(f"dw_dtype: expected a floating torch.dtype, got {dw_dtype!r}")
+        return self._dw(I, dY, dw_dtype)
+
+    # the same without checks: the grouped path's inner calls, on arguments checked at its boundary
+    def _forward_raw(self, I: torch.Tensor, W: torch.Tensor) -> torch.Tensor:
         if self._use_kernels(I):
             if not eager(I):
                 return torch.ops.bstrain.bsmm(I, W, self.key, self.feature_axis, W.dtype)
@@ -392,8 +434,7 @@ class BlocksparseMatMul:
         c_idx, k_idx = self._ref_coords(I.device)
         return bsmm_ref(I, W, c_idx, k_idx, self.K, self.feature_axis)
 
-    def dx(self, dY: torch.Tensor, W: torch.Tensor) -> torch.Tensor:
-        """dX = dY·Wᵀ without autograd."""
+    def _dx(self, dY: torch.Tensor, W: torch.Tensor) -> torch.Tensor:
         if self._use_kernels(dY):
             if not eager(dY):
                 return torch.ops.bstrain.bsmm_dx(dY, W, self.key, self.feature_axis)
@@ -402,9 +443,7 @@ class BlocksparseMatMul:
         c_idx, k_idx = self._ref_coords(dY.device)
         return bsmm_dx_ref(dY, W, c_idx, k_idx, self.C, self.feature_axis)
 
-    def dw(self, I: torch.Tensor, dY: torch.Tensor, dw_dtype: torch.dtype | None = None) -> torch.Tensor:
-        """dW = Iᵀ·dY on live blocks, without autograd: (nnz, bs, bs) in dw_dtype (default: fp32,
-        or fp64 for fp64 inputs)."""
+    def _dw(self, I: torch.Tensor, dY: torch.Tensor, dw_dtype: torch.dtype | None = None) -> torch.Tensor:
         dw_dtype = dw_dtype or (torch.float64 if I.dtype == torch.float64 else torch.float32)
         if self._use_kernels(I):
             if not eager(I):
@@ -487,7 +526,7 @@ class GradGroup:
         dy = torch.cat(dys, dim=1 - axis)
         xs.clear()
         dys.clear()
-        dw = self.op.dw(x, dy, self.dw_dtype)
+        dw = self.op._dw(x, dy, self.dw_dtype)
         self.launches += 1
         acc[0] = dw if acc[0] is None else acc[0] + dw
 
@@ -521,13 +560,13 @@ class _StepMatMul(torch.autograd.Function):
         wk = _as(w, x.dtype)
         ctx.save_for_backward(x, wk)
         ctx.group = group
-        return group.op.forward_raw(x, wk)
+        return group.op._forward_raw(x, wk)
 
     @staticmethod
     def backward(ctx, dy):
         x, wk = ctx.saved_tensors
         dy = dy if dy.dtype == x.dtype else dy.to(x.dtype)
-        dx = ctx.group.op.dx(dy, wk) if ctx.needs_input_grad[0] else None
+        dx = ctx.group.op._dx(dy, wk) if ctx.needs_input_grad[0] else None
         if ctx.needs_input_grad[1]:
             ctx.group.add(x, dy)
         return dx, None, None

@@ -65,6 +65,7 @@ class CapturedStep:
                                  f"graph capture, got capturable={g.get('capturable')}, lr={lr!r}")
 
     def _capture(self) -> None:
+        from bstrain.kernels.matmul import graph_plans       # triton is needed only on CUDA
         self._check_optimizer()
         saved_params = [p.detach().clone() for p in self.params]
         opt_state = self.optimizer.state
@@ -75,7 +76,7 @@ class CapturedStep:
         saved_rng = torch.cuda.get_rng_state(self.device)
         side = torch.cuda.Stream(self.device)
         side.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(side):
+        with torch.cuda.stream(side), graph_plans():      # the capture's kernels, compiled and loaded here
             for _ in range(self.warmup):
                 self.optimizer.zero_grad(set_to_none=True)
                 self._step()

@@ -68,3 +68,48 @@ def test_repeated_launches_take_fresh_arguments():
         for a, r in zip(got, want):
             assert_close(a, r, None, torch.float32, "gates")
     assert launch.stats["direct"] > before, "the direct launch path was never taken"
+
+
+def _small(dev="cpu"):
+    lay = ragged_layout(3, 3, seed=fresh_seed())
+    return lay, kernels.make_luts(lay, 16, dev)
+
+
+def test_plans_keep_no_argument_tensor_alive():
+    import gc
+    import weakref
+    lay, luts = _small(kernel_device())
+    x = torch.randn(40, 48, device=kernel_device())
+    dy = torch.randn(40, 48, device=kernel_device())
+    w = torch.randn(luts.nnz, 16, 16, device=kernel_device())
+    refs = [weakref.ref(x), weakref.ref(dy), weakref.ref(w)]
+    kernels.bsmm_dw(x, dy, luts)
+    kernels.bsmm_forward(x, w, luts)
+    kernels.bsmm_dx(dy, w, luts)
+    del x, dy, w
+    gc.collect()
+    assert all(r() is None for r in refs), "a launch plan holds an argument tensor"
+
+
+def test_plan_keys_cover_tf32_and_the_dw_output_pointer():
+    dev = kernel_device()
+    lay, luts = _small(dev)
+    x, dy = torch.randn(8, 48, device=dev), torch.randn(8, 48, device=dev)
+    w = torch.randn(luts.nnz, 16, 16, device=dev)
+    before = torch.backends.cuda.matmul.allow_tf32
+    try:
+        for flag in (False, True):
+            torch.backends.cuda.matmul.allow_tf32 = flag
+            kernels.bsmm_forward(x, w, luts)
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = before
+    assert len(luts.fwd.plans) == 2, "the TF32 setting must select its own plan"
+    buf = torch.empty(luts.nnz * 256 + 1, device=dev)
+    n = luts.nnz * 256
+    for out in (buf[:n].view(-1, 16, 16), buf[1:].view(-1, 16, 16)):       # 16-byte aligned, then not
+        got = kernels.bsmm_dw(x, dy, luts, out=out)
+        want = (x.double().cpu().t() @ dy.double().cpu()) * (dense_weight(lay, torch.ones_like(w)) != 0)
+        assert_close(dense_weight(lay, got), want, None, torch.float32, "dw")
+    assert len(luts.dw_plans) == 2, "the output's alignment must select its own plan"
+    with pytest.raises(ValueError, match="out: expected a contiguous"):
+        kernels.bsmm_dw(x, dy, luts, out=torch.empty(16, luts.nnz, 16, device=dev).transpose(0, 1))

@@ -304,3 +304,27 @@ def test_copies_and_pickles_keep_their_layout_registered():
         assert m.op.key == key and bstrain.ops.library.layout_tables(key) is m.op._tables
         x = torch.randn(3, 64)
         torch.testing.assert_close(OPS.bsmm(x, m.weight, key, 1, torch.float32), m(x) - m.bias)
+
+
+def test_public_products_check_their_arguments_before_any_kernel(monkeypatch):
+    """forward_raw, dx, dw and the kernel path's size limit: clear errors, no launch."""
+    from bstrain.kernels import launch
+    from bstrain.ops.ew import fused_lstm_gates
+    monkeypatch.setattr(launch.Launch, "__call__", lambda *a: pytest.fail("a kernel was launched"))
+    op = BlocksparseMatMul(ragged_layout(3, 3, seed=fresh_seed()), 16, backend="triton")
+    w = torch.randn(op.w_shape)
+    with pytest.raises(ValueError, match=r"I: expected a 2-D \(N, 48\)"):
+        op.forward_raw(torch.randn(4, 32), w)
+    with pytest.raises(ValueError, match="W: expected shape"):
+        op.forward_raw(torch.randn(4, 48), w[:-1])
+    with pytest.raises(TypeError, match="W: expected torch.float16"):
+        op.forward_raw(torch.randn(4, 48).half(), w)
+    with pytest.raises(ValueError, match=r"dY: expected a 2-D \(N, 48\)"):
+        op.dx(torch.randn(4, 32), w)
+    with pytest.raises(ValueError, match=r"dY: expected a 2-D \(N, 48\)"):
+        op.dw(torch.randn(4, 48), torch.randn(5, 48))
+    big = torch.zeros(1, 48).expand(2**31 // 48 + 1, 48)
+    with pytest.raises(ValueError, match="at most 2\\*\\*31 - 1 elements"):
+        op(big, w)
+    with pytest.raises(ValueError, match="c: expected a 2-D"):
+        fused_lstm_gates(*(torch.randn(2, 3, 4) for _ in range(5)))
