@@ -113,3 +113,16 @@ def test_plan_keys_cover_tf32_and_the_dw_output_pointer():
     assert len(luts.dw_plans) == 2, "the output's alignment must select its own plan"
     with pytest.raises(ValueError, match="out: expected a contiguous"):
         kernels.bsmm_dw(x, dy, luts, out=torch.empty(16, luts.nnz, 16, device=dev).transpose(0, 1))
+
+
+def test_graph_plans_context_nests_and_restores():
+    from bstrain.kernels.matmul import _GRAPH_PLANS, graph_plans
+    assert _GRAPH_PLANS[0] is False
+    with graph_plans():
+        with graph_plans():
+            assert _GRAPH_PLANS[0] is True
+        assert _GRAPH_PLANS[0] is True
+    assert _GRAPH_PLANS[0] is False
+    with pytest.raises(RuntimeError), graph_plans():
+        raise RuntimeError
+    assert _GRAPH_PLANS[0] is False
