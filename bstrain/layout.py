@@ -5,7 +5,8 @@ A layout entry ``layout[c, k] == 1`` means the bs x bs block that maps input fea
 numbered in row-major (c-major) order; that is the order of the weight tensor's first axis.
 
 Builders return ``np.ndarray`` of dtype bool. Every op accepts numpy arrays, torch tensors or
-nested lists and validates them with :func:`as_layout`.
+nested lists and validates them with :func:`as_layout`. Attention layouts (query blocks x key
+blocks, optionally per head) are at the end of the module.
 """
 from __future__ import annotations
 
@@ -15,6 +16,8 @@ import torch
 __all__ = [
     "as_layout", "validate", "from_array", "dense", "random", "balanced", "block_diagonal",
     "barabasi_albert", "watts_strogatz", "density", "z_order_rank",
+    "causal_mask", "local_mask", "strided_mask", "fixed_mask", "longformer_mask", "bigbird_mask",
+    "attention_layout", "layout_image",
 ]
 
 
@@ -207,3 +210,185 @@ def z_order_rank(c_idx: np.ndarray, k_idx: np.ndarray) -> np.ndarray:
     rank = np.empty_like(key)
     rank[np.argsort(key, kind="stable")] = np.arange(key.size)
     return rank
+
+
+# --- attention layouts ------------------------------------------------------------------------------
+# An attention layout is (q_blocks, k_blocks), shared by all heads, or (heads, q_blocks, k_blocks):
+# layout[h, i, j] says whether query block i of head h attends to key block j. Element-level
+# patterns are mask functions ``mask(b, h, q_idx, k_idx) -> bool`` on broadcast index arrays (numpy
+# or torch: the same function serves FlexAttention's ``mask_mod``); :func:`attention_layout`
+# evaluates one at block granularity, keeps the blocks it touches, and returns the seed's
+# ``mask_callback`` for the partial ones.
+
+def causal_mask(b, h, q_idx, k_idx):
+    """Each position attends to itself and the past."""
+    return q_idx >= k_idx
+
+
+def local_mask(window: int, causal: bool = True):
+    """The last ``window`` positions, itself included (or ``window - 1`` on each side, non-causal)."""
+    _positive("window", window)
+
+    def mask(b, h, q_idx, k_idx):
+        d = q_idx - k_idx
+        return ((d >= 0) & (d < window)) if causal else ((d < window) & (d > -window))
+    return mask
+
+
+def strided_mask(stride: int):
+    """Sparse Transformer "strided" attention (Child et al. 2019), causal: the previous ``stride``
+    positions, and every ``stride``-th one before them (the union of the paper's two heads)."""
+    _positive("stride", stride)
+
+    def mask(b, h, q_idx, k_idx):
+        d = q_idx - k_idx
+        return (d >= 0) & ((d < stride) | (d % stride == 0))
+    return mask
+
+
+def fixed_mask(stride: int, summary: int = 1):
+    """Sparse Transformer "fixed" attention (Child et al. 2019), causal: the positions of the same
+    ``stride``-long segment, and the last ``summary`` positions of every segment."""
+    _positive("stride", stride)
+    if isinstance(summary, bool) or not isinstance(summary, int) or not 1 <= summary <= stride:
+        raise ValueError(f"summary: expected an int in [1, stride={stride}], got {summary!r}")
+
+    def mask(b, h, q_idx, k_idx):
+        same = (q_idx // stride) == (k_idx // stride)
+        return (q_idx >= k_idx) & (same | (k_idx % stride >= stride - summary))
+    return mask
+
+
+def longformer_mask(window: int, global_tokens, causal: bool = False):
+    """Longformer-style: a sliding window of ``window`` positions each side, plus global positions
+    (an int: the first n; or a sequence of indices) that attend to all and are attended by all."""
+    local = local_mask(window, causal)
+    glob = _global_set(global_tokens)
+
+    def mask(b, h, q_idx, k_idx):
+        g = _isin(q_idx, glob) | _isin(k_idx, glob)
+        if causal:
+            g = g & (q_idx >= k_idx)
+        return local(b, h, q_idx, k_idx) | g
+    return mask
+
+
+def bigbird_mask(block_size: int, window_blocks: int, global_blocks: int, random_blocks: int,
+                 q_blocks: int, k_blocks: int, seed: int | None = None, causal: bool = False):
+    """BigBird-style at block granularity: ``window_blocks`` key blocks each side of the diagonal,
+    the first ``global_blocks`` blocks global (rows and columns), and ``random_blocks`` random key
+    blocks per query block row (drawn once, from ``seed``). ``causal`` keeps k <= q."""
+    for name, v in (("block_size", block_size), ("q_blocks", q_blocks), ("k_blocks", k_blocks)):
+        _positive(name, v)
+    for name, v in (("window_blocks", window_blocks), ("global_blocks", global_blocks),
+                    ("random_blocks", random_blocks)):
+        if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+            raise ValueError(f"{name}: expected an int >= 0, got {v!r}")
+    rng = _rng(seed)
+    table = np.zeros((q_blocks, k_blocks), dtype=bool)
+    for i in range(q_blocks):
+        pool = np.arange(min(i + 1, k_blocks) if causal else k_blocks)
+        table[i, rng.choice(pool, size=min(random_blocks, pool.size), replace=False)] = True
+
+    def mask(b, h, q_idx, k_idx):
+        qb, kb = q_idx // block_size, k_idx // block_size
+        near = (qb - kb <= window_blocks) & (kb - qb <= window_blocks)
+        glob = (qb < global_blocks) | (kb < global_blocks)
+        keep = near | glob | _lookup(table, qb, kb)
+        return keep & (q_idx >= k_idx) if causal else keep
+    return mask
+
+
+def attention_layout(mask, q_len: int, k_len: int, block_size: int, heads: int | None = None):
+    """The block layout of an element-level ``mask(b, h, q_idx, k_idx)``, and its mask_callback.
+
+    A block is live when the mask keeps any of its elements. Returns ``(layout, mask_callback)``:
+    layout is (q_len/bs, k_len/bs) bool, or (heads, ...) when ``heads`` is given (the mask is then
+    evaluated per head); mask_callback has the seed's signature ``(blk_shape, head_idx, qry_idx,
+    key_idx, blk_idx) -> (bs, bs) bool`` and is None when every live block is full. The mask must
+    not depend on the batch index (it is evaluated at b = 0).
+    """
+    if not callable(mask):
+        raise TypeError(f"mask: expected a function (b, h, q_idx, k_idx) -> bool, got {type(mask).__name__}")
+    for name, v in (("q_len", q_len), ("k_len", k_len), ("block_size", block_size)):
+        _positive(name, v)
+    if q_len % block_size or k_len % block_size:
+        raise ValueError(f"q_len, k_len: expected multiples of block_size={block_size}, got {q_len} and {k_len}")
+    if heads is not None:
+        _positive("heads", heads)
+    nq, nk, bs = q_len // block_size, k_len // block_size, block_size
+    k_idx = np.arange(k_len)[None, :]
+    layout = np.zeros((heads or 1, nq, nk), dtype=bool)
+    partial: dict[tuple[int, int, int], np.ndarray] = {}
+    for h in range(heads or 1):
+        for i in range(nq):
+            q_idx = np.arange(i * bs, (i + 1) * bs)[:, None]
+            m = np.broadcast_to(np.asarray(mask(0, h, q_idx, k_idx), dtype=bool), (bs, k_len))
+            tiles = m.reshape(bs, nk, bs).transpose(1, 0, 2)                 # (nk, bs, bs)
+            live, full = tiles.any(axis=(1, 2)), tiles.all(axis=(1, 2))
+            layout[h, i] = live
+            for j in np.nonzero(live & ~full)[0]:
+                partial[(h, i, int(j))] = tiles[j].copy()
+    shared = heads is None
+
+    def mask_callback(blk_shape, head_idx, qry_idx, key_idx, blk_idx):
+        tile = partial.get((0 if shared else head_idx, qry_idx, key_idx))
+        return np.ones(blk_shape, dtype=bool) if tile is None else tile.copy()
+    return (layout[0] if heads is None else layout), (mask_callback if partial else None)
+
+
+def layout_image(layout, scale: int = 1, gap: int = 2) -> np.ndarray:
+    """A layout as a uint8 grey image (live = 255): (q_blocks*scale, k_blocks*scale), or the heads
+    of a 3-D layout side by side with ``gap`` columns between them. For docs and TensorBoard
+    (``add_image(..., dataformats="HW")``)."""
+    lay = np.asarray(layout.cpu() if isinstance(layout, torch.Tensor) else layout).astype(bool)
+    if lay.ndim not in (2, 3):
+        raise ValueError(f"layout: expected a 2-D or 3-D array, got shape {lay.shape}")
+    _positive("scale", scale)
+    heads = lay[None] if lay.ndim == 2 else lay
+    tiles = [np.kron(h, np.ones((scale, scale), dtype=bool)).astype(np.uint8) * 255 for h in heads]
+    if len(tiles) == 1:
+        return tiles[0]
+    pad = np.full((tiles[0].shape[0], gap), 96, dtype=np.uint8)
+    out = [tiles[0]]
+    for t in tiles[1:]:
+        out += [pad, t]
+    return np.concatenate(out, axis=1)
+
+
+def _positive(name: str, v) -> None:
+    if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 1:
+        raise ValueError(f"{name}: expected a positive int, got {v!r}")
+
+
+def _global_set(tokens) -> np.ndarray:
+    if isinstance(tokens, (int, np.integer)) and not isinstance(tokens, bool):
+        if tokens < 0:
+            raise ValueError(f"global_tokens: expected an int >= 0 or a sequence of positions, got {tokens}")
+        return np.arange(tokens)
+    arr = np.asarray(tokens)
+    if arr.ndim != 1 or (arr.size and (arr.dtype.kind not in "iu" or arr.min() < 0)):
+        raise ValueError(f"global_tokens: expected an int >= 0 or a sequence of positions, got {tokens!r}")
+    return arr.astype(np.int64)
+
+
+def _isin(idx, values: np.ndarray):
+    """``idx ∈ values`` elementwise, for numpy arrays or torch tensors, by a table lookup (which
+    torch.vmap, as FlexAttention's create_block_mask uses, can batch)."""
+    table = np.zeros(int(values.max(initial=-1)) + 2, dtype=bool)     # the last entry: out of range
+    table[values] = True
+    last = table.size - 1
+    if isinstance(idx, torch.Tensor):
+        return torch.as_tensor(table, device=idx.device)[idx.clamp(0, last)] & (idx < last)
+    return table[np.clip(idx, 0, last)] & (idx < last)
+
+
+def _lookup(table: np.ndarray, qb, kb):
+    """table[qb, kb] for numpy arrays or torch tensors of block indices (out of range: False)."""
+    if isinstance(qb, torch.Tensor):
+        t = torch.as_tensor(table, device=qb.device)
+        ok = (qb < t.shape[0]) & (kb < t.shape[1])
+        return t[qb.clamp(max=t.shape[0] - 1), kb.clamp(max=t.shape[1] - 1)] & ok
+    qb, kb = np.broadcast_arrays(qb, kb)
+    ok = (qb < table.shape[0]) & (kb < table.shape[1])
+    return table[np.minimum(qb, table.shape[0] - 1), np.minimum(kb, table.shape[1] - 1)] & ok

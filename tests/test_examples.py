@@ -26,3 +26,12 @@ def test_readme_compile_example_runs(capsys):
     code = code[:code.index("```")].replace('"cuda"', '"cpu"').replace(".cuda()", "")
     exec(compile(code, "README.md", "exec"), {})
     assert capsys.readouterr().out.split()[-1] == "0"
+
+
+def test_readme_attention_layout_example_runs(capsys):
+    text = (Path(__file__).parents[1] / "README.md").read_text()
+    section = text[text.index("**Attention layouts**"):]
+    code = section[section.index("```python") + len("```python"):]
+    code = code[:code.index("```")]
+    exec(compile(code, "README.md", "exec"), {})
+    assert capsys.readouterr().out.strip() == "(64, 64) 0.266"
