@@ -35,3 +35,12 @@ def test_readme_attention_layout_example_runs(capsys):
     code = code[:code.index("```")]
     exec(compile(code, "README.md", "exec"), {})
     assert capsys.readouterr().out.strip() == "(64, 64) 0.266"
+
+
+def test_readme_attention_example_runs(capsys):
+    text = (Path(__file__).parents[1] / "README.md").read_text()
+    section = text[text.index("### Block-sparse attention: `BlocksparseTransformer`"):]
+    code = section[section.index("```python") + len("```python"):]
+    code = code[:code.index("```")]
+    exec(compile(code, "README.md", "exec"), {})
+    assert capsys.readouterr().out.strip() == "True"

@@ -12,9 +12,10 @@ from bstrain.ops.ew import (
 )
 from bstrain.ops.matmul import BlocksparseMatMul, GradGroup, SparseProj, bsmm_ref
 from bstrain.ops.norms import batch_norm, batch_norm_inference, layer_norm
+from bstrain.ops.transformer import BlocksparseTransformer
 
 __all__ = [
-    "BlocksparseMatMul", "SparseProj", "GradGroup", "bsmm_ref",
+    "BlocksparseMatMul", "SparseProj", "GradGroup", "bsmm_ref", "BlocksparseTransformer",
     "add", "multiply", "subtract", "divide", "maximum", "minimum", "negative", "reciprocal", "square", "sqrt",
     "exp", "log", "sigmoid", "tanh", "relu", "elu", "gelu", "swish", "fast_gelu", "bias_relu",
     "filter_tensor", "scale_tensor", "float_cast", "dropout", "add_n8", "add_n",

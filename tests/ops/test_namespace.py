@@ -32,7 +32,7 @@ concrete_gate concrete_gate_infer replace_add_n restore_add_n fancy_gather reduc
 recomputable sparse_relu FusedBasicLSTMCell grouped_lstm group_lstm_grads block_reduced_full_dw group_param_grads
 get_bsmm_dx_ops Ema AdamOptimizer AdafactorOptimizer blocksparse_l2_decay blocksparse_norm blocksparse_prune
 clip_by_global_norm global_norm adafactor2d_op adafactor1d_op adam_op blocksparse_adam_op QuantizeSpec quantize
-log_stats BlocksparseTransformer softmax masked_softmax transpose_2d transpose_0213 top_k rectified_top_k
+log_stats softmax masked_softmax transpose_2d transpose_0213 top_k rectified_top_k
 clear_bst_constants
 """.split()
 

@@ -1,0 +1,133 @@
+"""BlocksparseTransformer (PyTorch path) against a float64 dense masked-softmax reference."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from bstrain import layout as L
+from bstrain.ops.transformer import BlocksparseTransformer, attention_ref
+from tests.conftest import DTYPE_IDS, assert_close, fresh_seed
+
+
+def element_mask(op: BlocksparseTransformer) -> torch.Tensor:
+    """(heads, q_ctx, k_ctx) bool: the layout with each live block's element mask."""
+    bs = op.block_size
+    m = torch.zeros(op.heads, op.q_ctx, op.k_ctx, dtype=torch.bool)
+    for n, (h, i, j) in enumerate(op._idx.t().tolist()):
+        m[h, i * bs:(i + 1) * bs, j * bs:(j + 1) * bs] = op._masks[n]
+    return m
+
+
+def random_layout(heads, nq, nk, seed, empty_row=True):
+    rng = np.random.default_rng(seed)
+    lay = rng.random((heads, nq, nk)) < 0.5
+    lay[:, :, 0] = True
+    if empty_row:
+        lay[0, nq - 1] = False                     # a query block of head 0 with no live key
+    return lay
+
+
+def qkv(B, Tq, Tk, H, D, dtype, grad=True):
+    return tuple(torch.randn(B, T, H * D, dtype=dtype).requires_grad_(grad) for T in (Tq, Tk, Tk))
+
+
+def checked(op, q, k, v, dtype, mask=None, pad=None, scale=0.3):
+    """Output and dq, dk, dv of op.attention against float64 dense attention."""
+    full = element_mask(op)[None] if pad is None else element_mask(op)[None] & ~pad[:, None, None, :]
+    out = op.attention(q, k, v, scale=scale, key_padding_mask=pad)
+    q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
+    ref = attention_ref(q64, k64, v64, full, scale)
+    assert_close(out, ref, None, dtype, "out")
+    g = torch.randn_like(ref)
+    got = torch.autograd.grad(out, (q, k, v), g.to(dtype))
+    want = torch.autograd.grad(ref, (q64, k64, v64), g)
+    for name, a, r in zip(("dq", "dk", "dv"), got, want):
+        assert_close(a, r, None, dtype, name)
+    return out
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16], ids=DTYPE_IDS.get)
+@pytest.mark.parametrize("bs", [16, 32])
+def test_per_head_layouts_with_unequal_block_counts(dtype, bs):
+    lay = random_layout(3, 4, 3, fresh_seed())
+    op = BlocksparseTransformer(lay, block_size=bs)
+    assert op.blocks == lay.sum() and len(set(lay.sum(axis=(1, 2)).tolist())) >= 1
+    out = checked(op, *qkv(2, 4 * bs, 3 * bs, 3, 16, dtype), dtype)
+    assert (out[0, -bs:, :16] == 0).all(), "a query with no live key must give zeros"
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float16], ids=DTYPE_IDS.get)
+def test_causal_mask_callback_shared_layout(dtype):
+    lay, cb = L.attention_layout(L.causal_mask, 64, 64, 16)
+    op = BlocksparseTransformer(lay, block_size=16, heads=2, mask_callback=cb)
+    checked(op, *qkv(2, 64, 64, 2, 32, dtype), dtype)
+
+
+def test_strided_mask_and_key_padding():
+    lay, cb = L.attention_layout(L.strided_mask(32), 128, 128, 32, heads=2)
+    op = BlocksparseTransformer(lay, block_size=32, mask_callback=cb)
+    pad = torch.zeros(2, 128, dtype=torch.bool)
+    pad[0, 100:] = True                            # the first sequence is 100 long
+    pad[1, :] = True                               # the second is all padding: every row gives zeros
+    out = checked(op, *qkv(2, 128, 128, 2, 16, torch.float64), torch.float64, pad=pad)
+    assert (out[1] == 0).all()
+
+
+def test_unfused_methods_and_the_score_tensor():
+    lay = random_layout(2, 3, 2, fresh_seed(), empty_row=False)
+    op = BlocksparseTransformer(lay, block_size=16)
+    q, k, v = qkv(2, 48, 32, 2, 8, torch.float64, grad=False)
+    w = op.query_key_op(q, k)
+    assert w.shape == op.w_shape(2) == (2, int(lay.sum()), 16, 16)
+    for n, (h, i, j) in enumerate(op._idx.t().tolist()):       # head-major, row-major blocks
+        qb = q[:, i * 16:(i + 1) * 16, h * 8:(h + 1) * 8]
+        kb = k[:, j * 16:(j + 1) * 16, h * 8:(h + 1) * 8]
+        torch.testing.assert_close(w[:, n], qb @ kb.transpose(1, 2))
+    p = op.masked_softmax(w, scale=0.5)
+    y = op.weight_value_op(p, v)
+    torch.testing.assert_close(y, op.attention(q, k, v, scale=0.5))
+    # autoregress_at_key masks keys after that position; key 20 is in block 1
+    p = op.masked_softmax(w, scale=0.5, autoregress_at_key=20)
+    for n, (h, i, j) in enumerate(op._idx.t().tolist()):
+        if j == 1:
+            assert (p[:, n, :, 5:] == 0).all()
+    rows = torch.zeros(2, 2, 3, 16, dtype=torch.float64)
+    for n, (h, i, j) in enumerate(op._idx.t().tolist()):
+        rows[:, h, i] += p[:, n].sum(-1)
+    torch.testing.assert_close(rows, torch.ones_like(rows))          # each row sums to one
+
+
+def test_gradcheck_float64():
+    lay, cb = L.attention_layout(L.local_mask(20), 32, 32, 16)
+    op = BlocksparseTransformer(lay, block_size=16, heads=1, mask_callback=cb)
+    q, k, v = qkv(1, 32, 32, 1, 4, torch.float64)
+    torch.autograd.gradcheck(lambda a, b, c: op.attention(a, b, c), (q, k, v))
+
+
+@pytest.mark.parametrize("call,err,match", [
+    (lambda: BlocksparseTransformer(np.ones((2, 2)), 16), ValueError, "heads: expected a positive int"),
+    (lambda: BlocksparseTransformer(np.ones((2, 2, 2)), 16, heads=3), ValueError, "heads: expected 2"),
+    (lambda: BlocksparseTransformer(np.ones((2, 2)), 24, heads=1), ValueError, "block_size: expected one of"),
+    (lambda: BlocksparseTransformer(np.full((2, 2), 2), 16, heads=1), ValueError, "layout: expected"),
+    (lambda: BlocksparseTransformer(np.ones((2, 2)), 16, heads=1, mask_callback=lambda *a: np.ones((3, 3))),
+     ValueError, "mask_callback: expected a \\(16, 16\\) array"),
+])
+def test_bad_construction(call, err, match):
+    with pytest.raises(err, match=match):
+        call()
+
+
+def test_bad_calls():
+    op = BlocksparseTransformer(np.ones((2, 2)), 16, heads=2)
+    q, k, v = qkv(1, 32, 32, 2, 8, torch.float32, grad=False)
+    with pytest.raises(ValueError, match=r"q: expected \(batch, 32, heads·head_dim\) with heads=2"):
+        op.attention(q[:, :16], k, v)
+    with pytest.raises(ValueError, match="k: expected batch 1, torch.float32"):
+        op.attention(q, k.double(), v)
+    with pytest.raises(TypeError, match="v: expected float16"):
+        op.attention(q, k, v.int())
+    with pytest.raises(ValueError, match="key_padding_mask: expected a bool \\(1, 32\\)"):
+        op.attention(q, k, v, key_padding_mask=torch.zeros(1, 32))
+    with pytest.raises(ValueError, match="w: expected the score tensor"):
+        op.masked_softmax(torch.zeros(1, 3, 16, 16))
