@@ -11,13 +11,16 @@ head by head and, within a head, in row-major (query block, key block) order:
 ``(batch, blocks, bs, bs)``, ``blocks = layout.sum()``. When every head has the same number of
 blocks, ``w.view(batch, heads, blocks // heads, bs, bs)`` is the seed's shape.
 
-This module is the PyTorch path (every device, fp16/bf16/fp32/fp64): the unfused methods and
-``attention``, which materialises the scores of live blocks only. The fused flash-style Triton
-kernels are not written yet.
+The unfused methods and, by default, ``attention`` run PyTorch (every device, fp16/bf16/fp32/
+fp64; ``attention`` then materialises the scores of live blocks only). ``backend="triton"``
+runs ``attention`` through the flash-style kernels of :mod:`bstrain.kernels.attention`, which
+never store the scores; they are checked in Triton's interpreter and not yet on a GPU, so they
+are not the default on CUDA yet.
 """
 from __future__ import annotations
 
 import math
+import os
 
 import numpy as np
 import torch
@@ -46,7 +49,8 @@ class BlocksparseTransformer:
             once per live block when the op is built; False elements are masked out.
     """
 
-    def __init__(self, layout, block_size: int = 64, heads: int | None = None, mask_callback=None):
+    def __init__(self, layout, block_size: int = 64, heads: int | None = None, mask_callback=None,
+                 backend: str = "auto"):
         lay = np.asarray(layout.detach().cpu() if isinstance(layout, torch.Tensor) else layout)
         if lay.ndim not in (2, 3) or lay.size == 0 or not np.isin(lay, (0, 1)).all():
             raise ValueError(f"layout: expected a non-empty 2-D (q_blocks, k_blocks) or 3-D (heads, q_blocks, "
@@ -58,6 +62,9 @@ class BlocksparseTransformer:
             lay = np.broadcast_to(lay, (heads,) + lay.shape)
         elif heads is not None and heads != lay.shape[0]:
             raise ValueError(f"heads: expected {lay.shape[0]} (the layout's first axis) or None, got {heads!r}")
+        if backend not in ("auto", "torch", "triton"):
+            raise ValueError(f"backend: expected 'auto', 'torch' or 'triton', got {backend!r}")
+        self.backend = backend
         if mask_callback is not None and not callable(mask_callback):
             raise TypeError(f"mask_callback: expected a function or None, got {type(mask_callback).__name__}")
         self.layout = np.ascontiguousarray(lay, dtype=bool)              # (H, nq, nk)
@@ -65,16 +72,22 @@ class BlocksparseTransformer:
         h_idx, q_idx, k_idx = np.nonzero(self.layout)                    # head-major, row-major within a head
         self.blocks = int(h_idx.size)
         self._idx = torch.as_tensor(np.stack([h_idx, q_idx, k_idx]), dtype=torch.int64)   # (3, nnz)
-        masks = np.ones((self.blocks, bs, bs), dtype=bool)
+        # element masks of partial blocks only: partial_idx[n] indexes them, -1 for a full block
+        partial_idx = np.full(self.blocks, -1, dtype=np.int64)
+        partial = []
         if mask_callback is not None:
             for n, (h, i, j) in enumerate(zip(h_idx.tolist(), q_idx.tolist(), k_idx.tolist())):
                 m = np.asarray(mask_callback((bs, bs), h, i, j, n))
                 if m.shape != (bs, bs):
                     raise ValueError(f"mask_callback: expected a ({bs}, {bs}) array for block (head {h}, query "
                                      f"{i}, key {j}), got shape {m.shape}")
-                masks[n] = m.astype(bool)
-        self._masks = torch.from_numpy(masks)                             # (nnz, bs, bs) bool
+                if not m.all():
+                    partial_idx[n] = len(partial)
+                    partial.append(m.astype(bool))
+        self._partial_idx = partial_idx
+        self._pmasks = np.stack(partial) if partial else np.zeros((0, bs, bs), dtype=bool)
         self._dev: dict = {}
+        self._luts: dict = {}
 
     # --- shapes -----------------------------------------------------------------------------------
     @property
@@ -89,12 +102,43 @@ class BlocksparseTransformer:
         """The score tensor's shape: (batch, blocks, bs, bs)."""
         return (batch, self.blocks, self.block_size, self.block_size)
 
+    @property
+    def _masks(self) -> torch.Tensor:
+        """(nnz, bs, bs) bool element masks of every live block (the reference path's form)."""
+        bs = self.block_size
+        m = torch.ones(self.blocks, bs, bs, dtype=torch.bool)
+        sel = np.nonzero(self._partial_idx >= 0)[0]
+        m[torch.as_tensor(sel)] = torch.from_numpy(self._pmasks[self._partial_idx[sel]])
+        return m
+
     def _tables(self, device: torch.device):
         t = self._dev.get(device)
         if t is None:
             h, i, j = (x.to(device) for x in self._idx)
             t = self._dev[device] = (h, i, j, h * self.q_blocks + i, self._masks.to(device))
         return t
+
+    def luts(self, device: torch.device):
+        """The kernels' row and column lists on ``device``, built on first use."""
+        luts = self._luts.get(device)
+        if luts is None:
+            from bstrain.kernels.attention import make_luts
+            h, i, j = (x.numpy() for x in self._idx)
+            luts = self._luts[device] = make_luts(h, i, j, self._partial_idx, self._pmasks, self.heads,
+                                                  self.q_blocks, self.k_blocks, self.block_size, device)
+        return luts
+
+    def _use_kernels(self, q: torch.Tensor, head_dim: int) -> bool:
+        if self.backend != "triton":
+            return False
+        if q.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+            raise TypeError(f"q: the Triton backend takes float16, bfloat16 or float32, got {q.dtype}")
+        if head_dim > 128:
+            raise ValueError(f"q: the Triton backend takes head dims up to 128, got {head_dim}")
+        if not q.is_cuda and os.environ.get("TRITON_INTERPRET") != "1":
+            raise ValueError(f"q: backend='triton' needs a CUDA tensor or TRITON_INTERPRET=1, got a tensor on "
+                             f"{q.device}")
+        return True
 
     # --- checks -------------------------------------------------------------------------------------
     def _check_act(self, name: str, x, ctx: int, like=None) -> int:
@@ -160,7 +204,7 @@ class BlocksparseTransformer:
         B, n_rows = w.shape[0], self.heads * self.q_blocks
         blk_max = x.detach().amax(-1)                                     # (B, nnz, bs)
         row_max = blk_max.new_full((B, n_rows, self.block_size), float("-inf"))
-        row_max = row_max.index_reduce(1, row, blk_max, "amax")
+        row_max = row_max.scatter_reduce(1, row[None, :, None].expand_as(blk_max), blk_max, "amax")
         row_max = torch.where(torch.isfinite(row_max), row_max, 0.0)
         e = torch.exp(x - row_max[:, row].unsqueeze(-1))                  # masked: exp(-inf) = 0
         den = e.new_zeros(B, n_rows, self.block_size).index_add(1, row, e.sum(-1))
@@ -202,6 +246,10 @@ class BlocksparseTransformer:
         self._check_act("k", k, self.k_ctx, like=q)
         self._check_act("v", v, self.k_ctx, like=q)
         scale = 1.0 / math.sqrt(D) if scale is None else float(scale)
+        if self._use_kernels(q, D):
+            if key_padding_mask is not None:
+                self._key_keep(key_padding_mask, q.shape[0], q.device)          # checks it
+            return _AttentionFn.apply(q, k, v, key_padding_mask, self.luts(q.device), scale)
         w = self.query_key_op(q, k)
         p = self.masked_softmax(w, scale, key_padding_mask=key_padding_mask)
         return self.weight_value_op(p, v)
@@ -209,6 +257,26 @@ class BlocksparseTransformer:
     def __repr__(self) -> str:
         return (f"BlocksparseTransformer(heads={self.heads}, q_blocks={self.q_blocks}, k_blocks={self.k_blocks}, "
                 f"block_size={self.block_size}, blocks={self.blocks})")
+
+
+class _AttentionFn(torch.autograd.Function):
+    """The fused kernels: O and the row statistics forward; dQ, dK, dV backward."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, pad, luts, scale):
+        from bstrain.kernels.attention import attention_forward
+        q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+        o, lse = attention_forward(q, k, v, luts, scale, pad)
+        ctx.save_for_backward(q, k, v, o, lse)
+        ctx.pad, ctx.luts, ctx.scale = pad, luts, scale
+        return o
+
+    @staticmethod
+    def backward(ctx, do):
+        from bstrain.kernels.attention import attention_backward
+        q, k, v, o, lse = ctx.saved_tensors
+        dq, dk, dv = attention_backward(do, q, k, v, o, lse, ctx.luts, ctx.scale, ctx.pad)
+        return dq, dk, dv, None, None, None
 
 
 def attention_ref(q, k, v, mask: torch.Tensor, scale: float) -> torch.Tensor:
