@@ -70,3 +70,12 @@ def test_triton_backend_input_errors():
         op.attention(big, big, big)
     with pytest.raises(ValueError, match="backend: expected"):
         BlocksparseTransformer(np.ones((2, 2)), 16, heads=1, backend="cuda")
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_a_head_with_no_live_block(backend):
+    lay = random_layout(2, 2, 3, fresh_seed())
+    lay[1] = False
+    op = BlocksparseTransformer(lay, block_size=16, backend=backend)
+    out = run(op, 1, 16, torch.float32)
+    assert (out[..., 16:] == 0).all()
