@@ -21,6 +21,7 @@ from typing import Any, Optional
 from omegaconf import MISSING
 
 from bstrain.models.lstm import LSTMConfig
+from bstrain.models.transformer import TransformerConfig
 
 
 class Precision(str, Enum):
@@ -67,6 +68,7 @@ def _with_target(base: type, target: str, name: str) -> type:
 
 
 LSTMModel = _with_target(LSTMConfig, "bstrain.models.lstm.SparseLSTM", "LSTMModel")
+TransformerModel = _with_target(TransformerConfig, "bstrain.models.transformer.SparseTransformer", "TransformerModel")
 
 
 @dataclass
@@ -183,7 +185,7 @@ class SampleConfig:
     threads: int = field(default=0, metadata={"help": "CPU threads; 0: half the available cores"})
 
 
-GROUP_SCHEMAS = {("model", "lstm"): LSTMModel, ("data", "bytes"): BytesData, ("data", "images"): ImageData,
+GROUP_SCHEMAS = {("model", "lstm"): LSTMModel, ("model", "transformer"): TransformerModel, ("data", "bytes"): BytesData, ("data", "images"): ImageData,
                  ("task", "lm"): LMTask, ("task", "classify"): ClassifyTask}
 
 

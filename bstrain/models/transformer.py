@@ -1,0 +1,213 @@
+"""A byte-level transformer language model with block-sparse attention.
+
+Pre-LayerNorm blocks: ``h = h + attn(LN(h))``, ``h = h + ffn(LN(h))``. The attention of each layer
+is a :class:`bstrain.ops.transformer.BlocksparseTransformer` on a causal pattern from
+:mod:`bstrain.layout` (causal, local, Sparse Transformer strided or fixed), chosen per layer;
+the FFN weights may be block-sparse (:class:`BlockSparseLinear`). Positions are learned or
+rotary. A stateless model in the trainer's sense: ``forward(x (B, T) int64) -> (B, T, 256)``.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass, field
+from enum import Enum
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from bstrain import layout as layouts
+from bstrain.models.layers import BlockSparseLinear, block_sparse_layouts
+from bstrain.ops.transformer import BlocksparseTransformer
+
+VOCAB = 256
+PATTERNS = ("causal", "local", "strided", "fixed")
+
+
+class Positions(str, Enum):
+    learned = "learned"
+    rotary = "rotary"
+
+
+class Backend(str, Enum):
+    auto = "auto"
+    torch = "torch"
+    triton = "triton"
+
+
+@dataclass
+class TransformerConfig:
+    """Constructor arguments of :class:`SparseTransformer` (the ``model/transformer`` config's keys)."""
+    d_model: int = field(default=256, metadata={"help": "width"})
+    n_layer: int = field(default=4, metadata={"help": "blocks"})
+    n_head: int = field(default=4, metadata={"help": "attention heads (d_model / n_head = head dim)"})
+    context: int = field(default=256, metadata={"help": "longest input, in bytes"})
+    block_size: int = field(default=32, metadata={"help": "attention block size: 16, 32, 64 or 128"})
+    attention: str = field(default="strided", metadata={
+        "help": "causal | local | strided | fixed, or a comma-separated list cycled over the layers"})
+    window: int = field(default=64, metadata={"help": "local: window; strided/fixed: stride (positions)"})
+    summary: int = field(default=8, metadata={"help": "fixed: summary positions at the end of each stride"})
+    positions: Positions = field(default=Positions.learned, metadata={"help": "learned | rotary"})
+    ffn_mult: int = field(default=4, metadata={"help": "FFN width / d_model"})
+    ffn_density: float = field(default=1.0, metadata={"help": "< 1: block-sparse FFN weights of this density"})
+    ffn_block_size: int = field(default=32, metadata={"help": "block size of sparse FFN weights"})
+    layout_seed: int = field(default=0, metadata={"help": "seed of the sparse FFN layouts"})
+    backend: Backend = field(default=Backend.auto, metadata={
+        "help": "attention backend: auto (PyTorch for now) | torch | triton (the fused kernels)"})
+
+
+def pattern_mask(name: str, window: int, summary: int):
+    """The element mask function of a causal attention pattern."""
+    if name == "causal":
+        return layouts.causal_mask
+    if name == "local":
+        return layouts.local_mask(window)
+    if name == "strided":
+        return layouts.strided_mask(window)
+    return layouts.fixed_mask(window, summary)
+
+
+def rotary(x: torch.Tensor, heads: int) -> torch.Tensor:
+    """Rotary position embedding of (B, T, heads·D) activations, per head (D even)."""
+    B, T, HD = x.shape
+    D = HD // heads
+    half = D // 2
+    inv = 1.0 / (10000 ** (torch.arange(half, device=x.device, dtype=torch.float32) / half))
+    ang = torch.arange(T, device=x.device, dtype=torch.float32)[:, None] * inv[None, :]     # (T, half)
+    cos, sin = ang.cos()[None, :, None, :], ang.sin()[None, :, None, :]
+    xh = x.float().view(B, T, heads, D)
+    a, b = xh[..., :half], xh[..., half:]
+    return torch.cat([a * cos - b * sin, a * sin + b * cos], dim=-1).view(B, T, HD).to(x.dtype)
+
+
+class SparseSelfAttention(nn.Module):
+    """Causal block-sparse self-attention on one pattern; the op for each input length is built
+    on first use (a length that is a multiple of the block size)."""
+
+    def __init__(self, cfg: TransformerConfig, pattern: str):
+        super().__init__()
+        d = cfg.d_model
+        self.cfg, self.pattern = cfg, pattern
+        self.qkv = nn.Linear(d, 3 * d)
+        self.proj = nn.Linear(d, d)
+        self.mask = pattern_mask(pattern, cfg.window, cfg.summary)
+        self._ops: dict[int, BlocksparseTransformer] = {}
+
+    def op(self, T: int) -> BlocksparseTransformer:
+        op = self._ops.get(T)
+        if op is None:
+            lay, cb = layouts.attention_layout(self.mask, T, T, self.cfg.block_size)
+            op = self._ops[T] = BlocksparseTransformer(lay, self.cfg.block_size, heads=self.cfg.n_head,
+                                                        mask_callback=cb, backend=_value(self.cfg.backend))
+        return op
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        q, k, v = self.qkv(h).chunk(3, dim=-1)
+        if _value(self.cfg.positions) == "rotary":
+            q, k = rotary(q, self.cfg.n_head), rotary(k, self.cfg.n_head)
+        return self.proj(self.op(h.shape[1]).attention(q, k, v))
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: TransformerConfig, pattern: str, index: int):
+        super().__init__()
+        d, f = cfg.d_model, cfg.ffn_mult * cfg.d_model
+        self.ln1, self.ln2 = nn.LayerNorm(d), nn.LayerNorm(d)
+        self.attn = SparseSelfAttention(cfg, pattern)
+        if cfg.ffn_density < 1:
+            kw = dict(block_size=cfg.ffn_block_size, density=cfg.ffn_density)
+            self.fc1 = BlockSparseLinear(d, f, seed=cfg.layout_seed + 2 * index, **kw)
+            self.fc2 = BlockSparseLinear(f, d, seed=cfg.layout_seed + 2 * index + 1, **kw)
+        else:
+            self.fc1, self.fc2 = nn.Linear(d, f), nn.Linear(f, d)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        h = h + self.attn(self.ln1(h))
+        return h + self.fc2(F.gelu(self.fc1(self.ln2(h))))
+
+
+def _value(v):
+    return getattr(v, "value", v)
+
+
+class SparseTransformer(nn.Module):
+    """Byte-level transformer LM: ``forward(x (B, T) int64) -> logits (B, T, 256)``, T <= context.
+
+    ``SparseTransformer(d_model=..., attention="strided,fixed", ...)`` with
+    :class:`TransformerConfig`'s keys as keyword arguments (or ``SparseTransformer(config)``).
+    """
+
+    def __init__(self, config: TransformerConfig | None = None, **kwargs):
+        super().__init__()
+        names = {f.name for f in dataclasses.fields(TransformerConfig)}
+        if unknown := sorted(set(kwargs) - names):
+            raise TypeError(f"SparseTransformer: unexpected argument {unknown[0]!r}; expected some of "
+                            f"{', '.join(sorted(names))}")
+        cfg = dataclasses.replace(config or TransformerConfig(), **kwargs)
+        self.cfg = cfg = self._check(cfg)
+        self.patterns = [p.strip() for p in cfg.attention.split(",")]
+        d = cfg.d_model
+        self.embed = nn.Embedding(VOCAB, d)
+        self.pos = nn.Parameter(torch.zeros(cfg.context, d)) if cfg.positions == Positions.learned else None
+        self.blocks = nn.ModuleList(Block(cfg, self.patterns[i % len(self.patterns)], i) for i in range(cfg.n_layer))
+        self.norm = nn.LayerNorm(d)
+        self.head = nn.Linear(d, VOCAB)
+        with torch.no_grad():
+            nn.init.normal_(self.embed.weight, std=0.02)
+            if self.pos is not None:
+                nn.init.normal_(self.pos, std=0.02)
+            for blk in self.blocks:            # residual projections scaled down with depth (GPT-2)
+                blk.attn.proj.weight.mul_(1 / math.sqrt(2 * cfg.n_layer))
+
+    @staticmethod
+    def _check(cfg: TransformerConfig) -> TransformerConfig:
+        try:
+            cfg.positions = Positions(_value(cfg.positions))
+            cfg.backend = Backend(_value(cfg.backend))
+        except ValueError:
+            raise ValueError(f"model.positions, model.backend: expected one of {[p.value for p in Positions]} and "
+                             f"one of {[b.value for b in Backend]}, got {cfg.positions!r}, {cfg.backend!r}") from None
+        bad = [p for p in cfg.attention.split(",") if p.strip() not in PATTERNS]
+        if bad or not cfg.attention.strip():
+            raise ValueError(f"model.attention: expected one of {PATTERNS} or a comma-separated list of them, "
+                             f"got {cfg.attention!r}")
+        for name in ("d_model", "n_layer", "n_head", "context", "window", "ffn_mult"):
+            v = getattr(cfg, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"model.{name}: expected a positive int, got {v!r}")
+        if cfg.d_model % cfg.n_head or (cfg.positions == Positions.rotary and (cfg.d_model // cfg.n_head) % 2):
+            raise ValueError(f"model.n_head: expected a divisor of d_model={cfg.d_model} giving an even head dim "
+                             f"with rotary positions, got {cfg.n_head}")
+        if cfg.block_size not in (16, 32, 64, 128) or cfg.context % cfg.block_size:
+            raise ValueError(f"model.block_size: expected 16, 32, 64 or 128 dividing context={cfg.context}, got "
+                             f"{cfg.block_size}")
+        if not 0 < cfg.ffn_density <= 1:
+            raise ValueError(f"model.ffn_density: expected a fraction in (0, 1], got {cfg.ffn_density}")
+        return cfg
+
+    def block_sparse_layouts(self) -> dict[str, np.ndarray]:
+        """{name: layout}: each layer's attention layout at the full context, and sparse FFN weights."""
+        out = {f"blocks.{i}.attn": blk.attn.op(self.cfg.context).layout[0] for i, blk in enumerate(self.blocks)}
+        out.update(block_sparse_layouts(self))
+        return out
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x: (B, T) byte ids, T <= context. Inputs are padded on the right to a multiple of the
+        block size (causal attention: the padding changes nothing before it)."""
+        B, T = x.shape
+        if T > self.cfg.context or T == 0:
+            raise ValueError(f"x: expected 1 to context={self.cfg.context} positions, got {T}")
+        bs = self.cfg.block_size
+        Tp = -(-T // bs) * bs
+        xp = F.pad(x, (0, Tp - T)) if Tp != T else x
+        h = self.embed(xp)
+        if self.pos is not None:
+            h = h + self.pos[:Tp]
+        for blk in self.blocks:
+            h = blk(h)
+        return self.head(self.norm(h))[:, :T]
+
+    def num_params(self) -> int:
+        return sum(p.numel() for p in self.parameters())

@@ -1,0 +1,99 @@
+"""The sparse transformer LM: causality, shapes, config errors, and training through the trainer."""
+from __future__ import annotations
+
+import pytest
+import torch
+from hydra import compose, initialize_config_module
+from omegaconf import open_dict
+
+from bstrain.models.layers import BlockSparseLinear
+from bstrain.models.transformer import PATTERNS, SparseTransformer
+from bstrain.train import trainer as trainer_mod
+from bstrain.train.trainer import train
+
+SMALL = dict(d_model=32, n_layer=2, n_head=2, context=64, block_size=16, window=16, summary=4)
+
+
+@pytest.mark.parametrize("pattern", PATTERNS)
+@pytest.mark.parametrize("positions", ["learned", "rotary"])
+def test_causal_for_every_pattern(pattern, positions):
+    """Changing byte t changes no logit before t; inputs of any length up to the context work."""
+    torch.manual_seed(0)
+    m = SparseTransformer(**SMALL, attention=pattern, positions=positions)
+    x = torch.randint(0, 256, (2, 45))                     # not a multiple of the block size
+    y = m(x)
+    assert y.shape == (2, 45, 256)
+    x2 = x.clone()
+    x2[:, 30] = (x2[:, 30] + 1) % 256
+    y2 = m(x2)
+    assert torch.equal(y[:, :30], y2[:, :30]) and not torch.equal(y[:, 30:], y2[:, 30:])
+
+
+def test_sparse_ffn_and_layouts():
+    m = SparseTransformer(**SMALL, attention="local,strided", ffn_density=0.5, ffn_block_size=16)
+    lays = m.block_sparse_layouts()
+    assert isinstance(m.blocks[0].fc1, BlockSparseLinear)
+    assert sorted(lays) == ["blocks.0.attn", "blocks.0.fc1", "blocks.0.fc2", "blocks.1.attn", "blocks.1.fc1",
+                            "blocks.1.fc2"]
+    assert lays["blocks.0.attn"].shape == (4, 4) and not lays["blocks.0.attn"][0, 3]     # causal
+    assert m.blocks[1].attn.pattern == "strided"
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(attention="dense"), "model.attention: expected one of"),
+    (dict(n_head=3), "model.n_head: expected a divisor"),
+    (dict(block_size=24), "model.block_size: expected 16, 32, 64 or 128"),
+    (dict(ffn_density=0), "model.ffn_density"),
+    (dict(positions="alibi"), "model.positions, model.backend"),
+])
+def test_config_errors(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        SparseTransformer(**{**SMALL, **kwargs})
+    with pytest.raises(TypeError, match="unexpected argument 'hidden'"):
+        SparseTransformer(hidden=3)
+    with pytest.raises(ValueError, match="x: expected 1 to context=64"):
+        SparseTransformer(**SMALL)(torch.zeros(1, 65, dtype=torch.long))
+
+
+class _Killed(Exception):
+    pass
+
+
+def _cfg(tmp_path, run, **over):
+    from bstrain.configs.schema import register
+    register()
+    with initialize_config_module(config_module="bstrain.configs", version_base="1.3"):
+        cfg = compose(config_name="train", overrides=["config=transformer_tiny"])
+    with open_dict(cfg):
+        cfg.model.update(SMALL)
+        cfg.data.seq_len, cfg.data.batch_size = 64, 4
+        cfg.trainer.update(max_steps=8, eval_every=4, ckpt_every=4, eval_batches=2, log_every=2, progress=False,
+                           run_dir=str(tmp_path / run), device="cpu")
+        cfg.optim.warmup_steps = 2
+        for k, v in over.items():
+            cfg.trainer[k] = v
+    return cfg
+
+
+def test_trains_and_resumes_exactly(tmp_path, monkeypatch):
+    """transformer_tiny, shrunk: the loss falls, and a run killed after its step-4 checkpoint
+    resumes onto the same loss curve."""
+    full = train(_cfg(tmp_path, "full"))
+    hist = dict(full["history"])
+    assert hist[8] < hist[2]
+    real_save = trainer_mod.save_checkpoint
+
+    def save_then_die(path, state):
+        real_save(path, state)
+        if state["step"] == 4:
+            raise _Killed
+    monkeypatch.setattr(trainer_mod, "save_checkpoint", save_then_die)
+    with pytest.raises(_Killed):
+        train(_cfg(tmp_path, "split"))
+    monkeypatch.setattr(trainer_mod, "save_checkpoint", real_save)
+    second = train(_cfg(tmp_path, "split", resume=True))
+    got = dict(second["history"])
+    assert sorted(got) == [5, 6, 7, 8]
+    for step in got:
+        assert got[step] == pytest.approx(hist[step], rel=1e-6), step
+    assert second["valid_bpb"] == pytest.approx(full["valid_bpb"], rel=1e-6)
