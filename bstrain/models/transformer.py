@@ -83,8 +83,8 @@ def rotary(x: torch.Tensor, heads: int) -> torch.Tensor:
 
 
 class SparseSelfAttention(nn.Module):
-    """Causal block-sparse self-attention on one pattern; the op for each input length is built
-    on first use (a length that is a multiple of the block size)."""
+    """Causal block-sparse self-attention on one pattern, over the full context (the model pads
+    shorter inputs; causality makes that exact). The op is built once, with the module."""
 
     def __init__(self, cfg: TransformerConfig, pattern: str):
         super().__init__()
@@ -92,22 +92,16 @@ class SparseSelfAttention(nn.Module):
         self.cfg, self.pattern = cfg, pattern
         self.qkv = nn.Linear(d, 3 * d)
         self.proj = nn.Linear(d, d)
-        self.mask = pattern_mask(pattern, cfg.window, cfg.summary)
-        self._ops: dict[int, BlocksparseTransformer] = {}
-
-    def op(self, T: int) -> BlocksparseTransformer:
-        op = self._ops.get(T)
-        if op is None:
-            lay, cb = layouts.attention_layout(self.mask, T, T, self.cfg.block_size)
-            op = self._ops[T] = BlocksparseTransformer(lay, self.cfg.block_size, heads=self.cfg.n_head,
-                                                        mask_callback=cb, backend=_value(self.cfg.backend))
-        return op
+        lay, cb = layouts.attention_layout(pattern_mask(pattern, cfg.window, cfg.summary), cfg.context,
+                                           cfg.context, cfg.block_size)
+        self.op = BlocksparseTransformer(lay, cfg.block_size, heads=cfg.n_head, mask_callback=cb,
+                                         backend=_value(cfg.backend))
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
         q, k, v = self.qkv(h).chunk(3, dim=-1)
         if _value(self.cfg.positions) == "rotary":
             q, k = rotary(q, self.cfg.n_head), rotary(k, self.cfg.n_head)
-        return self.proj(self.op(h.shape[1]).attention(q, k, v))
+        return self.proj(self.op.attention(q, k, v))
 
 
 class Block(nn.Module):
@@ -189,18 +183,17 @@ class SparseTransformer(nn.Module):
 
     def block_sparse_layouts(self) -> dict[str, np.ndarray]:
         """{name: layout}: each layer's attention layout at the full context, and sparse FFN weights."""
-        out = {f"blocks.{i}.attn": blk.attn.op(self.cfg.context).layout[0] for i, blk in enumerate(self.blocks)}
+        out = {f"blocks.{i}.attn": blk.attn.op.layout[0] for i, blk in enumerate(self.blocks)}
         out.update(block_sparse_layouts(self))
         return out
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x: (B, T) byte ids, T <= context. Inputs are padded on the right to a multiple of the
-        block size (causal attention: the padding changes nothing before it)."""
+        """x: (B, T) byte ids, T <= context. Shorter inputs are padded on the right to the context
+        (causal attention: the padding changes nothing before it)."""
         B, T = x.shape
         if T > self.cfg.context or T == 0:
             raise ValueError(f"x: expected 1 to context={self.cfg.context} positions, got {T}")
-        bs = self.cfg.block_size
-        Tp = -(-T // bs) * bs
+        Tp = self.cfg.context
         xp = F.pad(x, (0, Tp - T)) if Tp != T else x
         h = self.embed(xp)
         if self.pos is not None:

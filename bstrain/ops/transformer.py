@@ -21,13 +21,20 @@ from __future__ import annotations
 
 import math
 import os
+import weakref
 
 import numpy as np
 import torch
+from torch import Tensor
+
+from bstrain.ops.library import eager
 
 __all__ = ["BlocksparseTransformer", "attention_ref"]
 
+_OPS: "dict[str, weakref.WeakSet]" = {}      # layout key -> the live ops with that layout (copies included)
+
 BLOCK_SIZES = (16, 32, 64, 128)
+_LOG2E = 1.4426950408889634
 _FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
@@ -88,6 +95,7 @@ class BlocksparseTransformer:
         self._pmasks = np.stack(partial) if partial else np.zeros((0, bs, bs), dtype=bool)
         self._dev: dict = {}
         self._luts: dict = {}
+        self._register()
 
     # --- shapes -----------------------------------------------------------------------------------
     @property
@@ -198,6 +206,11 @@ class BlocksparseTransformer:
             keep = keep & (pos <= autoregress_at_key)[None, :, None, :]
         if key_padding_mask is not None:
             keep = keep & self._key_keep(key_padding_mask, w.shape[0], w.device)
+        return self._softmax(w, scale, keep)[0]
+
+    def _softmax(self, w, scale, keep):
+        """(P in w's dtype, row LSE (batch, heads·q_ctx) base 2, +inf for a row with no live key)."""
+        row = self._tables(w.device)[3]
         work = torch.promote_types(w.dtype, torch.float32)
         x = w.to(work) * scale
         x = x.masked_fill(~keep, float("-inf"))
@@ -208,8 +221,9 @@ class BlocksparseTransformer:
         row_max = torch.where(torch.isfinite(row_max), row_max, 0.0)
         e = torch.exp(x - row_max[:, row].unsqueeze(-1))                  # masked: exp(-inf) = 0
         den = e.new_zeros(B, n_rows, self.block_size).index_add(1, row, e.sum(-1))
+        lse = torch.where(den > 0, (row_max + torch.log(den)) * _LOG2E, float("inf")).reshape(B, -1)
         den = torch.where(den > 0, den, 1.0)
-        return (e / den[:, row].unsqueeze(-1)).to(w.dtype)
+        return (e / den[:, row].unsqueeze(-1)).to(w.dtype), lse.float()
 
     def _key_keep(self, key_padding_mask, batch: int, device) -> torch.Tensor:
         """(batch, k_ctx) bool, True = padding (ignored, as nn.MultiheadAttention) -> keep (B, nnz, 1, bs)."""
@@ -249,10 +263,60 @@ class BlocksparseTransformer:
         if self._use_kernels(q, D):
             if key_padding_mask is not None:
                 self._key_keep(key_padding_mask, q.shape[0], q.device)          # checks it
-            return _AttentionFn.apply(q, k, v, key_padding_mask, self.luts(q.device), scale)
+            if eager(q):
+                return _AttentionFn.apply(q, k, v, key_padding_mask, self.luts(q.device), scale)
+            return torch.ops.bstrain.bst_attention(q, k, v, key_padding_mask, self.key, scale)[0]
+        return self._attention_torch(q, k, v, scale, key_padding_mask)[0]
+
+    def _attention_torch(self, q, k, v, scale: float, key_padding_mask=None):
+        """(O, LSE) on the PyTorch path."""
         w = self.query_key_op(q, k)
-        p = self.masked_softmax(w, scale, key_padding_mask=key_padding_mask)
-        return self.weight_value_op(p, v)
+        keep = self._tables(q.device)[4].unsqueeze(0)
+        if key_padding_mask is not None:
+            keep = keep & self._key_keep(key_padding_mask, q.shape[0], q.device)
+        p, lse = self._softmax(w, scale, keep)
+        return self.weight_value_op(p, v), lse
+
+    def _attention_backward_torch(self, do, q, k, v, o, scale: float, key_padding_mask=None):
+        """(dq, dk, dv) on the PyTorch path, by the formulas (no autograd: the custom op's CPU
+        backward runs below the autograd dispatch key)."""
+        work = torch.promote_types(q.dtype, torch.float32)
+        dtypes = (q.dtype, k.dtype, v.dtype)
+        q, k, v, do, o = (t.to(work) for t in (q, k, v, do, o))
+        B, Tq, HD = q.shape
+        H, bs = self.heads, self.block_size
+        D = HD // H
+        h, i, j, row, masks = self._tables(q.device)
+        keep = masks.unsqueeze(0)
+        if key_padding_mask is not None:
+            keep = keep & self._key_keep(key_padding_mask, B, q.device)
+        p, _ = self._softmax(self.query_key_op(q, k), scale, keep)                   # (B, nnz, bs, bs)
+        qb, kb, vb = self._blocks_of(q, "q"), self._blocks_of(k, "k"), self._blocks_of(v, "k")   # (B, nnz, bs, D)
+        dob = self._blocks_of(do, "q")
+        delta = (do * o).view(B, Tq // bs, bs, H, D).sum(-1).permute(0, 3, 1, 2)  # (B, H, nq, bs)
+        ds = p * (torch.einsum("bnid,bnjd->bnij", dob, vb) - delta[:, h, i].unsqueeze(-1))
+
+        def scatter(part, n_blocks, idx):                                         # (B, nnz, bs, D) -> (B, T, HD)
+            out = part.new_zeros(B, H * n_blocks, bs, D).index_add(1, h * n_blocks + idx, part)
+            return out.view(B, H, n_blocks, bs, D).permute(0, 2, 3, 1, 4).reshape(B, n_blocks * bs, HD)
+        dq = scatter(torch.einsum("bnij,bnjd->bnid", ds, kb) * scale, self.q_blocks, i)
+        dk = scatter(torch.einsum("bnij,bnid->bnjd", ds, qb) * scale, self.k_blocks, j)
+        dv = scatter(torch.einsum("bnij,bnid->bnjd", p, dob), self.k_blocks, j)
+        return tuple(t.to(dt) for t, dt in zip((dq, dk, dv), dtypes))
+
+    # --- registration for torch.ops.bstrain.bst_attention ----------------------------------------------
+    def _register(self) -> None:
+        import hashlib
+        h = hashlib.blake2b(digest_size=12)
+        for a in (np.asarray(self.layout.shape), np.packbits(self.layout), self._partial_idx,
+                  np.packbits(self._pmasks)):
+            h.update(np.ascontiguousarray(a).tobytes())
+        self.key = f"attn-bs{self.block_size}-{h.hexdigest()}"
+        _OPS.setdefault(self.key, weakref.WeakSet()).add(self)
+
+    def __setstate__(self, state):            # copies and unpickled ops name live tables too
+        self.__dict__.update(state)
+        self._register()
 
     def __repr__(self) -> str:
         return (f"BlocksparseTransformer(heads={self.heads}, q_blocks={self.q_blocks}, k_blocks={self.k_blocks}, "
@@ -291,3 +355,64 @@ def attention_ref(q, k, v, mask: torch.Tensor, scale: float) -> torch.Tensor:
     p = torch.softmax(s, -1)
     p = torch.where(mask.any(-1, keepdim=True), p, 0.0)
     return (p @ vh).transpose(1, 2).reshape(B, Tq, HD)
+
+
+# --- torch.ops.bstrain.bst_attention: the fused kernels as a custom op (traced calls) --------------
+def _op_of(key: str) -> BlocksparseTransformer:
+    for op in _OPS.get(key, ()):
+        return op
+    raise RuntimeError(f"layout: no BlocksparseTransformer is registered under {key!r}; build it in this "
+                       f"process before running a graph that uses it")
+
+
+@torch.library.custom_op("bstrain::bst_attention", mutates_args=())
+def bst_attention(q: Tensor, k: Tensor, v: Tensor, key_padding_mask: Tensor | None, layout: str,
+                  scale: float) -> tuple[Tensor, Tensor]:
+    """(O like q, row LSE (batch, heads·q_ctx) fp32, base 2). CUDA: the fused kernels; CPU: PyTorch."""
+    op = _op_of(layout)
+    if q.is_cuda:
+        from bstrain.kernels.attention import attention_forward
+        return attention_forward(q.contiguous(), k.contiguous(), v.contiguous(), op.luts(q.device), scale,
+                                 key_padding_mask)
+    o, lse = op._attention_torch(q, k, v, scale, key_padding_mask)
+    return o.contiguous(), lse
+
+
+@bst_attention.register_fake
+def _(q, k, v, key_padding_mask, layout, scale):
+    op = _op_of(layout)
+    return torch.empty_like(q, memory_format=torch.contiguous_format), \
+        q.new_empty((q.shape[0], op.heads * q.shape[1]), dtype=torch.float32)
+
+
+@torch.library.custom_op("bstrain::bst_attention_bwd", mutates_args=())
+def bst_attention_bwd(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor,
+                      key_padding_mask: Tensor | None, layout: str, scale: float) -> tuple[Tensor, Tensor, Tensor]:
+    """(dq, dk, dv) of bst_attention."""
+    op = _op_of(layout)
+    if q.is_cuda:
+        from bstrain.kernels.attention import attention_backward
+        return attention_backward(do, q.contiguous(), k.contiguous(), v.contiguous(), o, lse, op.luts(q.device),
+                                  scale, key_padding_mask)
+    return op._attention_backward_torch(do, q, k, v, o, scale, key_padding_mask)
+
+
+@bst_attention_bwd.register_fake
+def _(do, q, k, v, o, lse, key_padding_mask, layout, scale):
+    return tuple(torch.empty_like(t, memory_format=torch.contiguous_format) for t in (q, k, v))
+
+
+def _attn_setup(ctx, inputs, output):
+    q, k, v, pad, layout, scale = inputs
+    ctx.save_for_backward(q, k, v, output[0], output[1], pad)
+    ctx.layout, ctx.scale = layout, scale
+    ctx.mark_non_differentiable(output[1])
+
+
+def _attn_backward(ctx, do, _dlse):
+    q, k, v, o, lse, pad = ctx.saved_tensors
+    dq, dk, dv = bst_attention_bwd(do, q, k, v, o, lse, pad, ctx.layout, ctx.scale)
+    return dq, dk, dv, None, None, None
+
+
+bst_attention.register_autograd(_attn_backward, setup_context=_attn_setup)

@@ -131,3 +131,61 @@ def test_bad_calls():
         op.attention(q, k, v, key_padding_mask=torch.zeros(1, 32))
     with pytest.raises(ValueError, match="w: expected the score tensor"):
         op.masked_softmax(torch.zeros(1, 3, 16, 16))
+
+
+# --- torch.ops.bstrain.bst_attention --------------------------------------------------------------------
+def _pad_mask(B, T):
+    pad = torch.zeros(B, T, dtype=torch.bool)
+    pad[0, T - 5:] = True
+    return pad
+
+
+@pytest.mark.parametrize("padded", [False, True])
+def test_opcheck_attention_ops(padded):
+    lay, cb = L.attention_layout(L.causal_mask, 32, 32, 16)
+    op = BlocksparseTransformer(lay, 16, heads=2, mask_callback=cb)
+    q, k, v = qkv(2, 32, 32, 2, 8, torch.float32)
+    pad = _pad_mask(2, 32) if padded else None
+    torch.library.opcheck(torch.ops.bstrain.bst_attention.default, (q, k, v, pad, op.key, 0.3))
+    o, lse = torch.ops.bstrain.bst_attention(q.detach(), k.detach(), v.detach(), pad, op.key, 0.3)
+    torch.library.opcheck(torch.ops.bstrain.bst_attention_bwd.default,
+                          (torch.randn_like(o), q.detach(), k.detach(), v.detach(), o, lse, pad, op.key, 0.3))
+
+
+def test_copies_keep_their_attention_layout_registered():
+    import copy
+    import gc
+    op = BlocksparseTransformer(random_layout(2, 2, 2, fresh_seed()), 16)
+    twin, key = copy.deepcopy(op), op.key
+    del op
+    gc.collect()
+    q, k, v = qkv(1, 32, 32, 2, 8, torch.float32, grad=False)
+    torch.testing.assert_close(torch.ops.bstrain.bst_attention(q, k, v, None, key, 0.5)[0],
+                               twin.attention(q, k, v, scale=0.5))
+
+
+def test_compile_sparse_transformer_through_the_attention_op(monkeypatch):
+    """backend='triton' under torch.compile(fullgraph=True): the graph holds bstrain.bst_attention
+    (on CPU it runs PyTorch inside), no graph break, gradients as in eager."""
+    from bstrain.models.transformer import SparseTransformer
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    if dev == "cpu":
+        monkeypatch.setenv("TRITON_INTERPRET", "1")
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    m = SparseTransformer(d_model=32, n_layer=2, n_head=2, context=64, block_size=16, window=16, summary=4,
+                          attention="strided,fixed", backend="triton").to(dev)
+    x = torch.randint(0, 256, (2, 64), device=dev)
+    out = torch._dynamo.explain(m)(x)
+    code = "".join(g.code for g in out.graphs)
+    assert out.graph_break_count == 0 and "bstrain.bst_attention" in code
+    compiled = torch.compile(m, fullgraph=True, backend="aot_eager")
+    params = list(m.parameters())
+    for _ in range(2):
+        x = torch.randint(0, 256, (2, 64), device=dev)
+        a, b = compiled(x), m(x)
+        ga = torch.autograd.grad(a.square().mean(), params)
+        gb = torch.autograd.grad(b.square().mean(), params)
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+        for p, r in zip(ga, gb):
+            torch.testing.assert_close(p, r, rtol=1e-3, atol=1e-6)
