@@ -2,7 +2,8 @@
 
 Pre-LayerNorm blocks: ``h = h + attn(LN(h))``, ``h = h + ffn(LN(h))``. The attention of each layer
 is a :class:`bstrain.ops.transformer.BlocksparseTransformer` on a causal pattern from
-:mod:`bstrain.layout` (causal, local, Sparse Transformer strided or fixed), chosen per layer;
+:mod:`bstrain.layout` (causal, local, Sparse Transformer strided or fixed), chosen per layer
+and, optionally, per head;
 the FFN weights may be block-sparse (:class:`BlockSparseLinear`). Positions are learned or
 rotary. A stateless model in the trainer's sense: ``forward(x (B, T) int64) -> (B, T, 256)``.
 """
@@ -46,7 +47,8 @@ class TransformerConfig:
     context: int = field(default=256, metadata={"help": "longest input, in bytes"})
     block_size: int = field(default=32, metadata={"help": "attention block size: 16, 32, 64 or 128"})
     attention: str = field(default="strided", metadata={
-        "help": "causal | local | strided | fixed, or a comma-separated list cycled over the layers"})
+        "help": "causal | local | strided | fixed; a comma-separated list is cycled over the layers, and "
+                "patterns joined by + inside one entry over the heads (strided+fixed)"})
     window: int = field(default=64, metadata={"help": "local: window; strided/fixed: stride (positions)"})
     summary: int = field(default=8, metadata={"help": "fixed: summary positions at the end of each stride"})
     positions: Positions = field(default=Positions.learned, metadata={"help": "learned | rotary"})
@@ -92,9 +94,15 @@ class SparseSelfAttention(nn.Module):
         self.cfg, self.pattern = cfg, pattern
         self.qkv = nn.Linear(d, 3 * d)
         self.proj = nn.Linear(d, d)
-        lay, cb = layouts.attention_layout(pattern_mask(pattern, cfg.window, cfg.summary), cfg.context,
-                                           cfg.context, cfg.block_size)
-        self.op = BlocksparseTransformer(lay, cfg.block_size, heads=cfg.n_head, mask_callback=cb,
+        fns = [pattern_mask(p, cfg.window, cfg.summary) for p in pattern.split("+")]
+        if len(fns) == 1:                                    # one layout for all heads
+            lay, cb = layouts.attention_layout(fns[0], cfg.context, cfg.context, cfg.block_size)
+            heads = cfg.n_head
+        else:                                                # head h takes pattern h mod len(fns)
+            lay, cb = layouts.attention_layout(lambda b, h, q, k: fns[h % len(fns)](b, h, q, k), cfg.context,
+                                               cfg.context, cfg.block_size, heads=cfg.n_head)
+            heads = None
+        self.op = BlocksparseTransformer(lay, cfg.block_size, heads=heads, mask_callback=cb,
                                          backend=_value(cfg.backend))
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
@@ -141,7 +149,7 @@ class SparseTransformer(nn.Module):
                             f"{', '.join(sorted(names))}")
         cfg = dataclasses.replace(config or TransformerConfig(), **kwargs)
         self.cfg = cfg = self._check(cfg)
-        self.patterns = [p.strip() for p in cfg.attention.split(",")]
+        self.patterns = ["+".join(p.strip() for p in entry.split("+")) for entry in cfg.attention.split(",")]
         d = cfg.d_model
         self.embed = nn.Embedding(VOCAB, d)
         self.pos = nn.Parameter(torch.zeros(cfg.context, d)) if cfg.positions == Positions.learned else None
@@ -163,7 +171,7 @@ class SparseTransformer(nn.Module):
         except ValueError:
             raise ValueError(f"model.positions, model.backend: expected one of {[p.value for p in Positions]} and "
                              f"one of {[b.value for b in Backend]}, got {cfg.positions!r}, {cfg.backend!r}") from None
-        bad = [p for p in cfg.attention.split(",") if p.strip() not in PATTERNS]
+        bad = [p for entry in cfg.attention.split(",") for p in entry.split("+") if p.strip() not in PATTERNS]
         if bad or not cfg.attention.strip():
             raise ValueError(f"model.attention: expected one of {PATTERNS} or a comma-separated list of them, "
                              f"got {cfg.attention!r}")
@@ -183,7 +191,8 @@ class SparseTransformer(nn.Module):
 
     def block_sparse_layouts(self) -> dict[str, np.ndarray]:
         """{name: layout}: each layer's attention layout at the full context, and sparse FFN weights."""
-        out = {f"blocks.{i}.attn": blk.attn.op.layout[0] for i, blk in enumerate(self.blocks)}
+        out = {f"blocks.{i}.attn": np.concatenate(list(blk.attn.op.layout), axis=1)       # heads side by side
+               if "+" in blk.attn.pattern else blk.attn.op.layout[0] for i, blk in enumerate(self.blocks)}
         out.update(block_sparse_layouts(self))
         return out
 

@@ -97,3 +97,16 @@ def test_trains_and_resumes_exactly(tmp_path, monkeypatch):
     for step in got:
         assert got[step] == pytest.approx(hist[step], rel=1e-6), step
     assert second["valid_bpb"] == pytest.approx(full["valid_bpb"], rel=1e-6)
+
+
+def test_patterns_per_head():
+    m = SparseTransformer(**SMALL, attention="strided+local,causal")
+    lay = m.blocks[0].attn.op.layout
+    assert lay.shape == (2, 4, 4) and not (lay[0] == lay[1]).all()       # head 0 strided, head 1 local
+    assert m.block_sparse_layouts()["blocks.0.attn"].shape == (4, 8)
+    x = torch.randint(0, 256, (1, 64))
+    x2 = x.clone()
+    x2[0, 40] = (x2[0, 40] + 1) % 256
+    assert torch.equal(m(x)[:, :40], m(x2)[:, :40])
+    with pytest.raises(ValueError, match="model.attention"):
+        SparseTransformer(**SMALL, attention="strided+dense")
