@@ -187,6 +187,11 @@ def make_luts(h_idx: np.ndarray, q_idx: np.ndarray, k_idx: np.ndarray, partial_i
                     t(col_ptr), t(q_idx[order]), t(partial_idx[order]), torch.as_tensor(pm, device=device))
 
 
+def _warps(bs: int, D: int) -> int:
+    """8 warps for large tiles (an fp32 (bs, D) accumulator of 64x128 and up), else 4. Untuned."""
+    return 8 if bs * D >= 64 * 128 else 4
+
+
 def _pad_arg(pad, like):
     return (pad.to(torch.int8).contiguous(), True) if pad is not None else (like, False)
 
@@ -204,7 +209,7 @@ def attention_forward(q, k, v, luts: AttnLuts, scale: float, pad=None):
             q, k, v, o, lse, luts.row_ptr, luts.row_kblk, luts.row_pidx, luts.pmask, pad_t,
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), o.stride(0), o.stride(1),
             luts.q_blocks, Tq, k.shape[1], D, scale * LOG2E,
-            BS=bs, BLOCK_D=max(16, triton.next_power_of_2(D)), HAS_PAD=has_pad, num_warps=4)
+            BS=bs, BLOCK_D=max(16, triton.next_power_of_2(D)), HAS_PAD=has_pad, num_warps=_warps(bs, D))
     return o, lse
 
 
@@ -219,7 +224,7 @@ def attention_backward(do, q, k, v, o, lse, luts: AttnLuts, scale: float, pad=No
     dk = empty(k.shape, k.dtype, k.device)
     dv = empty(v.shape, v.dtype, v.device)
     pad_t, has_pad = _pad_arg(pad, luts.pmask)
-    meta = dict(BS=bs, BLOCK_D=max(16, triton.next_power_of_2(D)), HAS_PAD=has_pad, num_warps=4)
+    meta = dict(BS=bs, BLOCK_D=max(16, triton.next_power_of_2(D)), HAS_PAD=has_pad, num_warps=_warps(bs, D))
     if B and H * luts.k_blocks:
         _attn_bwd_dkdv[(H * luts.k_blocks, B)](
             q, k, v, do, lse, delta, dk, dv, luts.col_ptr, luts.col_qblk, luts.col_pidx, luts.pmask, pad_t,

@@ -227,6 +227,12 @@ class BlocksparseTransformer:
 
     def _key_keep(self, key_padding_mask, batch: int, device) -> torch.Tensor:
         """(batch, k_ctx) bool, True = padding (ignored, as nn.MultiheadAttention) -> keep (B, nnz, 1, bs)."""
+        self._check_pad(key_padding_mask, batch, device)
+        _, _, j, _, _ = self._tables(device)
+        pad = key_padding_mask.view(batch, self.k_blocks, self.block_size)[:, j]     # (B, nnz, bs)
+        return ~pad.unsqueeze(2)
+
+    def _check_pad(self, key_padding_mask, batch: int, device) -> None:
         if not isinstance(key_padding_mask, torch.Tensor) or key_padding_mask.dtype != torch.bool \
                 or tuple(key_padding_mask.shape) != (batch, self.k_ctx):
             got = (f"{tuple(key_padding_mask.shape)} {key_padding_mask.dtype}"
@@ -235,9 +241,6 @@ class BlocksparseTransformer:
                              f"got {got}")
         if key_padding_mask.device != device:
             raise ValueError(f"key_padding_mask: expected device {device}, got {key_padding_mask.device}")
-        _, _, j, _, _ = self._tables(device)
-        pad = key_padding_mask.view(batch, self.k_blocks, self.block_size)[:, j]     # (B, nnz, bs)
-        return ~pad.unsqueeze(2)
 
     def weight_value_op(self, w: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """Σ over live blocks of w·v: (batch, q_ctx, heads·head_dim) in v's dtype."""
@@ -262,7 +265,7 @@ class BlocksparseTransformer:
         scale = 1.0 / math.sqrt(D) if scale is None else float(scale)
         if self._use_kernels(q, D):
             if key_padding_mask is not None:
-                self._key_keep(key_padding_mask, q.shape[0], q.device)          # checks it
+                self._check_pad(key_padding_mask, q.shape[0], q.device)
             if eager(q):
                 return _AttentionFn.apply(q, k, v, key_padding_mask, self.luts(q.device), scale)
             return torch.ops.bstrain.bst_attention(q, k, v, key_padding_mask, self.key, scale)[0]
