@@ -24,6 +24,7 @@ import triton
 import triton.language as tl
 
 from bstrain.kernels.alloc import empty
+from bstrain.kernels.matmul import _precision
 
 LOG2E = 1.4426950408889634
 
@@ -46,12 +47,13 @@ def _store_tile(X, val, b, s_b, s_t, blk, h, head_dim, BS: tl.constexpr, BLOCK_D
 
 
 @triton.jit
-def _masked_scores(q, k, b, j, p_idx, PMASK, PAD, k_ctx, qk_scale, BS: tl.constexpr, HAS_PAD: tl.constexpr):
+def _masked_scores(q, k, b, j, p_idx, PMASK, PAD, k_ctx, qk_scale, BS: tl.constexpr, HAS_PAD: tl.constexpr,
+                   PRECISION: tl.constexpr):
     """(BS, BS) scores q·kᵀ·qk_scale with the block's element mask and the key padding as -inf."""
-    s = tl.dot(q, tl.trans(k)) * qk_scale
+    s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
     r = tl.arange(0, BS)
     if p_idx >= 0:
-        keep = tl.load(PMASK + p_idx * BS * BS + r[:, None] * BS + r[None, :])
+        keep = tl.load(PMASK + p_idx.to(tl.int64) * (BS * BS) + r[:, None] * BS + r[None, :])
         s = tl.where(keep != 0, s, float("-inf"))
     if HAS_PAD:
         pad = tl.load(PAD + b * k_ctx + j * BS + r)
@@ -61,17 +63,17 @@ def _masked_scores(q, k, b, j, p_idx, PMASK, PAD, k_ctx, qk_scale, BS: tl.conste
 
 @triton.jit
 def _p_and_ds(q, k, v, do, lse, delta, b, j, p_idx, PMASK, PAD, k_ctx, qk_scale, BS: tl.constexpr,
-              HAS_PAD: tl.constexpr):
+              HAS_PAD: tl.constexpr, PRECISION: tl.constexpr):
     """P recomputed from the row LSE, and dS = P ∘ (dO·Vᵀ − Δ), for one (query, key) block pair."""
-    s = _masked_scores(q, k, b, j, p_idx, PMASK, PAD, k_ctx, qk_scale, BS, HAS_PAD)
+    s = _masked_scores(q, k, b, j, p_idx, PMASK, PAD, k_ctx, qk_scale, BS, HAS_PAD, PRECISION)
     p = tl.exp2(s - lse[:, None])
-    return p, p * (tl.dot(do, tl.trans(v)) - delta[:, None])
+    return p, p * (tl.dot(do, tl.trans(v), input_precision=PRECISION) - delta[:, None])
 
 
 @triton.jit
 def _attn_fwd(Q, K, V, O, LSE, row_ptr, row_kblk, row_pidx, PMASK, PAD,
               s_qb, s_qt, s_kb, s_kt, s_ob, s_ot, n_qblk, q_ctx, k_ctx, head_dim, qk_scale,
-              BS: tl.constexpr, BLOCK_D: tl.constexpr, HAS_PAD: tl.constexpr):
+              BS: tl.constexpr, BLOCK_D: tl.constexpr, HAS_PAD: tl.constexpr, PRECISION: tl.constexpr):
     row = tl.program_id(0)
     b = tl.program_id(1)
     h = row // n_qblk
@@ -86,13 +88,13 @@ def _attn_fwd(Q, K, V, O, LSE, row_ptr, row_kblk, row_pidx, PMASK, PAD,
         p_idx = tl.load(row_pidx + e)
         k = _tile(K, b, s_kb, s_kt, j, h, head_dim, BS, BLOCK_D)
         v = _tile(V, b, s_kb, s_kt, j, h, head_dim, BS, BLOCK_D)
-        s = _masked_scores(q, k, b, j, p_idx, PMASK, PAD, k_ctx, qk_scale, BS, HAS_PAD)
+        s = _masked_scores(q, k, b, j, p_idx, PMASK, PAD, k_ctx, qk_scale, BS, HAS_PAD, PRECISION)
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
         p = tl.exp2(s - m_use[:, None])
         alpha = tl.exp2(m_i - m_use)
         l_i = l_i * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
         m_i = m_new
     _store_tile(O, acc / tl.where(l_i > 0, l_i, 1.0)[:, None], b, s_ob, s_ot, i, h, head_dim, BS, BLOCK_D)
     lse = tl.where(l_i > 0, m_i + tl.log2(tl.where(l_i > 0, l_i, 1.0)), float("inf"))
@@ -102,7 +104,7 @@ def _attn_fwd(Q, K, V, O, LSE, row_ptr, row_kblk, row_pidx, PMASK, PAD,
 @triton.jit
 def _attn_bwd_dkdv(Q, K, V, DO, LSE, DELTA, DK, DV, col_ptr, col_qblk, col_pidx, PMASK, PAD,
                    s_qb, s_qt, s_kb, s_kt, n_qblk, n_kblk, k_ctx, head_dim, qk_scale, scale,
-                   BS: tl.constexpr, BLOCK_D: tl.constexpr, HAS_PAD: tl.constexpr):
+                   BS: tl.constexpr, BLOCK_D: tl.constexpr, HAS_PAD: tl.constexpr, PRECISION: tl.constexpr):
     col = tl.program_id(0)
     b = tl.program_id(1)
     h = col // n_kblk
@@ -121,9 +123,9 @@ def _attn_bwd_dkdv(Q, K, V, DO, LSE, DELTA, DK, DV, col_ptr, col_qblk, col_pidx,
         stat = (b * n_rows + h * n_qblk + i) * BS + r
         lse = tl.load(LSE + stat)
         delta = tl.load(DELTA + stat)
-        p, ds = _p_and_ds(q, k, v, do, lse, delta, b, j, p_idx, PMASK, PAD, k_ctx, qk_scale, BS, HAS_PAD)
-        dv += tl.dot(tl.trans(p.to(do.dtype)), do)
-        dk += tl.dot(tl.trans(ds.to(q.dtype)), q)
+        p, ds = _p_and_ds(q, k, v, do, lse, delta, b, j, p_idx, PMASK, PAD, k_ctx, qk_scale, BS, HAS_PAD, PRECISION)
+        dv += tl.dot(tl.trans(p.to(do.dtype)), do, input_precision=PRECISION)
+        dk += tl.dot(tl.trans(ds.to(q.dtype)), q, input_precision=PRECISION)
     _store_tile(DK, dk * scale, b, s_kb, s_kt, j, h, head_dim, BS, BLOCK_D)
     _store_tile(DV, dv, b, s_kb, s_kt, j, h, head_dim, BS, BLOCK_D)
 
@@ -131,7 +133,7 @@ def _attn_bwd_dkdv(Q, K, V, DO, LSE, DELTA, DK, DV, col_ptr, col_qblk, col_pidx,
 @triton.jit
 def _attn_bwd_dq(Q, K, V, DO, LSE, DELTA, DQ, row_ptr, row_kblk, row_pidx, PMASK, PAD,
                  s_qb, s_qt, s_kb, s_kt, n_qblk, k_ctx, head_dim, qk_scale, scale,
-                 BS: tl.constexpr, BLOCK_D: tl.constexpr, HAS_PAD: tl.constexpr):
+                 BS: tl.constexpr, BLOCK_D: tl.constexpr, HAS_PAD: tl.constexpr, PRECISION: tl.constexpr):
     row = tl.program_id(0)
     b = tl.program_id(1)
     h = row // n_qblk
@@ -148,8 +150,8 @@ def _attn_bwd_dq(Q, K, V, DO, LSE, DELTA, DQ, row_ptr, row_kblk, row_pidx, PMASK
         p_idx = tl.load(row_pidx + e)
         k = _tile(K, b, s_kb, s_kt, j, h, head_dim, BS, BLOCK_D)
         v = _tile(V, b, s_kb, s_kt, j, h, head_dim, BS, BLOCK_D)
-        _, ds = _p_and_ds(q, k, v, do, lse, delta, b, j, p_idx, PMASK, PAD, k_ctx, qk_scale, BS, HAS_PAD)
-        dq += tl.dot(ds.to(k.dtype), k)
+        _, ds = _p_and_ds(q, k, v, do, lse, delta, b, j, p_idx, PMASK, PAD, k_ctx, qk_scale, BS, HAS_PAD, PRECISION)
+        dq += tl.dot(ds.to(k.dtype), k, input_precision=PRECISION)
     _store_tile(DQ, dq * scale, b, s_qb, s_qt, i, h, head_dim, BS, BLOCK_D)
 
 
@@ -209,7 +211,8 @@ def attention_forward(q, k, v, luts: AttnLuts, scale: float, pad=None):
             q, k, v, o, lse, luts.row_ptr, luts.row_kblk, luts.row_pidx, luts.pmask, pad_t,
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), o.stride(0), o.stride(1),
             luts.q_blocks, Tq, k.shape[1], D, scale * LOG2E,
-            BS=bs, BLOCK_D=max(16, triton.next_power_of_2(D)), HAS_PAD=has_pad, num_warps=_warps(bs, D))
+            BS=bs, BLOCK_D=max(16, triton.next_power_of_2(D)), HAS_PAD=has_pad, PRECISION=_precision(q.dtype),
+            num_warps=_warps(bs, D))
     return o, lse
 
 
@@ -224,7 +227,8 @@ def attention_backward(do, q, k, v, o, lse, luts: AttnLuts, scale: float, pad=No
     dk = empty(k.shape, k.dtype, k.device)
     dv = empty(v.shape, v.dtype, v.device)
     pad_t, has_pad = _pad_arg(pad, luts.pmask)
-    meta = dict(BS=bs, BLOCK_D=max(16, triton.next_power_of_2(D)), HAS_PAD=has_pad, num_warps=_warps(bs, D))
+    meta = dict(BS=bs, BLOCK_D=max(16, triton.next_power_of_2(D)), HAS_PAD=has_pad, PRECISION=_precision(q.dtype),
+                num_warps=_warps(bs, D))
     if B and H * luts.k_blocks:
         _attn_bwd_dkdv[(H * luts.k_blocks, B)](
             q, k, v, do, lse, delta, dk, dv, luts.col_ptr, luts.col_qblk, luts.col_pidx, luts.pmask, pad_t,

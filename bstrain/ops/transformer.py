@@ -79,9 +79,10 @@ class BlocksparseTransformer:
         h_idx, q_idx, k_idx = np.nonzero(self.layout)                    # head-major, row-major within a head
         self.blocks = int(h_idx.size)
         self._idx = torch.as_tensor(np.stack([h_idx, q_idx, k_idx]), dtype=torch.int64)   # (3, nnz)
-        # element masks of partial blocks only: partial_idx[n] indexes them, -1 for a full block
+        # element masks of partial blocks only, each distinct tile stored once: partial_idx[n]
+        # indexes them, -1 for a full block
         partial_idx = np.full(self.blocks, -1, dtype=np.int64)
-        partial = []
+        partial, seen = [], {}
         if mask_callback is not None:
             for n, (h, i, j) in enumerate(zip(h_idx.tolist(), q_idx.tolist(), k_idx.tolist())):
                 m = np.asarray(mask_callback((bs, bs), h, i, j, n))
@@ -89,8 +90,12 @@ class BlocksparseTransformer:
                     raise ValueError(f"mask_callback: expected a ({bs}, {bs}) array for block (head {h}, query "
                                      f"{i}, key {j}), got shape {m.shape}")
                 if not m.all():
-                    partial_idx[n] = len(partial)
-                    partial.append(m.astype(bool))
+                    m = m.astype(bool)
+                    key = np.packbits(m).tobytes()
+                    if key not in seen:
+                        seen[key] = len(partial)
+                        partial.append(m)
+                    partial_idx[n] = seen[key]
         self._partial_idx = partial_idx
         self._pmasks = np.stack(partial) if partial else np.zeros((0, bs, bs), dtype=bool)
         self._dev: dict = {}
@@ -143,6 +148,10 @@ class BlocksparseTransformer:
             raise TypeError(f"q: the Triton backend takes float16, bfloat16 or float32, got {q.dtype}")
         if head_dim > 128:
             raise ValueError(f"q: the Triton backend takes head dims up to 128, got {head_dim}")
+        if q.dtype == torch.float32 and self.block_size * head_dim > 64 * 128:
+            raise ValueError(f"q: the Triton backend's fp32 tiles of block_size={self.block_size} x head dim "
+                             f"{head_dim} do not fit in shared memory; use bf16/fp16, a smaller block, or "
+                             f"backend='torch'")
         if not q.is_cuda and os.environ.get("TRITON_INTERPRET") != "1":
             raise ValueError(f"q: backend='triton' needs a CUDA tensor or TRITON_INTERPRET=1, got a tensor on "
                              f"{q.device}")
@@ -193,17 +202,20 @@ class BlocksparseTransformer:
                        key_padding_mask: torch.Tensor | None = None) -> torch.Tensor:
         """Softmax of ``scale·w`` over each query's live keys (all its blocks in the layout), with
         the element masks applied. ``autoregress_at_key``: keys after this position are masked too
-        (the seed's incremental decoding). A query with no live key gets zeros. Math in fp32
+        (the seed's incremental decoding: a key before this position is seen by every query, a later
+        one only by queries at or after it). A query with no live key gets zeros. Math in fp32
         (fp64 for fp64 w); returns w's dtype."""
         self._check_w(w)
         h, i, j, row, masks = self._tables(w.device)
         keep = masks.unsqueeze(0)                                         # (1, nnz, bs, bs)
         if autoregress_at_key is not None:
-            if isinstance(autoregress_at_key, bool) or not isinstance(autoregress_at_key, int):
-                raise TypeError(f"autoregress_at_key: expected an int key position or None, got "
-                                f"{autoregress_at_key!r}")
-            pos = j[:, None] * self.block_size + torch.arange(self.block_size, device=w.device)   # (nnz, bs)
-            keep = keep & (pos <= autoregress_at_key)[None, :, None, :]
+            a = autoregress_at_key
+            if isinstance(a, bool) or not isinstance(a, int) or not 0 <= a < self.k_ctx:
+                raise ValueError(f"autoregress_at_key: expected an int key position in [0, {self.k_ctx}), got {a!r}")
+            r = torch.arange(self.block_size, device=w.device)
+            kpos = (j[:, None] * self.block_size + r)[None, :, None, :]                   # (1, nnz, 1, bs)
+            qpos = (i[:, None] * self.block_size + r)[None, :, :, None]                   # (1, nnz, bs, 1)
+            keep = keep & ((kpos < a) | (kpos <= qpos))
         if key_padding_mask is not None:
             keep = keep & self._key_keep(key_padding_mask, w.shape[0], w.device)
         return self._softmax(w, scale, keep)[0]

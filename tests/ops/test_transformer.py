@@ -51,8 +51,10 @@ def checked(op, q, k, v, dtype, mask=None, pad=None, scale=0.3):
 @pytest.mark.parametrize("bs", [16, 32])
 def test_per_head_layouts_with_unequal_block_counts(dtype, bs):
     lay = random_layout(3, 4, 3, fresh_seed())
+    lay[2, :, 1:] = False                          # head 2: the first key block only
+    lay[1, :, :2] = True
     op = BlocksparseTransformer(lay, block_size=bs)
-    assert op.blocks == lay.sum() and len(set(lay.sum(axis=(1, 2)).tolist())) >= 1
+    assert op.blocks == lay.sum() and len(set(lay.sum(axis=(1, 2)).tolist())) > 1
     out = checked(op, *qkv(2, 4 * bs, 3 * bs, 3, 16, dtype), dtype)
     assert (out[0, -bs:, :16] == 0).all(), "a query with no live key must give zeros"
 
@@ -87,11 +89,19 @@ def test_unfused_methods_and_the_score_tensor():
     p = op.masked_softmax(w, scale=0.5)
     y = op.weight_value_op(p, v)
     torch.testing.assert_close(y, op.attention(q, k, v, scale=0.5))
-    # autoregress_at_key masks keys after that position; key 20 is in block 1
+    # autoregress_at_key=20 (the seed's rule): keys before 20 are seen by every query, keys from 20
+    # on only by queries at or after them
     p = op.masked_softmax(w, scale=0.5, autoregress_at_key=20)
     for n, (h, i, j) in enumerate(op._idx.t().tolist()):
-        if j == 1:
-            assert (p[:, n, :, 5:] == 0).all()
+        for qq in range(16):
+            for kk in range(16):
+                qpos, kpos = i * 16 + qq, j * 16 + kk
+                if not (kpos < 20 or kpos <= qpos):
+                    assert (p[:, n, qq, kk] == 0).all(), (qpos, kpos)
+                elif qpos >= 0 and kpos < 20:
+                    assert (p[:, n, qq, kk] > 0).all(), (qpos, kpos)
+    with pytest.raises(ValueError, match="autoregress_at_key: expected an int key position in"):
+        op.masked_softmax(w, autoregress_at_key=32)
     rows = torch.zeros(2, 2, 3, 16, dtype=torch.float64)
     for n, (h, i, j) in enumerate(op._idx.t().tolist()):
         rows[:, h, i] += p[:, n].sum(-1)
@@ -189,3 +199,11 @@ def test_compile_sparse_transformer_through_the_attention_op(monkeypatch):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
         for p, r in zip(ga, gb):
             torch.testing.assert_close(p, r, rtol=1e-3, atol=1e-6)
+
+
+def test_partial_masks_are_stored_once_per_distinct_tile():
+    lay, cb = L.attention_layout(L.strided_mask(32), 256, 256, 16)
+    op = BlocksparseTransformer(lay, 16, heads=4, mask_callback=cb)
+    assert (op._partial_idx >= 0).sum() > 4 * 16 and len(op._pmasks) <= 4     # many partial blocks, few tiles
+    q, k, v = qkv(1, 256, 256, 4, 8, torch.float64)
+    checked(op, q, k, v, torch.float64)
