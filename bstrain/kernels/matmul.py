@@ -563,22 +563,25 @@ def _alloc_out(out: torch.Tensor | None, shape: tuple[int, int], like: torch.Ten
     return out
 
 
+def _run_ds(a: torch.Tensor, w: torch.Tensor, lut: SegmentLut, features: int, transpose_w: bool, bs: int,
+            feature_axis: int, out: torch.Tensor | None, split: int | None) -> torch.Tensor:
+    """The ds product on an activation with either feature axis, into ``out`` or a new tensor."""
+    n = a.shape[1 - feature_axis]
+    y = out if out is not None else empty((n, features) if feature_axis == 1 else (features, n), a.dtype, a.device)
+    _launch_ds(_rows_view(a, feature_axis), w, _rows_view(y, feature_axis), lut, bs, transpose_w, split)
+    return y
+
+
 def run_forward(x: torch.Tensor, w: torch.Tensor, luts: BsmmLuts, feature_axis: int = 1,
                 out: torch.Tensor | None = None, split: int | None = None) -> torch.Tensor:
     """:func:`bsmm_forward` without its argument checks (the op layer checks once, at its boundary)."""
-    n = x.shape[1 - feature_axis]
-    y = out if out is not None else empty((n, luts.K) if feature_axis == 1 else (luts.K, n), x.dtype, x.device)
-    _launch_ds(_rows_view(x, feature_axis), w, _rows_view(y, feature_axis), luts.fwd, luts.block_size, False, split)
-    return y
+    return _run_ds(x, w, luts.fwd, luts.K, False, luts.block_size, feature_axis, out, split)
 
 
 def run_dx(dy: torch.Tensor, w: torch.Tensor, luts: BsmmLuts, feature_axis: int = 1,
            out: torch.Tensor | None = None, split: int | None = None) -> torch.Tensor:
     """:func:`bsmm_dx` without its argument checks."""
-    n = dy.shape[1 - feature_axis]
-    dx = out if out is not None else empty((n, luts.C) if feature_axis == 1 else (luts.C, n), dy.dtype, dy.device)
-    _launch_ds(_rows_view(dy, feature_axis), w, _rows_view(dx, feature_axis), luts.bwd, luts.block_size, True, split)
-    return dx
+    return _run_ds(dy, w, luts.bwd, luts.C, True, luts.block_size, feature_axis, out, split)
 
 
 def bsmm_forward(x: torch.Tensor, w: torch.Tensor, luts: BsmmLuts, feature_axis: int = 1,

@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 from bstrain.layout import as_layout
-from bstrain.ops.library import eager, register_layout
+from bstrain.ops.library import _as, eager, register_layout
 from bstrain.ops.proj import SparseProj  # noqa: F401  (the seed exports it from matmul)
 
 BLOCK_SIZES = (8, 16, 32, 64, 128)
@@ -114,11 +114,6 @@ def _autocast_input(I: torch.Tensor) -> torch.Tensor:
     """Under torch.autocast, floating activations run in the autocast dtype (weights follow)."""
     dt = compute_dtype(I)
     return I if I.dtype == dt else I.to(dt)
-
-
-def _as(w: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """w in ``dtype``, contiguous: fp32 master weights meet 16-bit activations."""
-    return (w if w.dtype == dtype else w.to(dtype)).contiguous()
 
 
 class _BlocksparseMatMulFn(torch.autograd.Function):
