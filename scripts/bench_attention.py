@@ -73,6 +73,8 @@ def measure(args) -> list[dict]:
                      "fb": bench(fwd_bwd(sdpa, qh, kh, vh, gh), smoke)}
             causal_blocks = None
             for name, mask in masks(S).items():
+                if name not in args.layouts.split(",") and name != "causal":
+                    continue
                 lay, cb = L.attention_layout(mask, S, S, bs)
                 live = int(lay.sum())
                 causal_blocks = causal_blocks or live                   # causal comes first
@@ -100,7 +102,9 @@ def measure(args) -> list[dict]:
                     row[f"frac_ideal_{pas}"] = round(row[f"speedup_{pas}"] / row["ideal"], 2)
                     if row.get(f"flex_{pas}_ms"):
                         row[f"vs_flex_{pas}"] = round(row[f"flex_{pas}_ms"] / ours, 2)
-                rows.append(row)
+                        row[f"flex_frac_ideal_{pas}"] = round(row[f"sdpa_{pas}_ms"] / row[f"flex_{pas}_ms"] / row["ideal"], 2)
+                if name in args.layouts.split(","):
+                    rows.append(row)
                 print(row, flush=True)
     return rows
 
@@ -112,12 +116,13 @@ def report(rows: list[dict], extra: dict, out: str) -> None:
              "frac ideal = (SDPA causal time / ours) / ideal; vs flex = Flex time / ours (targets: fwd+bwd vs "
              "flex >= 1.2, frac ideal >= 0.8).", "",
              "| layout | S | D | live | ideal | ours fwd ms | ours f+b ms | SDPA f+b ms | Flex f+b ms | "
-             "speedup f+b | frac ideal f+b | vs flex f+b | vs flex fwd |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "speedup f+b | frac ideal f+b | Flex frac ideal f+b | frac ideal fwd | vs flex f+b | vs flex fwd |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         lines.append(f"| {r['layout']} | {r['S']} | {r['D']} | {r['live_frac']} | {r['ideal']} | {r['ours_fwd_ms']} | "
                      f"{r['ours_fb_ms']} | {r['sdpa_fb_ms']} | {r.get('flex_fb_ms', '-')} | {r['speedup_fb']} | "
-                     f"{r['frac_ideal_fb']} | {r.get('vs_flex_fb', '-')} | {r.get('vs_flex_fwd', '-')} |")
+                     f"{r['frac_ideal_fb']} | {r.get('flex_frac_ideal_fb', '-')} | {r['frac_ideal_fwd']} | "
+                     f"{r.get('vs_flex_fb', '-')} | {r.get('vs_flex_fwd', '-')} |")
     errors = sorted({r["flex_error"] for r in rows if r.get("flex_error")})
     if errors:
         lines += ["", "FlexAttention errors:", *[f"- `{e}`" for e in errors]]
@@ -135,8 +140,7 @@ def report(rows: list[dict], extra: dict, out: str) -> None:
     fig, ax = plt.subplots(figsize=(8, 4.5))
     for key, label in (("frac_ideal_fb", "bstrain"), ("flex_frac", "FlexAttention")):
         pts = [(f"{r['layout']}\nS{r['S'] // 1024}k D{r['D']}",
-                r[key] if key != "flex_frac" else (r["sdpa_fb_ms"] / r["flex_fb_ms"] / r["ideal"]
-                                                   if r.get("flex_fb_ms") else None)) for r in rows]
+                r[key] if key != "flex_frac" else r.get("flex_frac_ideal_fb")) for r in rows]
         pts = [(x, y) for x, y in pts if y is not None]
         if pts:
             ax.plot([p[0] for p in pts], [p[1] for p in pts], "o", label=label)
@@ -157,8 +161,13 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=4)
     ap.add_argument("--heads", type=int, default=16)
     ap.add_argument("--block", type=int, default=128)
+    ap.add_argument("--layouts", default="causal,local,strided,fixed")
+    ap.add_argument("--tiles", help="a tune_attention.json whose best tiles to use")
     ap.add_argument("--cpu-smoke", action="store_true")
     args = ap.parse_args()
+    if args.tiles:
+        from tune_attention import apply
+        apply(args.tiles)
     if args.cpu_smoke:
         args.seq, args.dims, args.batch, args.heads, args.block = [256], [16], 1, 2, 32
     os.makedirs(args.out, exist_ok=True)

@@ -1,22 +1,32 @@
 """Triton kernels for block-sparse attention (flash-style: the scores are never stored).
 
-Notation: q is (B, Tq, H·D), k and v (B, Tk, H·D); bs the block size; a layout's live blocks are
-numbered head by head, row-major within a head. Each live block is full, or partial with a
-(bs, bs) element mask; only partial blocks have a stored mask.
+Notation: q is (B, Tq, H·D), k and v (B, Tk, H·D); bs the layout's block size. A live block is
+full, or partial with a (bs, bs) element mask.
 
-* ``_attn_fwd``: one program per (head, query block) row and batch element walks the row's live
-  key blocks with an online softmax (base 2), and writes O and the row's log-sum-exp (LSE, base
-  2; +inf for a query with no live key, whose output is 0).
-* ``_attn_bwd_dkdv``: one program per (head, key block) column walks the query blocks that attend
-  to it, recomputing P from the LSE: dV = Pᵀ·dO, dK = dSᵀ·Q·scale.
-* ``_attn_bwd_dq``: one program per row, as the forward: dQ = dS·K·scale.
-with dS = P ∘ (dP − Δ), dP = dO·Vᵀ, Δ = rowsum(dO ∘ O).
+**Tiles.** The kernels do not work on layout blocks but on tiles of (BO, BI) elements that divide
+them: BO rows of the *outer* operand a program holds (queries in the forward and dQ kernels,
+keys in the dK/dV kernel) against BI rows of the *inner* one it streams. A layout is re-cut into
+tile lists once per tile shape (:class:`TileLuts`): a tile wholly outside its block's element
+mask is dropped, a wholly kept one becomes full, and a partial tile is either *triangular*
+(kept where ``q − k ≥ d`` in tile coordinates, as causal diagonals are; no memory read) or an
+bit mask read from a table. Each outer row lists its full tiles first, then the triangular ones, then those with a
+table, so the kernels run three loops (full, triangular, table) and only the last one reads masks. Rows are launched heaviest
+first (longest-processing-time order) to shorten the tail.
 
-Status: checked in the interpreter (fp32, fp16) against float64; not yet compiled or timed on a GPU.
+* ``_attn_fwd``: one program per (head, query tile) row and batch element walks the row's key
+  tiles with an online softmax (base 2), and writes O and the row's log-sum-exp (LSE, base 2;
+  +inf for a query with no live key, whose output is 0).
+* ``_attn_bwd_dq``: one program per query tile, as the forward: Δ = rowsum(dO ∘ O) (stored for
+  the next kernel), then dQ = dS·K·scale with dS = P ∘ (dP − Δ), dP = dO·Vᵀ, P from the LSE.
+* ``_attn_bwd_dkdv``: one program per (head, key tile) column walks the query tiles that attend
+  to it: dV = Pᵀ·dO, dK = dSᵀ·Q·scale. Padded keys get zero gradients.
+
+Tile shapes, warps and pipeline stages per (kernel, block size, head dim, dtype) come from
+:func:`tiles`; ``TILES`` overrides them (scripts/tune_attention.py sweeps it).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -27,216 +37,416 @@ from bstrain.kernels.alloc import empty
 from bstrain.kernels.matmul import _precision
 
 LOG2E = 1.4426950408889634
+_TRI = -(1 << 20)       # a masked tile's code: >= 0 indexes the mask table; _TRI + d is triangular
+TRI = tl.constexpr(_TRI)
 
 
 @triton.jit
-def _tile(X, b, s_b, s_t, blk, h, head_dim, BS: tl.constexpr, BLOCK_D: tl.constexpr):
-    """The (BS, BLOCK_D) tile of block ``blk`` of head h, batch b (zeros past head_dim)."""
-    r = tl.arange(0, BS)
+def _rows(X, base, s_t, start, N: tl.constexpr, BLOCK_D: tl.constexpr, head_dim, EVEN_D: tl.constexpr):
+    """Rows start..start+N of one head (columns past head_dim read as 0)."""
+    r = start + tl.arange(0, N)
     d = tl.arange(0, BLOCK_D)
-    return tl.load(X + b * s_b + (blk * BS + r)[:, None] * s_t + h * head_dim + d[None, :],
-                   mask=(d < head_dim)[None, :], other=0.0)
+    ptr = X + base + r[:, None] * s_t + d[None, :]
+    if EVEN_D:
+        return tl.load(ptr)
+    return tl.load(ptr, mask=(d < head_dim)[None, :], other=0.0)
 
 
 @triton.jit
-def _store_tile(X, val, b, s_b, s_t, blk, h, head_dim, BS: tl.constexpr, BLOCK_D: tl.constexpr):
-    r = tl.arange(0, BS)
+def _store_rows(X, val, base, s_t, start, N: tl.constexpr, BLOCK_D: tl.constexpr, head_dim,
+                EVEN_D: tl.constexpr):
+    r = start + tl.arange(0, N)
     d = tl.arange(0, BLOCK_D)
-    tl.store(X + b * s_b + (blk * BS + r)[:, None] * s_t + h * head_dim + d[None, :], val.to(X.dtype.element_ty),
-             mask=(d < head_dim)[None, :])
+    ptr = X + base + r[:, None] * s_t + d[None, :]
+    if EVEN_D:
+        tl.store(ptr, val.to(X.dtype.element_ty))
+    else:
+        tl.store(ptr, val.to(X.dtype.element_ty), mask=(d < head_dim)[None, :])
 
 
 @triton.jit
-def _masked_scores(q, k, b, j, p_idx, PMASK, PAD, k_ctx, qk_scale, BS: tl.constexpr, HAS_PAD: tl.constexpr,
-                   PRECISION: tl.constexpr):
-    """(BS, BS) scores q·kᵀ·qk_scale with the block's element mask and the key padding as -inf."""
-    s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
-    r = tl.arange(0, BS)
-    if p_idx >= 0:
-        keep = tl.load(PMASK + p_idx.to(tl.int64) * (BS * BS) + r[:, None] * BS + r[None, :])
-        s = tl.where(keep != 0, s, float("-inf"))
-    if HAS_PAD:
-        pad = tl.load(PAD + b * k_ctx + j * BS + r)
-        s = tl.where(pad[None, :] == 0, s, float("-inf"))
-    return s
+def _keep(code, PMASK, BO: tl.constexpr, BI: tl.constexpr, MODE: tl.constexpr, TRANS: tl.constexpr):
+    """(BO, BI) element mask of a masked tile. MODE 1: q − k ≥ d in tile coordinates (d = code −
+    TRI; TRANS: the outer index is the key). MODE 2: row ``code`` of the bit table, BI bits of
+    each of the BO rows in 32-bit words (loading a 2-D int8 mask instead costs a layout change
+    through shared memory, and spills)."""
+    o = tl.arange(0, BO)
+    i = tl.arange(0, BI)
+    if MODE == 1:
+        if TRANS:
+            return (i[None, :] - o[:, None]) >= code - TRI
+        return (o[:, None] - i[None, :]) >= code - TRI
+    NW: tl.constexpr = (BI + 31) // 32
+    row = PMASK + code.to(tl.int64) * (BO * NW) + o * NW
+    keep = tl.zeros((BO, BI), tl.int32)
+    for w in tl.static_range(NW):
+        bits = tl.load(row + w)
+        keep |= tl.where((i // 32 == w)[None, :], (bits[:, None] >> (i % 32)[None, :]) & 1, 0)
+    return keep != 0
 
 
 @triton.jit
-def _p_and_ds(q, k, v, do, lse, delta, b, j, p_idx, PMASK, PAD, k_ctx, qk_scale, BS: tl.constexpr,
-              HAS_PAD: tl.constexpr, PRECISION: tl.constexpr):
-    """P recomputed from the row LSE, and dS = P ∘ (dO·Vᵀ − Δ), for one (query, key) block pair."""
-    s = _masked_scores(q, k, b, j, p_idx, PMASK, PAD, k_ctx, qk_scale, BS, HAS_PAD, PRECISION)
-    p = tl.exp2(s - lse[:, None])
-    return p, p * (tl.dot(do, tl.trans(v), input_precision=PRECISION) - delta[:, None])
-
-
-@triton.jit
-def _attn_fwd(Q, K, V, O, LSE, row_ptr, row_kblk, row_pidx, PMASK, PAD,
-              s_qb, s_qt, s_kb, s_kt, s_ob, s_ot, n_qblk, q_ctx, k_ctx, head_dim, qk_scale,
-              BS: tl.constexpr, BLOCK_D: tl.constexpr, HAS_PAD: tl.constexpr, PRECISION: tl.constexpr):
-    row = tl.program_id(0)
-    b = tl.program_id(1)
-    h = row // n_qblk
-    i = row % n_qblk
-    r = tl.arange(0, BS)
-    q = _tile(Q, b, s_qb, s_qt, i, h, head_dim, BS, BLOCK_D)
-    m_i = tl.full((BS,), float("-inf"), tl.float32)
-    l_i = tl.zeros((BS,), tl.float32)
-    acc = tl.zeros((BS, BLOCK_D), tl.float32)
-    for e in range(tl.load(row_ptr + row), tl.load(row_ptr + row + 1)):
-        j = tl.load(row_kblk + e)
-        p_idx = tl.load(row_pidx + e)
-        k = _tile(K, b, s_kb, s_kt, j, h, head_dim, BS, BLOCK_D)
-        v = _tile(V, b, s_kb, s_kt, j, h, head_dim, BS, BLOCK_D)
-        s = _masked_scores(q, k, b, j, p_idx, PMASK, PAD, k_ctx, qk_scale, BS, HAS_PAD, PRECISION)
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+def _fwd_loop(acc, l_i, m_i, q, K, V, kv_base, s_kt, INNER, CODE, e0, e1, PMASK, PAD, pad_base, qk_scale,
+              head_dim, BO: tl.constexpr, BI: tl.constexpr, BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr,
+              MODE: tl.constexpr, HAS_PAD: tl.constexpr, PRECISION: tl.constexpr, NUM_STAGES: tl.constexpr):
+    for e in tl.range(e0, e1, num_stages=1 if MODE == 2 else NUM_STAGES):
+        n = tl.load(INNER + e)
+        k = _rows(K, kv_base, s_kt, n * BI, BI, BLOCK_D, head_dim, EVEN_D)
+        v = _rows(V, kv_base, s_kt, n * BI, BI, BLOCK_D, head_dim, EVEN_D)
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
+        if MODE > 0:
+            s = tl.where(_keep(tl.load(CODE + e), PMASK, BO, BI, MODE, False), s, float("-inf"))
+        if HAS_PAD:
+            pad = tl.load(PAD + pad_base + n * BI + tl.arange(0, BI))
+            s = tl.where(pad[None, :] == 0, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        if MODE > 0 or HAS_PAD:
+            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)     # a row with nothing kept yet
+        else:
+            m_use = m_new
         p = tl.exp2(s - m_use[:, None])
         alpha = tl.exp2(m_i - m_use)
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=PRECISION)
         m_i = m_new
-    _store_tile(O, acc / tl.where(l_i > 0, l_i, 1.0)[:, None], b, s_ob, s_ot, i, h, head_dim, BS, BLOCK_D)
-    lse = tl.where(l_i > 0, m_i + tl.log2(tl.where(l_i > 0, l_i, 1.0)), float("inf"))
-    tl.store(LSE + (b * tl.num_programs(0) + row) * BS + r, lse)       # (B, H·nq·bs): row-major stats
+    return acc, l_i, m_i
 
 
 @triton.jit
-def _attn_bwd_dkdv(Q, K, V, DO, LSE, DELTA, DK, DV, col_ptr, col_qblk, col_pidx, PMASK, PAD,
-                   s_qb, s_qt, s_kb, s_kt, n_qblk, n_kblk, k_ctx, head_dim, qk_scale, scale,
-                   BS: tl.constexpr, BLOCK_D: tl.constexpr, HAS_PAD: tl.constexpr, PRECISION: tl.constexpr):
-    col = tl.program_id(0)
-    b = tl.program_id(1)
-    h = col // n_kblk
-    j = col % n_kblk
-    r = tl.arange(0, BS)
-    k = _tile(K, b, s_kb, s_kt, j, h, head_dim, BS, BLOCK_D)
-    v = _tile(V, b, s_kb, s_kt, j, h, head_dim, BS, BLOCK_D)
-    dk = tl.zeros((BS, BLOCK_D), tl.float32)
-    dv = tl.zeros((BS, BLOCK_D), tl.float32)
-    n_rows = tl.num_programs(0) // n_kblk * n_qblk               # heads x query blocks
-    for e in range(tl.load(col_ptr + col), tl.load(col_ptr + col + 1)):
-        i = tl.load(col_qblk + e)
-        p_idx = tl.load(col_pidx + e)
-        q = _tile(Q, b, s_qb, s_qt, i, h, head_dim, BS, BLOCK_D)
-        do = _tile(DO, b, s_qb, s_qt, i, h, head_dim, BS, BLOCK_D)
-        stat = (b * n_rows + h * n_qblk + i) * BS + r
+def _attn_fwd(Q, K, V, O, LSE, ORDER, PTR, MID, TAB, INNER, CODE, PMASK, PAD,
+              s_qb, s_qt, s_kb, s_kt, s_ob, s_ot, B, H, n_outer, Tq, Tk, head_dim, qk_scale,
+              BO: tl.constexpr, BI: tl.constexpr, BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr,
+              HAS_PAD: tl.constexpr, PRECISION: tl.constexpr, NUM_STAGES: tl.constexpr):
+    pid = tl.program_id(0)
+    b = pid % B
+    row = tl.load(ORDER + pid // B)
+    h = row // n_outer
+    start = (row % n_outer) * BO
+    q = _rows(Q, b.to(tl.int64) * s_qb + h * head_dim, s_qt, start, BO, BLOCK_D, head_dim, EVEN_D)
+    kv_base = b.to(tl.int64) * s_kb + h * head_dim
+    pad_base = b.to(tl.int64) * Tk
+    m_i = tl.full((BO,), float("-inf"), tl.float32)
+    l_i = tl.zeros((BO,), tl.float32)
+    acc = tl.zeros((BO, BLOCK_D), tl.float32)
+    e0 = tl.load(PTR + row)
+    e1 = tl.load(MID + row)
+    e2 = tl.load(TAB + row)
+    e3 = tl.load(PTR + row + 1)
+    acc, l_i, m_i = _fwd_loop(acc, l_i, m_i, q, K, V, kv_base, s_kt, INNER, CODE, e0, e1, PMASK, PAD, pad_base,
+                              qk_scale, head_dim, BO, BI, BLOCK_D, EVEN_D, 0, HAS_PAD, PRECISION, NUM_STAGES)
+    acc, l_i, m_i = _fwd_loop(acc, l_i, m_i, q, K, V, kv_base, s_kt, INNER, CODE, e1, e2, PMASK, PAD, pad_base,
+                              qk_scale, head_dim, BO, BI, BLOCK_D, EVEN_D, 1, HAS_PAD, PRECISION, NUM_STAGES)
+    acc, l_i, m_i = _fwd_loop(acc, l_i, m_i, q, K, V, kv_base, s_kt, INNER, CODE, e2, e3, PMASK, PAD, pad_base,
+                              qk_scale, head_dim, BO, BI, BLOCK_D, EVEN_D, 2, HAS_PAD, PRECISION, NUM_STAGES)
+    live = l_i > 0
+    l_safe = tl.where(live, l_i, 1.0)
+    _store_rows(O, acc / l_safe[:, None], b.to(tl.int64) * s_ob + h * head_dim, s_ot, start, BO, BLOCK_D,
+                head_dim, EVEN_D)
+    lse = tl.where(live, m_i + tl.log2(l_safe), float("inf"))
+    tl.store(LSE + (b.to(tl.int64) * H + h) * Tq + start + tl.arange(0, BO), lse)     # (B, H, Tq)
+
+
+@triton.jit
+def _dq_loop(dq, q, do, lse, delta, K, V, kv_base, s_kt, INNER, CODE, e0, e1, PMASK, PAD, pad_base, qk_scale,
+             head_dim, BO: tl.constexpr, BI: tl.constexpr, BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr,
+             MODE: tl.constexpr, HAS_PAD: tl.constexpr, PRECISION: tl.constexpr, NUM_STAGES: tl.constexpr):
+    for e in tl.range(e0, e1, num_stages=1 if MODE == 2 else NUM_STAGES):
+        n = tl.load(INNER + e)
+        k = _rows(K, kv_base, s_kt, n * BI, BI, BLOCK_D, head_dim, EVEN_D)
+        v = _rows(V, kv_base, s_kt, n * BI, BI, BLOCK_D, head_dim, EVEN_D)
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
+        if MODE > 0:
+            s = tl.where(_keep(tl.load(CODE + e), PMASK, BO, BI, MODE, False), s, float("-inf"))
+        if HAS_PAD:
+            pad = tl.load(PAD + pad_base + n * BI + tl.arange(0, BI))
+            s = tl.where(pad[None, :] == 0, s, float("-inf"))
+        p = tl.exp2(s - lse[:, None])
+        dp = tl.dot(do, tl.trans(v), input_precision=PRECISION)
+        ds = p * (dp - delta[:, None])
+        dq = tl.dot(ds.to(k.dtype), k, dq, input_precision=PRECISION)
+    return dq
+
+
+@triton.jit
+def _attn_bwd_dq(Q, K, V, O, DO, LSE, DELTA, DQ, ORDER, PTR, MID, TAB, INNER, CODE, PMASK, PAD,
+                 s_qb, s_qt, s_kb, s_kt, B, H, n_outer, Tq, Tk, head_dim, qk_scale, scale,
+                 BO: tl.constexpr, BI: tl.constexpr, BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr,
+                 HAS_PAD: tl.constexpr, PRECISION: tl.constexpr, NUM_STAGES: tl.constexpr):
+    """Also writes Δ = rowsum(dO ∘ O) for :func:`_attn_bwd_dkdv` (q, o, do, dq share strides)."""
+    pid = tl.program_id(0)
+    b = pid % B
+    row = tl.load(ORDER + pid // B)
+    h = row // n_outer
+    start = (row % n_outer) * BO
+    q_base = b.to(tl.int64) * s_qb + h * head_dim
+    q = _rows(Q, q_base, s_qt, start, BO, BLOCK_D, head_dim, EVEN_D)
+    do = _rows(DO, q_base, s_qt, start, BO, BLOCK_D, head_dim, EVEN_D)
+    o = _rows(O, q_base, s_qt, start, BO, BLOCK_D, head_dim, EVEN_D)
+    delta = tl.sum(do.to(tl.float32) * o.to(tl.float32), 1)
+    stat = (b.to(tl.int64) * H + h) * Tq + start + tl.arange(0, BO)
+    tl.store(DELTA + stat, delta)
+    lse = tl.load(LSE + stat)
+    kv_base = b.to(tl.int64) * s_kb + h * head_dim
+    pad_base = b.to(tl.int64) * Tk
+    e0 = tl.load(PTR + row)
+    e1 = tl.load(MID + row)
+    e2 = tl.load(TAB + row)
+    e3 = tl.load(PTR + row + 1)
+    dq = tl.zeros((BO, BLOCK_D), tl.float32)
+    dq = _dq_loop(dq, q, do, lse, delta, K, V, kv_base, s_kt, INNER, CODE, e0, e1, PMASK, PAD, pad_base, qk_scale,
+                  head_dim, BO, BI, BLOCK_D, EVEN_D, 0, HAS_PAD, PRECISION, NUM_STAGES)
+    dq = _dq_loop(dq, q, do, lse, delta, K, V, kv_base, s_kt, INNER, CODE, e1, e2, PMASK, PAD, pad_base, qk_scale,
+                  head_dim, BO, BI, BLOCK_D, EVEN_D, 1, HAS_PAD, PRECISION, NUM_STAGES)
+    dq = _dq_loop(dq, q, do, lse, delta, K, V, kv_base, s_kt, INNER, CODE, e2, e3, PMASK, PAD, pad_base, qk_scale,
+                  head_dim, BO, BI, BLOCK_D, EVEN_D, 2, HAS_PAD, PRECISION, NUM_STAGES)
+    _store_rows(DQ, dq * scale, q_base, s_qt, start, BO, BLOCK_D, head_dim, EVEN_D)
+
+
+@triton.jit
+def _dkdv_loop(dk, dv, k, v, Q, DO, LSE, DELTA, q_base, s_qt, stat_base, INNER, CODE, e0, e1, PMASK, qk_scale,
+               head_dim, BO: tl.constexpr, BI: tl.constexpr, BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr,
+               MODE: tl.constexpr, PRECISION: tl.constexpr, NUM_STAGES: tl.constexpr):
+    for e in tl.range(e0, e1, num_stages=1 if MODE == 2 else NUM_STAGES):
+        n = tl.load(INNER + e)
+        q = _rows(Q, q_base, s_qt, n * BI, BI, BLOCK_D, head_dim, EVEN_D)
+        do = _rows(DO, q_base, s_qt, n * BI, BI, BLOCK_D, head_dim, EVEN_D)
+        stat = stat_base + n * BI + tl.arange(0, BI)
         lse = tl.load(LSE + stat)
         delta = tl.load(DELTA + stat)
-        p, ds = _p_and_ds(q, k, v, do, lse, delta, b, j, p_idx, PMASK, PAD, k_ctx, qk_scale, BS, HAS_PAD, PRECISION)
-        dv += tl.dot(tl.trans(p.to(do.dtype)), do, input_precision=PRECISION)
-        dk += tl.dot(tl.trans(ds.to(q.dtype)), q, input_precision=PRECISION)
-    _store_tile(DK, dk * scale, b, s_kb, s_kt, j, h, head_dim, BS, BLOCK_D)
-    _store_tile(DV, dv, b, s_kb, s_kt, j, h, head_dim, BS, BLOCK_D)
+        st = tl.dot(k, tl.trans(q), input_precision=PRECISION) * qk_scale          # (keys, queries)
+        if MODE > 0:
+            st = tl.where(_keep(tl.load(CODE + e), PMASK, BO, BI, MODE, True), st, float("-inf"))
+        pt = tl.exp2(st - lse[None, :])
+        dv = tl.dot(pt.to(do.dtype), do, dv, input_precision=PRECISION)
+        dpt = tl.dot(v, tl.trans(do), input_precision=PRECISION)
+        dst = pt * (dpt - delta[None, :])
+        dk = tl.dot(dst.to(q.dtype), q, dk, input_precision=PRECISION)
+    return dk, dv
 
 
 @triton.jit
-def _attn_bwd_dq(Q, K, V, DO, LSE, DELTA, DQ, row_ptr, row_kblk, row_pidx, PMASK, PAD,
-                 s_qb, s_qt, s_kb, s_kt, n_qblk, k_ctx, head_dim, qk_scale, scale,
-                 BS: tl.constexpr, BLOCK_D: tl.constexpr, HAS_PAD: tl.constexpr, PRECISION: tl.constexpr):
-    row = tl.program_id(0)
-    b = tl.program_id(1)
-    h = row // n_qblk
-    i = row % n_qblk
-    r = tl.arange(0, BS)
-    q = _tile(Q, b, s_qb, s_qt, i, h, head_dim, BS, BLOCK_D)
-    do = _tile(DO, b, s_qb, s_qt, i, h, head_dim, BS, BLOCK_D)
-    stat = (b * tl.num_programs(0) + row) * BS + r
-    lse = tl.load(LSE + stat)
-    delta = tl.load(DELTA + stat)
-    dq = tl.zeros((BS, BLOCK_D), tl.float32)
-    for e in range(tl.load(row_ptr + row), tl.load(row_ptr + row + 1)):
-        j = tl.load(row_kblk + e)
-        p_idx = tl.load(row_pidx + e)
-        k = _tile(K, b, s_kb, s_kt, j, h, head_dim, BS, BLOCK_D)
-        v = _tile(V, b, s_kb, s_kt, j, h, head_dim, BS, BLOCK_D)
-        _, ds = _p_and_ds(q, k, v, do, lse, delta, b, j, p_idx, PMASK, PAD, k_ctx, qk_scale, BS, HAS_PAD, PRECISION)
-        dq += tl.dot(ds.to(k.dtype), k, input_precision=PRECISION)
-    _store_tile(DQ, dq * scale, b, s_qb, s_qt, i, h, head_dim, BS, BLOCK_D)
+def _attn_bwd_dkdv(Q, K, V, DO, LSE, DELTA, DK, DV, ORDER, PTR, MID, TAB, INNER, CODE, PMASK, PAD,
+                   s_qb, s_qt, s_kb, s_kt, B, H, n_outer, Tq, Tk, head_dim, qk_scale, scale,
+                   BO: tl.constexpr, BI: tl.constexpr, BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr,
+                   HAS_PAD: tl.constexpr, PRECISION: tl.constexpr, NUM_STAGES: tl.constexpr):
+    pid = tl.program_id(0)
+    b = pid % B
+    col = tl.load(ORDER + pid // B)
+    h = col // n_outer
+    start = (col % n_outer) * BO
+    kv_base = b.to(tl.int64) * s_kb + h * head_dim
+    k = _rows(K, kv_base, s_kt, start, BO, BLOCK_D, head_dim, EVEN_D)
+    v = _rows(V, kv_base, s_kt, start, BO, BLOCK_D, head_dim, EVEN_D)
+    q_base = b.to(tl.int64) * s_qb + h * head_dim
+    stat_base = (b.to(tl.int64) * H + h) * Tq
+    e0 = tl.load(PTR + col)
+    e1 = tl.load(MID + col)
+    e2 = tl.load(TAB + col)
+    e3 = tl.load(PTR + col + 1)
+    dk = tl.zeros((BO, BLOCK_D), tl.float32)
+    dv = tl.zeros((BO, BLOCK_D), tl.float32)
+    dk, dv = _dkdv_loop(dk, dv, k, v, Q, DO, LSE, DELTA, q_base, s_qt, stat_base, INNER, CODE, e0, e1, PMASK,
+                        qk_scale, head_dim, BO, BI, BLOCK_D, EVEN_D, 0, PRECISION, NUM_STAGES)
+    dk, dv = _dkdv_loop(dk, dv, k, v, Q, DO, LSE, DELTA, q_base, s_qt, stat_base, INNER, CODE, e1, e2, PMASK,
+                        qk_scale, head_dim, BO, BI, BLOCK_D, EVEN_D, 1, PRECISION, NUM_STAGES)
+    dk, dv = _dkdv_loop(dk, dv, k, v, Q, DO, LSE, DELTA, q_base, s_qt, stat_base, INNER, CODE, e2, e3, PMASK,
+                        qk_scale, head_dim, BO, BI, BLOCK_D, EVEN_D, 2, PRECISION, NUM_STAGES)
+    if HAS_PAD:                                   # a padded key is in no softmax: zero gradients
+        kept = tl.load(PAD + b.to(tl.int64) * Tk + start + tl.arange(0, BO)) == 0
+        dk = tl.where(kept[:, None], dk, 0.0)
+        dv = tl.where(kept[:, None], dv, 0.0)
+    _store_rows(DK, dk * scale, kv_base, s_kt, start, BO, BLOCK_D, head_dim, EVEN_D)
+    _store_rows(DV, dv, kv_base, s_kt, start, BO, BLOCK_D, head_dim, EVEN_D)
 
 
 # ---------------------------------------------------------------------------------------------
+# Tile shapes: (BO, BI, num_warps, num_stages) per kernel. Keys of TILES: (kernel, block size,
+# padded head dim, element size); a hit overrides tiles()'s rule.
+TILES: dict[tuple[str, int, int, int], tuple[int, int, int, int]] = {}
+
+
+def tiles(kernel: str, bs: int, block_d: int, itemsize: int) -> tuple[int, int, int, int]:
+    """(BO, BI, num_warps, num_stages) of ``kernel`` in {"fwd", "dq", "dkdv"}."""
+    hit = TILES.get((kernel, bs, block_d, itemsize))
+    if hit is not None:
+        return hit
+    if itemsize == 4:                                   # fp32 operands: small tiles (shared memory)
+        return min(bs, 64), min(bs, 32), 4, 2
+    wide = block_d > 64
+    bi = {"fwd": 64 if wide else 128, "dq": 32 if wide else 64, "dkdv": 16 if wide else 64}[kernel]
+    bo, bi = min(bs, 128), min(bs, bi)
+    return bo, bi, 8 if bo * block_d >= 128 * 64 else 4, 3
+
+
+def _bits(m: np.ndarray) -> np.ndarray:
+    """(R, C) bool -> (R, ceil(C/32)) int32 words, bit c % 32 of word c // 32."""
+    r, c = m.shape
+    padded = np.zeros((r, -(-c // 32) * 32), bool)
+    padded[:, :c] = m
+    words = (padded.reshape(r, -1, 32).astype(np.uint64) << np.arange(32, dtype=np.uint64)).sum(-1)
+    return words.astype(np.uint32).view(np.int32)
+
+
+def _classify(m: np.ndarray) -> tuple[str, int]:
+    """A (rows = queries, cols = keys) bool tile: ("dead"|"full"|"tri"|"table", d for "tri")."""
+    if not m.any():
+        return "dead", 0
+    if m.all():
+        return "full", 0
+    diff = np.arange(m.shape[0])[:, None] - np.arange(m.shape[1])[None, :]
+    d = int(diff[m].min())
+    return ("tri", d) if np.array_equal(m, diff >= d) else ("table", 0)
+
+
+@dataclass
+class TileLuts:
+    """One layout cut into (BO, BI) tiles for one kernel direction, on one device."""
+    n_outer: int              # outer tiles per head
+    order: torch.Tensor       # (H·n_outer,) int32: outer rows, heaviest first
+    ptr: torch.Tensor         # (H·n_outer + 1,) int32: row r's entries are ptr[r]:ptr[r+1] ...
+    mid: torch.Tensor         # (H·n_outer,) int32: ... full ones before mid[r], then triangular ones,
+    tab: torch.Tensor         # (H·n_outer,) int32: ... then from tab[r] on those with a mask table
+    inner: torch.Tensor       # (entries,) int32: inner tile index of each entry
+    code: torch.Tensor        # (entries,) int32: -1 full, >= 0 mask table row, TRI + d triangular
+    pmask: torch.Tensor       # (tables or 1, BO, ceil(BI/32)) int32: bit c of word w of row r keeps
+                              # (outer r, inner 32·w + c)
+
+
 @dataclass
 class AttnLuts:
-    """Row and column lists of one layout on one device (see the module docstring)."""
+    """A layout's live blocks (head-major, row-major, as BlocksparseTransformer numbers them) on
+    one device; :meth:`tiles` cuts them per tile shape, on first use."""
     block_size: int
     heads: int
     q_blocks: int
     k_blocks: int
-    row_ptr: torch.Tensor     # (H*nq + 1,) int32
-    row_kblk: torch.Tensor    # (nnz,) int32: key block of each entry (row order = block order)
-    row_pidx: torch.Tensor    # (nnz,) int32: partial-mask index, -1 for full blocks
-    col_ptr: torch.Tensor     # (H*nk + 1,) int32
-    col_qblk: torch.Tensor    # (nnz,) int32: query block of each entry, by column
-    col_pidx: torch.Tensor    # (nnz,) int32
-    pmask: torch.Tensor       # (n_partial, bs, bs) int8
+    h_idx: np.ndarray
+    q_idx: np.ndarray
+    k_idx: np.ndarray
+    partial_idx: np.ndarray   # (nnz,) -1 for full blocks, else a row of partial_masks
+    partial_masks: np.ndarray  # (n_partial, bs, bs) bool
+    device: torch.device
+    _cache: dict = field(default_factory=dict, repr=False)
+
+    def tiles(self, by_key: bool, bo: int, bi: int) -> TileLuts:
+        """Tile lists with queries (by_key False) or keys (True) as the outer operand."""
+        key = (by_key, bo, bi)
+        hit = self._cache.get(key)
+        if hit is None:
+            hit = self._cache[key] = self._cut(by_key, bo, bi)
+        return hit
+
+    def _cut(self, by_key: bool, bo: int, bi: int) -> TileLuts:
+        bs = self.block_size
+        so, si = bs // bo, bs // bi
+        n_out_blocks = self.k_blocks if by_key else self.q_blocks
+        out_blk, in_blk = (self.k_idx, self.q_idx) if by_key else (self.q_idx, self.k_idx)
+        a, c = np.meshgrid(np.arange(so), np.arange(si), indexing="ij")
+        a, c = a.ravel(), c.ravel()                                  # tile (a, c) of a block
+        # every tile of every live block, then the partial blocks' tiles reclassified
+        rows = ((self.h_idx * n_out_blocks + out_blk)[:, None] * so + a[None, :]).ravel()
+        inner = (in_blk[:, None] * si + c[None, :]).ravel()
+        code = np.full(rows.shape, -1, np.int64)
+        tables: list[np.ndarray] = []
+        seen: dict[bytes, int] = {}
+        classes = {}
+        for p in np.unique(self.partial_idx[self.partial_idx >= 0]):
+            m = self.partial_masks[p]
+            out = []
+            for aa, cc in zip(a, c):
+                if by_key:                                           # rows = queries in m
+                    sub = m[cc * bi:(cc + 1) * bi, aa * bo:(aa + 1) * bo]
+                else:
+                    sub = m[aa * bo:(aa + 1) * bo, cc * bi:(cc + 1) * bi]
+                kind, d = _classify(sub)
+                if kind == "table":
+                    t = _bits(sub.T if by_key else sub)
+                    idx = seen.setdefault(t.tobytes(), len(tables))
+                    if idx == len(tables):
+                        tables.append(t)
+                    out.append(idx)
+                else:
+                    out.append({"dead": -2, "full": -1, "tri": _TRI + d}[kind])
+            classes[p] = np.array(out, np.int64)
+        per_tile = so * si
+        for n in np.nonzero(self.partial_idx >= 0)[0]:
+            code[n * per_tile:(n + 1) * per_tile] = classes[self.partial_idx[n]]
+        keep = code != -2
+        rows, inner, code = rows[keep], inner[keep], code[keep]
+        kind = np.where(code == -1, 0, np.where(code >= 0, 2, 1))             # full, triangular, table
+        order = np.lexsort((inner, kind, rows))
+        rows, inner, code, kind = rows[order], inner[order], code[order], kind[order]
+        n_rows = self.heads * n_out_blocks * so
+        count = np.bincount(rows, minlength=n_rows)
+        n_full = np.bincount(rows[kind == 0], minlength=n_rows)
+        n_tri = np.bincount(rows[kind == 1], minlength=n_rows)
+        ptr = np.concatenate([[0], np.cumsum(count)])
+        cost = n_full + 1.1 * n_tri + 1.5 * (count - n_full - n_tri)
+        launch = np.argsort(-cost, kind="stable")
+
+        def t(x):
+            return torch.as_tensor(np.ascontiguousarray(x), dtype=torch.int32, device=self.device)
+        pm = np.stack(tables) if tables else np.zeros((1, bo, (bi + 31) // 32), np.int32)
+        return TileLuts(n_out_blocks * so, t(launch), t(ptr), t(ptr[:-1] + n_full), t(ptr[:-1] + n_full + n_tri),
+                        t(inner), t(code),
+                        torch.as_tensor(pm, device=self.device))
 
 
 def make_luts(h_idx: np.ndarray, q_idx: np.ndarray, k_idx: np.ndarray, partial_idx: np.ndarray,
               partial_masks: np.ndarray, heads: int, q_blocks: int, k_blocks: int, block_size: int,
               device) -> AttnLuts:
     """Blocks in head-major, row-major order (as BlocksparseTransformer numbers them)."""
-    def t(a):
-        return torch.as_tensor(np.ascontiguousarray(a), dtype=torch.int32, device=device)
-    rows = h_idx * q_blocks + q_idx
-    row_ptr = np.concatenate([[0], np.cumsum(np.bincount(rows, minlength=heads * q_blocks))])
-    cols = h_idx * k_blocks + k_idx
-    order = np.lexsort((q_idx, cols))
-    col_ptr = np.concatenate([[0], np.cumsum(np.bincount(cols, minlength=heads * k_blocks))])
-    pm = np.ascontiguousarray(partial_masks, dtype=np.int8) if len(partial_masks) else \
-        np.ones((1, block_size, block_size), np.int8)
-    return AttnLuts(block_size, heads, q_blocks, k_blocks, t(row_ptr), t(k_idx), t(partial_idx),
-                    t(col_ptr), t(q_idx[order]), t(partial_idx[order]), torch.as_tensor(pm, device=device))
+    arr = lambda x: np.asarray(x, dtype=np.int64)      # noqa: E731
+    return AttnLuts(block_size, heads, q_blocks, k_blocks, arr(h_idx), arr(q_idx), arr(k_idx), arr(partial_idx),
+                    np.asarray(partial_masks, dtype=bool), torch.device(device))
 
 
-def _warps(bs: int, D: int) -> int:
-    """8 warps for large tiles (an fp32 (bs, D) accumulator of 64x128 and up), else 4. Untuned."""
-    return 8 if bs * D >= 64 * 128 else 4
+_KERNELS = {"fwd": (_attn_fwd, False), "dq": (_attn_bwd_dq, False), "dkdv": (_attn_bwd_dkdv, True)}
 
 
-def _pad_arg(pad, like):
-    return (pad.to(torch.int8).contiguous(), True) if pad is not None else (like, False)
+def launch(kernel: str, luts: AttnLuts, D: int, dtype: torch.dtype, pad, B: int, tensors: tuple,
+           strides: tuple, Tq: int, Tk: int, scales: tuple):
+    """One kernel over ``luts`` cut to its tiles (:func:`tiles`); returns Triton's compiled kernel
+    (None when the grid is empty)."""
+    fn, by_key = _KERNELS[kernel]
+    block_d = max(16, triton.next_power_of_2(D))
+    bo, bi, warps, stages = tiles(kernel, luts.block_size, block_d, dtype.itemsize)
+    t = luts.tiles(by_key, bo, bi)
+    H = luts.heads
+    if not B * H * t.n_outer:
+        return None
+    pad_t = pad.to(torch.int8).contiguous() if pad is not None else tensors[0]   # never read without HAS_PAD
+    return fn[(H * t.n_outer * B,)](
+        *tensors, t.order, t.ptr, t.mid, t.tab, t.inner, t.code, t.pmask, pad_t, *strides,
+        B, H, t.n_outer, Tq, Tk, D, *scales,
+        BO=bo, BI=bi, BLOCK_D=block_d, EVEN_D=block_d == D, HAS_PAD=pad is not None,
+        PRECISION=_precision(dtype), NUM_STAGES=stages, num_warps=warps, num_stages=stages)
 
 
 def attention_forward(q, k, v, luts: AttnLuts, scale: float, pad=None):
     """q (B, Tq, H·D), k, v (B, Tk, H·D) contiguous, one dtype; pad (B, Tk) bool (True = padding)
-    or None. Returns (O like q, LSE (B, H·nq·bs) fp32, base 2)."""
+    or None. Returns (O like q, LSE (B, H·Tq) fp32, base 2)."""
     B, Tq, HD = q.shape
-    D, bs = HD // luts.heads, luts.block_size
     o = empty(q.shape, q.dtype, q.device)
     lse = empty((B, luts.heads * Tq), torch.float32, q.device)
-    pad_t, has_pad = _pad_arg(pad, luts.pmask)
-    if B and luts.heads * luts.q_blocks:
-        _attn_fwd[(luts.heads * luts.q_blocks, B)](
-            q, k, v, o, lse, luts.row_ptr, luts.row_kblk, luts.row_pidx, luts.pmask, pad_t,
-            q.stride(0), q.stride(1), k.stride(0), k.stride(1), o.stride(0), o.stride(1),
-            luts.q_blocks, Tq, k.shape[1], D, scale * LOG2E,
-            BS=bs, BLOCK_D=max(16, triton.next_power_of_2(D)), HAS_PAD=has_pad, PRECISION=_precision(q.dtype),
-            num_warps=_warps(bs, D))
+    launch("fwd", luts, HD // luts.heads, q.dtype, pad, B, (q, k, v, o, lse),
+           (q.stride(0), q.stride(1), k.stride(0), k.stride(1), o.stride(0), o.stride(1)), Tq, k.shape[1],
+           (scale * LOG2E,))
     return o, lse
 
 
 def attention_backward(do, q, k, v, o, lse, luts: AttnLuts, scale: float, pad=None):
-    """(dq, dk, dv) of :func:`attention_forward`."""
+    """(dq, dk, dv) of :func:`attention_forward` (q, o and do share strides)."""
     B, Tq, HD = q.shape
-    H, bs = luts.heads, luts.block_size
-    D = HD // H
+    D = HD // luts.heads
     do = do.contiguous()
-    delta = (do.float() * o.float()).view(B, Tq, H, D).sum(-1).transpose(1, 2).contiguous()   # (B, H, Tq)
+    delta = empty((B, luts.heads * Tq), torch.float32, q.device)
     dq = empty(q.shape, q.dtype, q.device)
     dk = empty(k.shape, k.dtype, k.device)
     dv = empty(v.shape, v.dtype, v.device)
-    pad_t, has_pad = _pad_arg(pad, luts.pmask)
-    meta = dict(BS=bs, BLOCK_D=max(16, triton.next_power_of_2(D)), HAS_PAD=has_pad, PRECISION=_precision(q.dtype),
-                num_warps=_warps(bs, D))
-    if B and H * luts.k_blocks:
-        _attn_bwd_dkdv[(H * luts.k_blocks, B)](
-            q, k, v, do, lse, delta, dk, dv, luts.col_ptr, luts.col_qblk, luts.col_pidx, luts.pmask, pad_t,
-            q.stride(0), q.stride(1), k.stride(0), k.stride(1), luts.q_blocks, luts.k_blocks, k.shape[1], D,
-            scale * LOG2E, scale, **meta)
-    if B and H * luts.q_blocks:
-        _attn_bwd_dq[(H * luts.q_blocks, B)](
-            q, k, v, do, lse, delta, dq, luts.row_ptr, luts.row_kblk, luts.row_pidx, luts.pmask, pad_t,
-            q.stride(0), q.stride(1), k.stride(0), k.stride(1), luts.q_blocks, k.shape[1], D,
-            scale * LOG2E, scale, **meta)
+    strides = (q.stride(0), q.stride(1), k.stride(0), k.stride(1))
+    launch("dq", luts, D, q.dtype, pad, B, (q, k, v, o, do, lse, delta, dq), strides, Tq, k.shape[1],
+           (scale * LOG2E, scale))
+    launch("dkdv", luts, D, q.dtype, pad, B, (q, k, v, do, lse, delta, dk, dv), strides, Tq, k.shape[1],
+           (scale * LOG2E, scale))
     return dq, dk, dv

@@ -148,10 +148,6 @@ class BlocksparseTransformer:
             raise TypeError(f"q: the Triton backend takes float16, bfloat16 or float32, got {q.dtype}")
         if head_dim > 128:
             raise ValueError(f"q: the Triton backend takes head dims up to 128, got {head_dim}")
-        if q.dtype == torch.float32 and self.block_size * head_dim > 64 * 128:
-            raise ValueError(f"q: the Triton backend's fp32 tiles of block_size={self.block_size} x head dim "
-                             f"{head_dim} do not fit in shared memory; use bf16/fp16, a smaller block, or "
-                             f"backend='torch'")
         if not q.is_cuda and os.environ.get("TRITON_INTERPRET") != "1":
             raise ValueError(f"q: backend='triton' needs a CUDA tensor or TRITON_INTERPRET=1, got a tensor on "
                              f"{q.device}")

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from bstrain import layout as L
+from bstrain.kernels import attention as K
 from bstrain.ops.transformer import BlocksparseTransformer
 from tests.conftest import DTYPE_IDS, fresh_seed, kernel_device, kernel_dtypes
 from tests.ops.test_transformer import checked, qkv, random_layout
@@ -52,12 +53,102 @@ def test_strided_layout_matches_the_torch_path():
     torch.testing.assert_close(ops[1].attention(q, k, v), ops[0].attention(q, k, v), rtol=1e-4, atol=1e-5)
 
 
+@pytest.fixture
+def tile_shapes():
+    """Sets the kernels' tile shapes for one (block size, head dim, dtype); restores them after."""
+    saved = dict(K.TILES)
+
+    def set_(bs, D, dtype, fwd, dq, dkdv):
+        block_d = max(16, 1 << (D - 1).bit_length())
+        for name, (bo, bi) in (("fwd", fwd), ("dq", dq), ("dkdv", dkdv)):
+            K.TILES[(name, bs, block_d, dtype.itemsize)] = (bo, bi, 4, 2)
+    yield set_
+    K.TILES.clear()
+    K.TILES.update(saved)
+
+
+def _mixed_callback(seed):
+    """Per block: causal, random, all kept, or all dropped element masks."""
+    rng = np.random.default_rng(seed)
+
+    def cb(shape, h, qi, ki, n):
+        kind = rng.integers(4)
+        if kind == 0:
+            return np.tril(np.ones(shape, bool))
+        if kind == 1:
+            return rng.random(shape) < 0.6
+        return np.full(shape, kind == 2)
+    return cb
+
+
+@pytest.mark.parametrize("dtype", kernel_dtypes(), ids=DTYPE_IDS.get)
+@pytest.mark.parametrize("tiles", [((32, 16), (16, 32), (64, 16)), ((64, 32), (64, 64), (16, 64)),
+                                   ((16, 16), (32, 32), (32, 16))], ids=["a", "b", "c"])
+def test_tiles_smaller_than_blocks(dtype, tiles, tile_shapes):
+    """Blocks of 64 cut into tiles of 16-64: triangular, table and dead tiles, padding, an empty row."""
+    bs, D = 64, 16
+    tile_shapes(bs, D, dtype, *tiles)
+    lay = random_layout(2, 3, 3, fresh_seed())
+    lay[:, np.arange(3), np.arange(3)] = True
+    op = BlocksparseTransformer(lay, block_size=bs, mask_callback=_mixed_callback(fresh_seed()), backend="triton")
+    pad = torch.zeros(2, 3 * bs, dtype=torch.bool)
+    pad[1, 150:] = True
+    run(op, 2, D, dtype, pad=pad)
+
+
+def test_causal_tiles_are_triangular_and_dead_tiles_dropped():
+    """A causal layout's partial tiles need no mask table, and tiles above the diagonal are skipped."""
+    bs, n = 64, 4
+    lay, cb = L.attention_layout(L.causal_mask, n * bs, n * bs, bs)
+    op = BlocksparseTransformer(lay, block_size=bs, heads=1, mask_callback=cb)
+    luts = op.luts(torch.device("cpu"))
+    for by_key, bo, bi in [(False, 64, 64), (False, 32, 16), (True, 64, 16), (True, 16, 32)]:
+        t = luts.tiles(by_key, bo, bi)
+        code = t.code.numpy()
+        assert (code < 0).all(), "a causal tile was given a mask table"
+        # live tiles: those with any q >= k, by element positions
+        no, ni = (bo, bi)
+        q_t, k_t = (n * bs // ni, n * bs // no) if by_key else (n * bs // no, n * bs // ni)
+        qs, ks = (ni, no) if by_key else (no, ni)
+        live = sum((qa + 1) * qs - 1 >= kb * ks for qa in range(q_t) for kb in range(k_t))
+        assert len(code) == live
+        full = sum(qa * qs >= (kb + 1) * ks - 1 for qa in range(q_t) for kb in range(k_t))
+        assert (code == -1).sum() == full
+        ptr, mid, tab = t.ptr.numpy(), t.mid.numpy(), t.tab.numpy()
+        assert ((ptr[:-1] <= mid) & (mid <= tab) & (tab == ptr[1:])).all()
+        for r in range(len(mid)):
+            assert (code[ptr[r]:mid[r]] == -1).all() and (code[mid[r]:tab[r]] < -1).all()
+
+
 @pytest.mark.gpu
-@pytest.mark.parametrize("bs,D", [(64, 64), (128, 128), (32, 96)])
-def test_gpu_sizes_bf16(bs, D):
-    lay, cb = L.attention_layout(L.fixed_mask(2 * bs, summary=8), 8 * bs, 8 * bs, bs, heads=2)
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=DTYPE_IDS.get)
+@pytest.mark.parametrize("bs", [16, 32, 64, 128])
+@pytest.mark.parametrize("D", [32, 64, 96, 128])
+def test_gpu_block_sizes_and_head_dims(dtype, bs, D):
+    lay, cb = L.attention_layout(L.fixed_mask(2 * bs, summary=8), 6 * bs, 6 * bs, bs, heads=2)
     op = BlocksparseTransformer(lay, block_size=bs, mask_callback=cb, backend="triton")
-    run(op, 2, D, torch.bfloat16)
+    pad = torch.zeros(2, 6 * bs, dtype=torch.bool)
+    pad[1, 5 * bs + 3:] = True
+    run(op, 2, D, dtype, pad=pad)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("bs,D", [(32, 64), (128, 128)])
+def test_gpu_fp32(bs, D):
+    lay, cb = L.attention_layout(L.causal_mask, 4 * bs, 4 * bs, bs, heads=2)
+    run(BlocksparseTransformer(lay, block_size=bs, mask_callback=cb, backend="triton"), 2, D, torch.float32)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["causal", "local", "strided", "fixed"])
+@pytest.mark.parametrize("D", [64, 128])
+def test_gpu_benchmark_sizes(name, D):
+    """The benchmark's layouts at S=4096 with 128-blocks (one batch element, two heads)."""
+    S, w = 4096, 128
+    mask = {"causal": L.causal_mask, "local": L.local_mask(4 * w), "strided": L.strided_mask(w),
+            "fixed": L.fixed_mask(w, summary=w // 8)}[name]
+    lay, cb = L.attention_layout(mask, S, S, 128, heads=2)
+    run(BlocksparseTransformer(lay, block_size=128, mask_callback=cb, backend="triton"), 1, D, torch.bfloat16)
 
 
 def test_triton_backend_input_errors():
