@@ -104,7 +104,7 @@ def main() -> None:
                 pick = min(totals, key=totals.get)
                 best[f"{kernel},{D}"] = list(pick)
                 print(f"best {kernel} D={D}: {pick} ({totals[pick]:.3f} ms summed)", flush=True)
-        del q, k, v, do, qh, kh, vh, state
+        state.clear()
         torch.cuda.empty_cache()
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "tune_attention.json"), "w") as f:
