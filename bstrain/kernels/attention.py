@@ -89,22 +89,22 @@ def _keep(code, PMASK, BO: tl.constexpr, BI: tl.constexpr, MODE: tl.constexpr, T
 def _fwd_loop(acc, l_i, m_i, q, K, V, kv_base, s_kt, INNER, CODE, e0, e1, PMASK, PAD, pad_base, qk_scale,
               head_dim, BO: tl.constexpr, BI: tl.constexpr, BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr,
               MODE: tl.constexpr, HAS_PAD: tl.constexpr, PRECISION: tl.constexpr, NUM_STAGES: tl.constexpr):
-    for e in tl.range(e0, e1, num_stages=1 if MODE == 2 else NUM_STAGES):
+    for e in tl.range(e0, e1, num_stages=NUM_STAGES):
         n = tl.load(INNER + e)
         k = _rows(K, kv_base, s_kt, n * BI, BI, BLOCK_D, head_dim, EVEN_D)
         v = _rows(V, kv_base, s_kt, n * BI, BI, BLOCK_D, head_dim, EVEN_D)
-        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION)
         if MODE > 0:
             s = tl.where(_keep(tl.load(CODE + e), PMASK, BO, BI, MODE, False), s, float("-inf"))
         if HAS_PAD:
             pad = tl.load(PAD + pad_base + n * BI + tl.arange(0, BI))
             s = tl.where(pad[None, :] == 0, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)
         if MODE > 0 or HAS_PAD:
             m_use = tl.where(m_new == float("-inf"), 0.0, m_new)     # a row with nothing kept yet
         else:
             m_use = m_new
-        p = tl.exp2(s - m_use[:, None])
+        p = tl.exp2(s * qk_scale - m_use[:, None])
         alpha = tl.exp2(m_i - m_use)
         l_i = l_i * alpha + tl.sum(p, 1)
         acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=PRECISION)
@@ -150,17 +150,17 @@ def _attn_fwd(Q, K, V, O, LSE, ORDER, PTR, MID, TAB, INNER, CODE, PMASK, PAD,
 def _dq_loop(dq, q, do, lse, delta, K, V, kv_base, s_kt, INNER, CODE, e0, e1, PMASK, PAD, pad_base, qk_scale,
              head_dim, BO: tl.constexpr, BI: tl.constexpr, BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr,
              MODE: tl.constexpr, HAS_PAD: tl.constexpr, PRECISION: tl.constexpr, NUM_STAGES: tl.constexpr):
-    for e in tl.range(e0, e1, num_stages=1 if MODE == 2 else NUM_STAGES):
+    for e in tl.range(e0, e1, num_stages=NUM_STAGES):
         n = tl.load(INNER + e)
         k = _rows(K, kv_base, s_kt, n * BI, BI, BLOCK_D, head_dim, EVEN_D)
         v = _rows(V, kv_base, s_kt, n * BI, BI, BLOCK_D, head_dim, EVEN_D)
-        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION)
         if MODE > 0:
             s = tl.where(_keep(tl.load(CODE + e), PMASK, BO, BI, MODE, False), s, float("-inf"))
         if HAS_PAD:
             pad = tl.load(PAD + pad_base + n * BI + tl.arange(0, BI))
             s = tl.where(pad[None, :] == 0, s, float("-inf"))
-        p = tl.exp2(s - lse[:, None])
+        p = tl.exp2(s * qk_scale - lse[:, None])
         dp = tl.dot(do, tl.trans(v), input_precision=PRECISION)
         ds = p * (dp - delta[:, None])
         dq = tl.dot(ds.to(k.dtype), k, dq, input_precision=PRECISION)
@@ -206,17 +206,17 @@ def _attn_bwd_dq(Q, K, V, O, DO, LSE, DELTA, DQ, ORDER, PTR, MID, TAB, INNER, CO
 def _dkdv_loop(dk, dv, k, v, Q, DO, LSE, DELTA, q_base, s_qt, stat_base, INNER, CODE, e0, e1, PMASK, qk_scale,
                head_dim, BO: tl.constexpr, BI: tl.constexpr, BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr,
                MODE: tl.constexpr, PRECISION: tl.constexpr, NUM_STAGES: tl.constexpr):
-    for e in tl.range(e0, e1, num_stages=1 if MODE == 2 else NUM_STAGES):
+    for e in tl.range(e0, e1, num_stages=NUM_STAGES):
         n = tl.load(INNER + e)
         q = _rows(Q, q_base, s_qt, n * BI, BI, BLOCK_D, head_dim, EVEN_D)
         do = _rows(DO, q_base, s_qt, n * BI, BI, BLOCK_D, head_dim, EVEN_D)
         stat = stat_base + n * BI + tl.arange(0, BI)
         lse = tl.load(LSE + stat)
         delta = tl.load(DELTA + stat)
-        st = tl.dot(k, tl.trans(q), input_precision=PRECISION) * qk_scale          # (keys, queries)
+        st = tl.dot(k, tl.trans(q), input_precision=PRECISION)                     # (keys, queries)
         if MODE > 0:
             st = tl.where(_keep(tl.load(CODE + e), PMASK, BO, BI, MODE, True), st, float("-inf"))
-        pt = tl.exp2(st - lse[None, :])
+        pt = tl.exp2(st * qk_scale - lse[None, :])
         dv = tl.dot(pt.to(do.dtype), do, dv, input_precision=PRECISION)
         dpt = tl.dot(v, tl.trans(do), input_precision=PRECISION)
         dst = pt * (dpt - delta[None, :])
@@ -272,10 +272,10 @@ def tiles(kernel: str, bs: int, block_d: int, itemsize: int) -> tuple[int, int, 
         return hit
     if itemsize == 4:                                   # fp32 operands: small tiles (shared memory)
         return min(bs, 64), min(bs, 32), 4, 2
-    wide = block_d > 64
-    bi = {"fwd": 64 if wide else 128, "dq": 32 if wide else 64, "dkdv": 16 if wide else 64}[kernel]
-    bo, bi = min(bs, 128), min(bs, bi)
-    return bo, bi, 8 if bo * block_d >= 128 * 64 else 4, 3
+    # swept on the H200 (benchmarks/attention_tune.json): 64-row tiles and 4 warps won for every
+    # kernel and head dim, over 128-row tiles with 8 warps
+    bi = {"fwd": 64, "dq": 64 if block_d <= 64 else 32, "dkdv": 32}[kernel]
+    return min(bs, 64), min(bs, bi), 4, 3
 
 
 def _bits(m: np.ndarray) -> np.ndarray:

@@ -34,7 +34,8 @@ def qkv(B, Tq, Tk, H, D, dtype, grad=True):
 
 def checked(op, q, k, v, dtype, mask=None, pad=None, scale=0.3):
     """Output and dq, dk, dv of op.attention against float64 dense attention."""
-    full = element_mask(op)[None] if pad is None else element_mask(op)[None] & ~pad[:, None, None, :]
+    full = element_mask(op)[None] if pad is None else element_mask(op)[None] & ~pad.cpu()[:, None, None, :]
+    full = full.to(q.device)
     out = op.attention(q, k, v, scale=scale, key_padding_mask=pad)
     q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
     ref = attention_ref(q64, k64, v64, full, scale)
