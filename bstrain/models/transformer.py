@@ -24,7 +24,7 @@ from bstrain.models.layers import BlockSparseLinear, block_sparse_layouts
 from bstrain.ops.transformer import BlocksparseTransformer
 
 VOCAB = 256
-PATTERNS = ("causal", "local", "strided", "fixed")
+PATTERNS = ("causal", "local", "strided", "fixed", "dense")
 
 
 class Positions(str, Enum):
@@ -47,8 +47,9 @@ class TransformerConfig:
     context: int = field(default=256, metadata={"help": "longest input, in bytes"})
     block_size: int = field(default=32, metadata={"help": "attention block size: 16, 32, 64 or 128"})
     attention: str = field(default="strided", metadata={
-        "help": "causal | local | strided | fixed; a comma-separated list is cycled over the layers, and "
-                "patterns joined by + inside one entry over the heads (strided+fixed)"})
+        "help": "causal | local | strided | fixed | dense; a comma-separated list is cycled over the layers, "
+                "and patterns joined by + inside one entry over the heads (strided+fixed). dense: causal "
+                "attention through F.scaled_dot_product_attention, the dense baseline"})
     window: int = field(default=64, metadata={"help": "local: window; strided/fixed: stride (positions)"})
     summary: int = field(default=8, metadata={"help": "fixed: summary positions at the end of each stride"})
     positions: Positions = field(default=Positions.learned, metadata={"help": "learned | rotary"})
@@ -57,7 +58,7 @@ class TransformerConfig:
     ffn_block_size: int = field(default=32, metadata={"help": "block size of sparse FFN weights"})
     layout_seed: int = field(default=0, metadata={"help": "seed of the sparse FFN layouts"})
     backend: Backend = field(default=Backend.auto, metadata={
-        "help": "attention backend: auto (PyTorch for now) | torch | triton (the fused kernels)"})
+        "help": "attention backend: auto (the fused kernels on CUDA, PyTorch on CPU) | torch | triton"})
 
 
 def pattern_mask(name: str, window: int, summary: int):
@@ -94,6 +95,11 @@ class SparseSelfAttention(nn.Module):
         self.cfg, self.pattern = cfg, pattern
         self.qkv = nn.Linear(d, 3 * d)
         self.proj = nn.Linear(d, d)
+        self.op = None
+        if pattern == "dense":
+            return
+        if "dense" in pattern.split("+"):
+            raise ValueError(f"model.attention: 'dense' takes a whole layer, got {pattern!r}")
         fns = [pattern_mask(p, cfg.window, cfg.summary) for p in pattern.split("+")]
         if len(fns) == 1:                                    # one layout for all heads
             lay, cb = layouts.attention_layout(fns[0], cfg.context, cfg.context, cfg.block_size)
@@ -109,6 +115,11 @@ class SparseSelfAttention(nn.Module):
         q, k, v = self.qkv(h).chunk(3, dim=-1)
         if _value(self.cfg.positions) == "rotary":
             q, k = rotary(q, self.cfg.n_head), rotary(k, self.cfg.n_head)
+        if self.op is None:
+            B, T, _ = q.shape
+            qh, kh, vh = (t.view(B, T, self.cfg.n_head, -1).transpose(1, 2) for t in (q, k, v))
+            out = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True)
+            return self.proj(out.transpose(1, 2).reshape(B, T, -1))
         return self.proj(self.op.attention(q, k, v))
 
 
@@ -192,7 +203,8 @@ class SparseTransformer(nn.Module):
     def block_sparse_layouts(self) -> dict[str, np.ndarray]:
         """{name: layout}: each layer's attention layout at the full context, and sparse FFN weights."""
         out = {f"blocks.{i}.attn": np.concatenate(list(blk.attn.op.layout), axis=1)       # heads side by side
-               if "+" in blk.attn.pattern else blk.attn.op.layout[0] for i, blk in enumerate(self.blocks)}
+               if "+" in blk.attn.pattern else blk.attn.op.layout[0]
+               for i, blk in enumerate(self.blocks) if blk.attn.op is not None}
         out.update(block_sparse_layouts(self))
         return out
 

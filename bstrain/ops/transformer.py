@@ -11,11 +11,12 @@ head by head and, within a head, in row-major (query block, key block) order:
 ``(batch, blocks, bs, bs)``, ``blocks = layout.sum()``. When every head has the same number of
 blocks, ``w.view(batch, heads, blocks // heads, bs, bs)`` is the seed's shape.
 
-The unfused methods and, by default, ``attention`` run PyTorch (every device, fp16/bf16/fp32/
-fp64; ``attention`` then materialises the scores of live blocks only). ``backend="triton"``
-runs ``attention`` through the flash-style kernels of :mod:`bstrain.kernels.attention`, which
-never store the scores; they are checked in Triton's interpreter and not yet on a GPU, so they
-are not the default on CUDA yet.
+The unfused methods run PyTorch (every device, fp16/bf16/fp32/fp64). ``attention`` runs the
+flash-style kernels of :mod:`bstrain.kernels.attention`, which never store the scores, on CUDA
+tensors of fp16/bf16/fp32 with head dims up to 128 (``backend="auto"``, the default), and PyTorch
+otherwise, which materialises the scores of live blocks only. ``backend="torch"`` always takes
+PyTorch; ``backend="triton"`` always takes the kernels (on CPU through Triton's interpreter,
+``TRITON_INTERPRET=1``) and refuses inputs they do not take.
 """
 from __future__ import annotations
 
@@ -142,8 +143,10 @@ class BlocksparseTransformer:
         return luts
 
     def _use_kernels(self, q: torch.Tensor, head_dim: int) -> bool:
-        if self.backend != "triton":
+        if self.backend == "torch":
             return False
+        if self.backend == "auto":
+            return q.is_cuda and q.dtype in (torch.float16, torch.bfloat16, torch.float32) and head_dim <= 128
         if q.dtype not in (torch.float16, torch.bfloat16, torch.float32):
             raise TypeError(f"q: the Triton backend takes float16, bfloat16 or float32, got {q.dtype}")
         if head_dim > 128:

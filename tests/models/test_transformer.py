@@ -40,7 +40,7 @@ def test_sparse_ffn_and_layouts():
 
 
 @pytest.mark.parametrize("kwargs,match", [
-    (dict(attention="dense"), "model.attention: expected one of"),
+    (dict(attention="full"), "model.attention: expected one of"),
     (dict(n_head=3), "model.n_head: expected a divisor"),
     (dict(block_size=24), "model.block_size: expected 16, 32, 64 or 128"),
     (dict(ffn_density=0), "model.ffn_density"),
@@ -110,3 +110,21 @@ def test_patterns_per_head():
     assert torch.equal(m(x)[:, :40], m(x2)[:, :40])
     with pytest.raises(ValueError, match="model.attention"):
         SparseTransformer(**SMALL, attention="strided+dense")
+
+
+def test_dense_layers_match_the_causal_pattern():
+    """attention="dense" (SDPA, is_causal) gives the causal block-sparse layout's outputs and gradients."""
+    torch.manual_seed(0)
+    a = SparseTransformer(**SMALL, attention="causal", positions="rotary")
+    b = SparseTransformer(**SMALL, attention="dense", positions="rotary")
+    b.load_state_dict(a.state_dict())
+    x = torch.randint(0, 256, (2, 64))
+    ya, yb = a(x), b(x)
+    torch.testing.assert_close(yb, ya, rtol=1e-4, atol=1e-5)
+    ga = torch.autograd.grad(ya.square().mean(), list(a.parameters()))
+    gb = torch.autograd.grad(yb.square().mean(), list(b.parameters()))
+    for p, q in zip(ga, gb):
+        torch.testing.assert_close(q, p, rtol=1e-4, atol=1e-5)
+    assert "blocks.0.attn" not in b.block_sparse_layouts()
+    with pytest.raises(ValueError, match="'dense' takes a whole layer"):
+        SparseTransformer(**SMALL, attention="dense+strided")
