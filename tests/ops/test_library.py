@@ -15,7 +15,7 @@ from bstrain.models.layers import BlockSparseLinear
 from bstrain.ops.ew import fused_lstm_gates_ref
 from bstrain.ops.matmul import BlocksparseMatMul
 from bstrain.ops.norms import layer_norm_ref
-from tests.conftest import assert_close, fresh_seed
+from tests.conftest import kernel_device, assert_close, fresh_seed
 from tests.kernels.test_matmul import dense_weight, ragged_layout
 
 OPS = torch.ops.bstrain
@@ -323,8 +323,9 @@ def test_public_products_check_their_arguments_before_any_kernel(monkeypatch):
         op.dx(torch.randn(4, 32), w)
     with pytest.raises(ValueError, match=r"dY: expected a 2-D \(N, 48\)"):
         op.dw(torch.randn(4, 48), torch.randn(5, 48))
-    big = torch.zeros(1, 48).expand(2**31 // 48 + 1, 48)
+    dev = kernel_device()                          # the size check comes after the device check
+    big = torch.zeros(1, 48, device=dev).expand(2**31 // 48 + 1, 48)
     with pytest.raises(ValueError, match="at most 2\\*\\*31 - 1 elements"):
-        op(big, w)
+        op(big, w.to(dev))
     with pytest.raises(ValueError, match="c: expected a 2-D"):
         fused_lstm_gates(*(torch.randn(2, 3, 4) for _ in range(5)))
