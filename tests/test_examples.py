@@ -39,3 +39,7 @@ def test_readme_attention_layout_example_runs(capsys):
 def test_readme_attention_example_runs(capsys):
     _run_readme_block("### Block-sparse attention: `BlocksparseTransformer`")
     assert capsys.readouterr().out.strip() == "True"
+
+
+def test_readme_conv_example_runs():
+    _run_readme_block("### Block-sparse convolution: `bstrain.ops.conv`")

@@ -20,6 +20,7 @@ from typing import Any, Optional
 
 from omegaconf import MISSING
 
+from bstrain.models.convnet import ConvNetConfig
 from bstrain.models.lstm import LSTMConfig
 from bstrain.models.transformer import TransformerConfig
 
@@ -69,6 +70,7 @@ def _with_target(base: type, target: str, name: str) -> type:
 
 LSTMModel = _with_target(LSTMConfig, "bstrain.models.lstm.SparseLSTM", "LSTMModel")
 TransformerModel = _with_target(TransformerConfig, "bstrain.models.transformer.SparseTransformer", "TransformerModel")
+ConvNetModel = _with_target(ConvNetConfig, "bstrain.models.convnet.SparseResNet", "ConvNetModel")
 
 
 @dataclass
@@ -88,12 +90,13 @@ class BytesData:
 class ImageData:
     _target_: str = "bstrain.data.images.ImageData"
     path: Optional[str] = field(default=None, metadata={
-        "help": "a CIFAR-10/100 python directory or a .npz (x_train, y_train, x_test, y_test); null: a "
-                "synthetic set generated on the fly"})
+        "help": "a CIFAR-10/100 python directory, a directory of class subfolders of images, or a .npz "
+                "(x_train, y_train, x_test, y_test); null: a synthetic set generated on the fly"})
     batch_size: int = field(default=128, metadata={"help": "images per batch, per process"})
     valid_size: int = field(default=5000, metadata={"help": "training images held out for validation"})
     augment: bool = field(default=True, metadata={"help": "random crop (pad 4) and horizontal flip"})
     synthetic_size: int = field(default=4096, metadata={"help": "images of the synthetic set"})
+    synthetic_classes: int = field(default=10, metadata={"help": "classes of the synthetic set (more: harder)"})
 
 
 @dataclass
@@ -185,7 +188,8 @@ class SampleConfig:
     threads: int = field(default=0, metadata={"help": "CPU threads; 0: half the available cores"})
 
 
-GROUP_SCHEMAS = {("model", "lstm"): LSTMModel, ("model", "transformer"): TransformerModel, ("data", "bytes"): BytesData, ("data", "images"): ImageData,
+GROUP_SCHEMAS = {("model", "lstm"): LSTMModel, ("model", "transformer"): TransformerModel,
+                 ("model", "convnet"): ConvNetModel, ("data", "bytes"): BytesData, ("data", "images"): ImageData,
                  ("task", "lm"): LMTask, ("task", "classify"): ClassifyTask}
 
 

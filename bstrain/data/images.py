@@ -1,4 +1,5 @@
-"""Image classification data: CIFAR-10/100 (the python pickles), a .npz file, or a synthetic set.
+"""Image classification data: CIFAR-10/100 (the python pickles), a directory of class subfolders
+of images, a .npz file, or a synthetic set.
 
 Images are kept as uint8 (N, C, H, W) on the host; batches are normalised with the training set's
 per-channel mean and std, and optionally augmented (random crop after 4-pixel zero padding,
@@ -86,31 +87,84 @@ def _load(path: str) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
         return (*read([f"data_batch_{i}" for i in range(1, 6)], b"labels"), *read(["test_batch"], b"labels"))
     if (p / "train").is_file() and (p / "test").is_file():       # cifar-100-python
         return (*read(["train"], b"fine_labels"), *read(["test"], b"fine_labels"))
+    if (p / "train").is_dir() and (p / "test").is_dir():           # train/<class>/*, test/<class>/*
+        xtr, ytr, names = _read_folder(p / "train", path)
+        xte, yte, _ = _read_folder(p / "test", path, names)
+        return xtr, ytr, xte, yte
+    if any(d.is_dir() for d in p.iterdir()):                         # <class>/*: the last tenth of each is test
+        x, y, _ = _read_folder(p, path)
+        test = np.zeros(len(y), bool)
+        for c in np.unique(y):
+            idx = np.nonzero(y == c)[0]
+            test[idx[len(idx) - max(1, len(idx) // 10):]] = True
+        return x[~test], y[~test], x[test], y[test]
     raise DataError(f"data path '{path}': expected a CIFAR python directory (data_batch_1..5, test_batch, or "
-                    f"train, test) or an .npz file")
+                    f"train, test), a directory of class subfolders of images, or an .npz file")
+
+
+_IMAGE_SUFFIXES = {".png", ".jpg", ".jpeg", ".bmp", ".gif", ".webp", ".tif", ".tiff"}
+
+
+def _read_folder(root: Path, path, names: list[str] | None = None):
+    """(uint8 (N, 3, H, W), int64 labels, class names) from root/<class>/<image>: classes in sorted
+    order (or ``names``'s order), files in sorted order. Every image must have one size."""
+    from PIL import Image
+    classes = sorted(d.name for d in root.iterdir() if d.is_dir())
+    if names is not None:
+        extra = sorted(set(classes) - set(names))
+        if extra:
+            raise DataError(f"data path '{path}': {root.name}/ has classes the training set lacks: {extra[:3]}")
+        classes = names
+    xs, ys, size = [], [], None
+    for label, name in enumerate(classes):
+        folder = root / name
+        files = sorted(f for f in folder.iterdir() if f.suffix.lower() in _IMAGE_SUFFIXES) if folder.is_dir() else []
+        for f in files:
+            try:
+                with Image.open(f) as im:
+                    arr = np.asarray(im.convert("RGB"), dtype=np.uint8)
+            except OSError as exc:
+                raise DataError(f"data path '{path}': cannot read {f} ({exc})") from None
+            if size is None:
+                size = arr.shape
+            elif arr.shape != size:
+                raise DataError(f"data path '{path}': {f} is {arr.shape[1]}x{arr.shape[0]}, the first image "
+                                f"{size[1]}x{size[0]}; resize the images to one size first")
+            xs.append(arr.transpose(2, 0, 1))
+            ys.append(label)
+    if not xs:
+        raise DataError(f"data path '{path}': no images ({', '.join(sorted(_IMAGE_SUFFIXES))}) in the class "
+                        f"subfolders of {root}")
+    return np.stack(xs), np.asarray(ys, dtype=np.int64), classes
 
 
 class ImageData:
     """The ``data`` config of image classification.
 
     Args:
-        path: CIFAR-10/100 python directory, an .npz (x_train, y_train, x_test, y_test; uint8
-            images NHWC or NCHW, integer labels), or None for :func:`synthetic_images`.
+        path: CIFAR-10/100 python directory; a directory of class subfolders of images
+            (``DIR/<class>/*.png``, the last tenth of each class is the test split, or
+            ``DIR/train/<class>/`` and ``DIR/test/<class>/``; one image size, read as RGB); an .npz
+            (x_train, y_train, x_test, y_test; uint8 images NHWC or NCHW, integer labels); or None
+            for :func:`synthetic_images`.
         batch_size: images per batch, per process.
         valid_size: the last ``valid_size`` training images are the validation split.
         augment: random crop (4-pixel zero padding) and horizontal flip of training batches
             (no flip for the synthetic set, whose classes are orientations).
         synthetic_size: images of the synthetic set (split 80/10/10 with its own valid/test).
+        synthetic_classes: classes of the synthetic set (more classes: closer angles, harder).
     """
 
     def __init__(self, path: str | None = None, batch_size: int = 128, valid_size: int = 5000, augment: bool = True,
-                 synthetic_size: int = 4096):
+                 synthetic_size: int = 4096, synthetic_classes: int = 10):
         for key, value, low in (("data.batch_size", batch_size, 1), ("data.valid_size", valid_size, 1),
-                                ("data.synthetic_size", synthetic_size, 10)):
+                                ("data.synthetic_size", synthetic_size, 10),
+                                ("data.synthetic_classes", synthetic_classes, 2)):
             if isinstance(value, bool) or not isinstance(value, int) or value < low:
                 raise DataError(f"{key}: expected an int >= {low}, got {value!r}")
         self.path, self.batch_size, self.valid_size = path, batch_size, valid_size
         self.augment, self.synthetic_size = bool(augment), synthetic_size
+        self.synthetic_classes = synthetic_classes
         self._splits = None
 
     def splits(self):
@@ -125,7 +179,7 @@ class ImageData:
                 self._splits = {"train": (xtr[:cut], ytr[:cut]), "valid": (xtr[cut:], ytr[cut:]),
                                 "test": (xte, yte)}
             else:
-                x, y = synthetic_images(self.synthetic_size)
+                x, y = synthetic_images(self.synthetic_size, self.synthetic_classes)
                 a, b = self.synthetic_size * 8 // 10, self.synthetic_size * 9 // 10
                 self._splits = {"train": (x[:a], y[:a]), "valid": (x[a:b], y[a:b]), "test": (x[b:], y[b:])}
             x = self._splits["train"][0]

@@ -223,10 +223,13 @@ class BlockSparseLinear(nn.Module):
 
 
 def block_sparse_layouts(module: nn.Module) -> Iterator[tuple[str, np.ndarray]]:
-    """(qualified name, (C/bs, K/bs) bool layout) of every BlockSparseLinear in ``module``."""
+    """(qualified name, (C/bs, K/bs) bool layout) of every BlockSparseLinear in ``module``, and of
+    every module with a ``block_layout()`` method (BlockSparseConv2d)."""
     for name, sub in module.named_modules():
         if isinstance(sub, BlockSparseLinear):
             yield name, sub.op.layout
+        elif callable(getattr(sub, "block_layout", None)):
+            yield name, sub.block_layout()
 
 
 def set_grad_group(module: nn.Module, group_size: int) -> int:

@@ -2,8 +2,9 @@
 
 ``import bstrain.ops as bs`` gives the names ``import blocksparse as bs`` gave, for the ops bstrain
 provides (the README lists the seed names it does not). The submodules stay importable:
-``bstrain.ops.matmul``, ``.ew``, ``.norms``, ``.embed``, ``.proj``.
+``bstrain.ops.matmul``, ``.ew``, ``.norms``, ``.embed``, ``.proj``, ``.transformer``, ``.conv``.
 """
+from bstrain.ops.conv import BlocksparseConv, BlocksparseDeconv, cwise_linear
 from bstrain.ops.embed import embedding_lookup
 from bstrain.ops.ew import (
     add, add_n, add_n8, bias_relu, ceil_div, concat4, divide, dropout, elu, exp, fast_gelu, filter_tensor,
@@ -16,6 +17,7 @@ from bstrain.ops.transformer import BlocksparseTransformer
 
 __all__ = [
     "BlocksparseMatMul", "SparseProj", "GradGroup", "bsmm_ref", "BlocksparseTransformer",
+    "BlocksparseConv", "BlocksparseDeconv", "cwise_linear",
     "add", "multiply", "subtract", "divide", "maximum", "minimum", "negative", "reciprocal", "square", "sqrt",
     "exp", "log", "sigmoid", "tanh", "relu", "elu", "gelu", "swish", "fast_gelu", "bias_relu",
     "filter_tensor", "scale_tensor", "float_cast", "dropout", "add_n8", "add_n",

@@ -32,7 +32,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-__all__ = ["BlocksparseConv", "BlocksparseDeconv", "cwise_linear", "conv_geometry"]
+__all__ = ["BlocksparseConv", "BlocksparseDeconv", "cwise_linear", "conv_geometry", "conv_nd"]
 
 _CONV = {1: F.conv1d, 2: F.conv2d, 3: F.conv3d}
 _CONV_T = {1: F.conv_transpose1d, 2: F.conv_transpose2d, 3: F.conv_transpose3d}
@@ -75,6 +75,15 @@ def conv_geometry(TRS, DHW, strides, dilates, padding) -> tuple[list[int], list[
     return out, pads
 
 
+def conv_nd(x: Tensor, w: Tensor, strides, dilates, pads, groups: int = 1) -> Tensor:
+    """F.conv1d/2d/3d with (before, after) padding per dim (asymmetric pads go through F.pad)."""
+    n = x.dim() - 2
+    if all(a == b for a, b in pads):
+        return _CONV[n](x, w, None, list(strides), [a for a, _ in pads], list(dilates), groups)
+    flat = [p for pair in reversed(pads) for p in pair]                      # F.pad: last dim first
+    return _CONV[n](F.pad(x, flat), w, None, list(strides), 0, list(dilates), groups)
+
+
 def _padding(padding, n: int):
     if isinstance(padding, str):
         if padding.upper() not in ("SAME", "VALID"):
@@ -92,6 +101,14 @@ def _index_list(name: str, idx) -> np.ndarray:
     if len(np.unique(arr)) != arr.size:
         raise ValueError(f"BCK: {name} repeats a channel index")
     return arr.astype(np.int64)
+
+
+class _Checked(list):
+    """Checked per-block filters; ``stacked``: the (blocks, ...) tensor they came from, if any."""
+
+    def __init__(self, fs, stacked):
+        super().__init__(fs)
+        self.stacked = stacked
 
 
 class BlocksparseConv:
@@ -209,11 +226,13 @@ class BlocksparseConv:
         return [len(self._k[b]), len(self._c[b])] + self.TRS
 
     # --- filters --------------------------------------------------------------------------------
-    def _filters(self, Fs) -> list[Tensor]:
-        """Per-block filters in (out, in, *TRS) order from a list, a stacked tensor or (sizeF,)."""
+    def _filters(self, Fs) -> "_Checked":
+        """Per-block filters from a list, a stacked tensor (fixed block size) or a flat (sizeF,)
+        tensor, checked; ``.stacked`` keeps the stacked tensor when there is one."""
+        stacked = None
         if isinstance(Fs, Tensor):
             if self.fixed_block_size and list(Fs.shape) == self.f_shape():
-                Fs = list(Fs.unbind(0))
+                stacked, Fs = Fs, list(Fs.unbind(0))
             elif Fs.dim() == 1 and Fs.numel() == self.sizeF:
                 sizes = [math.prod(self.f_shape(b)) for b in range(self.blocks)]
                 Fs = [f.view(self.f_shape(b)) for b, f in enumerate(Fs.split(sizes))]
@@ -228,17 +247,30 @@ class BlocksparseConv:
                 raise TypeError(f"F[{b}]: expected a torch.Tensor, got {type(f).__name__}")
             if list(f.shape) != self.f_shape(b):
                 raise ValueError(f"F[{b}]: expected shape {self.f_shape(b)}, got {list(f.shape)}")
-        return Fs
+        return _Checked(Fs, stacked)
 
     def dense_filter(self, F) -> Tensor:
-        """The blocks summed into one dense filter (K, C, *TRS) (deconv: (C, K, *TRS))."""
-        fs = self._filters(F)
-        w = fs[0].new_zeros([self.K, self.C] + self.TRS)
-        for f, c, k in zip(fs, self._c, self._k):
-            kk = torch.as_tensor(k, device=f.device)[:, None]
-            cc = torch.as_tensor(c, device=f.device)[None, :]
-            w = w.index_put((kk, cc), f, accumulate=True)
-        return w
+        """The blocks summed into one dense filter (K, C, *TRS) (deconv: (C, K, *TRS)), in one
+        accumulating index_put."""
+        fs = F if isinstance(F, _Checked) else self._filters(F)
+        rows, cols = self._dense_index(fs[0].device)
+        vals = fs.stacked.flatten(0, 2) if fs.stacked is not None else \
+            torch.cat([f.reshape([-1] + self.TRS) for f in fs])
+        shape = ([self.C, self.K] if self._transposed else [self.K, self.C]) + self.TRS
+        return vals.new_zeros(shape).index_put((rows, cols), vals, accumulate=True)
+
+    def _dense_index(self, device):
+        """(row, col) of every filter element of every block in the dense filter, block by block."""
+        hit = self.__dict__.setdefault("_dense_idx", {}).get(device)
+        if hit is None:
+            rows, cols = [], []
+            for c, k in zip(self._c, self._k):
+                a, b = (c, k) if self._transposed else (k, c)
+                rows.append(np.repeat(a, len(b)))
+                cols.append(np.tile(b, len(a)))
+            hit = self._dense_idx[device] = (torch.as_tensor(np.concatenate(rows), device=device),
+                                             torch.as_tensor(np.concatenate(cols), device=device))
+        return hit
 
     # --- call -----------------------------------------------------------------------------------
     def _check_input(self, I: Tensor, C: int, size: list[int]) -> Tensor:
@@ -268,11 +300,7 @@ class BlocksparseConv:
         return self._add_edge_bias(y, edge_bias)
 
     def _conv(self, x: Tensor, w: Tensor, groups: int = 1) -> Tensor:
-        pads = self._pads
-        if all(a == b for a, b in pads):
-            return _CONV[len(self.TRS)](x, w, None, self.strides, [a for a, _ in pads], self.dilates, groups)
-        flat = [p for pair in reversed(pads) for p in pair]                  # F.pad: last dim first
-        return _CONV[len(self.TRS)](F.pad(x, flat), w, None, self.strides, 0, self.dilates, groups)
+        return conv_nd(x, w, self.strides, self.dilates, self._pads, groups)
 
     def _dense(self, fs: list[Tensor], I: Tensor) -> Tensor:
         return self._conv(I, self.dense_filter(fs))
@@ -295,7 +323,8 @@ class BlocksparseConv:
     def _grouped(self, fs: list[Tensor], I: Tensor) -> Tensor:
         gather, scatter = self._gather_plan(I.device)
         x = I if gather is None else I.index_select(1, gather)
-        y = self._conv(x, torch.cat(fs, 0), groups=self.blocks)
+        y = self._conv(x, fs.stacked.flatten(0, 1) if fs.stacked is not None else torch.cat(fs, 0),
+                       groups=self.blocks)
         if scatter is None:
             return y
         out = y.new_zeros([y.shape[0], self.K] + list(y.shape[2:]))
@@ -429,19 +458,11 @@ class BlocksparseDeconv(BlocksparseConv):
     def _dense(self, fs: list[Tensor], I: Tensor) -> Tensor:
         return self._deconv(I, self.dense_filter(fs))
 
-    def dense_filter(self, F) -> Tensor:
-        fs = self._filters(F)
-        w = fs[0].new_zeros([self.C, self.K] + self.TRS)
-        for f, c, k in zip(fs, self._c, self._k):
-            cc = torch.as_tensor(c, device=f.device)[:, None]
-            kk = torch.as_tensor(k, device=f.device)[None, :]
-            w = w.index_put((cc, kk), f, accumulate=True)
-        return w
-
     def _grouped(self, fs: list[Tensor], I: Tensor) -> Tensor:
         gather, scatter = self._gather_plan(I.device)
         x = I if gather is None else I.index_select(1, gather)
-        y = self._deconv(x, torch.cat(fs, 0), groups=self.blocks)
+        y = self._deconv(x, fs.stacked.flatten(0, 1) if fs.stacked is not None else torch.cat(fs, 0),
+                         groups=self.blocks)
         if scatter is None:
             return y
         out = y.new_zeros([y.shape[0], self.K] + list(y.shape[2:]))

@@ -38,7 +38,10 @@ def test_npz_and_cifar_directory(tmp_path):
             pickle.dump({b"data": rng.integers(0, 256, (n, 3072), dtype=np.uint8), b"labels": list(range(n))}, f)
     s = ImageData(str(cifar), valid_size=5).splits()
     assert [len(s[k][0]) for k in ("train", "valid", "test")] == [45, 5, 7] and s["train"][0].shape[1:] == (3, 32, 32)
+    (tmp_path / "empty").mkdir()
     with pytest.raises(DataError, match="expected a CIFAR python directory"):
+        ImageData(str(tmp_path / "empty")).splits()
+    with pytest.raises(DataError, match="no images"):                 # subfolders, but no images in them
         ImageData(str(tmp_path)).splits()
     with pytest.raises(DataError, match="does not exist"):
         ImageData(str(tmp_path / "none")).splits()
@@ -83,3 +86,28 @@ def test_label_shapes_and_empty_validation(tmp_path):
         ImageData(str(tmp_path / "bad.npz"), valid_size=5).splits()
     with pytest.raises(DataError, match="data.valid_size: expected an int >= 1, got 0"):
         ImageData(valid_size=0)
+
+
+def test_a_directory_of_class_subfolders(tmp_path):
+    from PIL import Image
+    rng = np.random.default_rng(0)
+    pics = {}
+    for cls, n in (("cat", 12), ("dog", 10)):
+        (tmp_path / "flat" / cls).mkdir(parents=True)
+        for i in range(n):
+            arr = rng.integers(0, 256, (6, 5, 3), dtype=np.uint8)
+            Image.fromarray(arr).save(tmp_path / "flat" / cls / f"{i:02d}.png")
+            pics[(cls, i)] = arr
+    s = ImageData(str(tmp_path / "flat"), valid_size=2).splits()
+    assert [len(s[k][0]) for k in ("train", "valid", "test")] == [18, 2, 2]      # one tenth of each class held out
+    assert s["train"][0].shape[1:] == (3, 6, 5) and np.array_equal(s["train"][0][0], pics[("cat", 0)].transpose(2, 0, 1))
+    assert s["test"][1].tolist() == [0, 1] and np.array_equal(s["test"][0][1], pics[("dog", 9)].transpose(2, 0, 1))
+    for split in ("train", "test"):
+        for cls in ("a", "b"):
+            (tmp_path / "split" / split / cls).mkdir(parents=True)
+            Image.fromarray(rng.integers(0, 256, (4, 4, 3), dtype=np.uint8)).save(tmp_path / "split" / split / cls / "x.png")
+    s = ImageData(str(tmp_path / "split"), valid_size=1).splits()
+    assert len(s["test"][0]) == 2 and s["test"][1].tolist() == [0, 1]
+    Image.fromarray(np.zeros((3, 3, 3), np.uint8)).save(tmp_path / "flat" / "cat" / "odd.png")
+    with pytest.raises(DataError, match="resize the images to one size"):
+        ImageData(str(tmp_path / "flat"), valid_size=2).splits()

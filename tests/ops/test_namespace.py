@@ -27,7 +27,7 @@ rectified_top_k clear_bst_constants
 # Seed names bstrain does not provide; the README's API section says what to use instead.
 NOT_PROVIDED = """
 entropy_size get_entropy set_entropy reset_scalar_constants scalar_constant bst_conv_layout bst_deconv_layout
-dw_matmul_large_n ConvEdgeBias conv_edge_bias_init deconv_edge_bias_init cwise_linear filter_tensor_op
+dw_matmul_large_n ConvEdgeBias conv_edge_bias_init deconv_edge_bias_init filter_tensor_op
 concrete_gate concrete_gate_infer replace_add_n restore_add_n fancy_gather reduce_max assign_add gradients
 recomputable sparse_relu FusedBasicLSTMCell grouped_lstm group_lstm_grads block_reduced_full_dw group_param_grads
 get_bsmm_dx_ops Ema AdamOptimizer AdafactorOptimizer blocksparse_l2_decay blocksparse_norm blocksparse_prune

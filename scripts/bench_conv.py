@@ -1,0 +1,148 @@
+"""Block-sparse convolution against dense conv2d and cuDNN grouped conv, in one run (issue 12).
+
+    PYTHONPATH=$PWD python scripts/bench_conv.py [--out DIR] [--block-sizes 32,64] [--cpu-smoke]
+
+A ResNet-like layer: N=128, C=K=256, 32x32, 3x3, stride 1, SAME, bf16, in NCHW and channels-last.
+For each live fraction (25%, 10%), forward and forward+backward medians (triton.testing.do_bench) of
+  dense      F.conv2d over all channels (the reference time)
+  grouped    cuDNN grouped conv at 4 and 8 groups (25% and 12.5% live; the orientation: the best
+             case of structured sparsity)
+  bstrain    BlockSparseConv2d on a balanced random block layout of that density, per block size,
+             backend "grouped" (gather, one grouped conv, scatter-add) and "dense" (masked filter)
+and ratio = time / (dense time x live fraction); the target is ratio <= 1.5.
+Writes conv.md, conv.json and conv.png (with matplotlib) to --out.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import sys
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from bstrain.models.conv import BlockSparseConv2d  # noqa: E402
+
+
+def bench(fn, smoke: bool) -> float:
+    if smoke:
+        import time
+        fn()
+        t = time.perf_counter()
+        for _ in range(2):
+            fn()
+        return (time.perf_counter() - t) / 2 * 1e3
+    import triton
+    return triton.testing.do_bench(fn, warmup=25, rep=200, return_mode="median")
+
+
+def timed(forward, params, x, smoke):
+    """(fwd ms, fwd+bwd ms) of y = forward(x), gradients for x and params."""
+    g = torch.randn_like(forward(x))
+
+    def fb():
+        y = forward(x)
+        torch.autograd.grad(y, [x, *params], g)
+    with torch.no_grad():
+        f = bench(lambda: forward(x), smoke)
+    return f, bench(fb, smoke)
+
+
+def measure(args) -> list[dict]:
+    smoke = args.cpu_smoke
+    dev, dt = ("cpu", torch.float32) if smoke else ("cuda", torch.bfloat16)
+    N, C, HW = args.batch, args.channels, args.size
+    rows = []
+    for fmt in args.formats.split(","):
+        mf = torch.channels_last if fmt == "channels_last" else torch.contiguous_format
+        x = torch.randn(N, C, HW, HW, device=dev, dtype=dt).to(memory_format=mf).requires_grad_()
+        w = (torch.randn(C, C, 3, 3, device=dev, dtype=dt) * 0.05).to(memory_format=mf).requires_grad_()
+        dense_f, dense_fb = timed(lambda t: F.conv2d(t, w, padding=1), [w], x, smoke)
+        rows.append(dict(format=fmt, method="dense", density=1.0, block=None, fwd_ms=round(dense_f, 4),
+                         fb_ms=round(dense_fb, 4), ratio_fwd=1.0, ratio_fb=1.0))
+        print(rows[-1], flush=True)
+        for groups in args.groups:
+            wg = (torch.randn(C, C // groups, 3, 3, device=dev, dtype=dt) * 0.05).to(memory_format=mf)
+            wg.requires_grad_()
+            f, fb = timed(lambda t: F.conv2d(t, wg, padding=1, groups=groups), [wg], x, smoke)
+            live = 1 / groups
+            rows.append(dict(format=fmt, method=f"cuDNN groups={groups}", density=live, block=C // groups,
+                             fwd_ms=round(f, 4), fb_ms=round(fb, 4), ratio_fwd=round(f / (dense_f * live), 2),
+                             ratio_fb=round(fb / (dense_fb * live), 2)))
+            print(rows[-1], flush=True)
+        for density in args.densities:
+            for bs in args.block_sizes:
+                for backend in ("grouped", "dense"):
+                    conv = BlockSparseConv2d(C, C, 3, bias=False, block_size=bs, density=density, seed=0,
+                                             backend=backend).to(device=dev, dtype=dt)
+                    live = conv.density
+                    try:
+                        f, fb = timed(conv, [conv.weight], x, smoke)
+                    except Exception as exc:                            # keep the other rows
+                        print(f"bstrain bs={bs} {backend}: {type(exc).__name__}: {exc}", flush=True)
+                        continue
+                    rows.append(dict(format=fmt, method=f"bstrain {backend}", density=round(live, 4), block=bs,
+                                     fwd_ms=round(f, 4), fb_ms=round(fb, 4), ratio_fwd=round(f / (dense_f * live), 2),
+                                     ratio_fb=round(fb / (dense_fb * live), 2)))
+                    print(rows[-1], flush=True)
+    return rows
+
+
+def report(rows, extra, args) -> None:
+    lines = [f"# Block-sparse convolution: {extra['device']}, {extra['date']}", "",
+             f"torch {extra['torch']}; scripts/bench_conv.py; N={args.batch}, C=K={args.channels}, "
+             f"{args.size}x{args.size}, 3x3, SAME, {extra['dtype']}; medians of triton.testing.do_bench. "
+             "ratio = time / (dense time x live fraction); target fwd+bwd ratio <= 1.5.", "",
+             "| format | method | live | block | fwd ms | fwd+bwd ms | ratio fwd | ratio fwd+bwd |",
+             "|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['format']} | {r['method']} | {r['density']:.3f} | {r['block'] or '-'} | {r['fwd_ms']} | "
+                     f"{r['fb_ms']} | {r['ratio_fwd']} | {r['ratio_fb']} |")
+    with open(os.path.join(args.out, "conv.md"), "w") as f:
+        f.write("\n".join(lines) + "\n")
+    with open(os.path.join(args.out, "conv.json"), "w") as f:
+        json.dump({"rows": rows, **extra}, f, indent=1)
+    print("\n".join(lines))
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    pts = [r for r in rows if r["method"] != "dense"]
+    labels = [f"{r['method']}\n{r['format'][:8]} bs={r['block']} {r['density']:.2f}" for r in pts]
+    ax.bar(range(len(pts)), [r["ratio_fb"] for r in pts])
+    ax.axhline(1.5, ls="--", c="grey", lw=1)
+    ax.set_xticks(range(len(pts)), labels, rotation=90, fontsize=6)
+    ax.set_ylabel("fwd+bwd time / (dense x live fraction)")
+    fig.tight_layout()
+    fig.savefig(os.path.join(args.out, "conv.png"), dpi=120)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ints = lambda s: [int(v) for v in s.split(",")]             # noqa: E731
+    ap.add_argument("--out", default="benchmarks")
+    ap.add_argument("--batch", type=int, default=128)
+    ap.add_argument("--channels", type=int, default=256)
+    ap.add_argument("--size", type=int, default=32)
+    ap.add_argument("--densities", type=lambda s: [float(v) for v in s.split(",")], default=[0.25, 0.1])
+    ap.add_argument("--block-sizes", type=ints, default=[32, 64])
+    ap.add_argument("--groups", type=ints, default=[4, 8], help="cuDNN grouped conv rows (orientation)")
+    ap.add_argument("--formats", default="channels_last,nchw")
+    ap.add_argument("--cpu-smoke", action="store_true")
+    args = ap.parse_args()
+    if args.cpu_smoke:
+        args.batch, args.channels, args.size, args.block_sizes, args.formats = 2, 64, 8, [16], "nchw"
+    os.makedirs(args.out, exist_ok=True)
+    extra = {"device": "cpu (smoke)" if args.cpu_smoke else torch.cuda.get_device_name(), "torch": torch.__version__,
+             "date": str(datetime.date.today()), "dtype": "fp32" if args.cpu_smoke else "bf16"}
+    report(measure(args), extra, args)
+
+
+if __name__ == "__main__":
+    main()
