@@ -159,3 +159,27 @@ def test_trains_and_resumes_exactly(tmp_path, monkeypatch):
     assert sorted(got) == [5, 6, 7, 8]
     for step in got:
         assert got[step] == pytest.approx(hist[step], rel=1e-5), step
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", ["grouped", "dense"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("channels_last", [False, True])
+def test_conv2d_on_cuda_against_float64(backend, dtype, channels_last):
+    torch.manual_seed(fresh_seed())
+    conv = BlockSparseConv2d(64, 96, 3, 1, "same", block_size=16, density=0.3, backend=backend)
+    x = torch.randn(4, 64, 12, 12)
+    w64, b64 = masked_dense(conv), conv.bias.detach().double()
+    ref = F.conv2d(x.double(), w64, padding=1) + b64.view(1, -1, 1, 1)
+    conv = conv.to(device="cuda", dtype=dtype)
+    xc = x.to("cuda", dtype)
+    if channels_last:
+        xc = xc.to(memory_format=torch.channels_last)
+    xc.requires_grad_()
+    y = conv(xc)
+    assert_close(y, ref, None, dtype, "out")
+    g = torch.randn_like(ref)
+    dx, = torch.autograd.grad(y, [xc], g.to("cuda", dtype))
+    xr = x.double().requires_grad_()
+    rdx, = torch.autograd.grad(F.conv2d(xr, w64, padding=1), [xr], g)
+    assert_close(dx, rdx, None, dtype, "dx")
