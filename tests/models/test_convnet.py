@@ -165,7 +165,8 @@ def test_trains_and_resumes_exactly(tmp_path, monkeypatch):
 @pytest.mark.parametrize("backend", ["grouped", "dense"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("channels_last", [False, True])
-def test_conv2d_on_cuda_against_float64(backend, dtype, channels_last):
+def test_conv2d_on_cuda_against_float64(backend, dtype, channels_last, monkeypatch):
+    monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", False)      # fp32 is compared as fp32, not TF32
     torch.manual_seed(fresh_seed())
     conv = BlockSparseConv2d(64, 96, 3, 1, "same", block_size=16, density=0.3, backend=backend)
     x = torch.randn(4, 64, 12, 12)
