@@ -8,7 +8,8 @@ For each live fraction (25%, 10%), forward and forward+backward medians (triton.
   grouped    cuDNN grouped conv at 4 and 8 groups (25% and 12.5% live; the orientation: the best
              case of structured sparsity)
   bstrain    BlockSparseConv2d on a balanced random block layout of that density, per block size,
-             backend "grouped" (gather, one grouped conv, scatter-add) and "dense" (masked filter)
+             backend "grouped" (gather, one grouped conv, scatter-add), "dense" (masked filter) and
+             "triton" (the implicit-GEMM kernels of bstrain.kernels.conv)
 and ratio = time / (dense time x live fraction); the target is ratio <= 1.5.
 Writes conv.md, conv.json and conv.png (with matplotlib) to --out.
 """
@@ -75,7 +76,7 @@ def measure(args) -> list[dict]:
             print(rows[-1], flush=True)
         for density in args.densities:
             for bs in args.block_sizes:
-                for backend in ("grouped", "dense"):
+                for backend in ("grouped", "dense", "triton"):
                     conv = BlockSparseConv2d(C, C, 3, bias=False, block_size=bs, density=density, seed=0,
                                              backend=backend).to(device=dev, dtype=dt)
                     live = conv.density

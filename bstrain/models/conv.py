@@ -16,9 +16,11 @@ import torch
 from torch import nn
 
 from bstrain import layout as layouts
-from bstrain.ops.conv import conv_geometry, conv_nd
+from bstrain.ops.conv import bsconv2d, conv_geometry, conv_nd
 
 __all__ = ["BlockSparseConv2d"]
+
+_TABLES = ("col_ptr", "col_blk", "col_in", "row_ptr", "row_blk", "row_out", "blk_in", "blk_out")
 
 
 def _pair(name: str, v) -> tuple[int, int]:
@@ -41,7 +43,9 @@ class BlockSparseConv2d(nn.Module):
         density: fraction of live blocks of a drawn balanced layout (when ``layout`` is None).
         layout: a (C/bs, K/bs) 0/1 array instead.
         seed: seed of the drawn layout; None follows torch's RNG.
-        backend: the op's "auto" | "grouped" | "dense".
+        backend: "auto" | "grouped" | "dense" (cuDNN compositions, as BlocksparseConv) |
+            "triton" (the implicit-GEMM kernels of bstrain.kernels.conv, custom op
+            ``torch.ops.bstrain.bsconv2d``; CUDA, or CPU under TRITON_INTERPRET=1).
 
     Parameters: ``weight`` (nnz, bs, bs, kh, kw), the live blocks in row-major layout order, each
     (out, in, kh, kw) as nn.Conv2d; ``bias`` (K,). The layout is the ``layout`` buffer.
@@ -73,6 +77,10 @@ class BlockSparseConv2d(nn.Module):
         self.in_channels, self.out_channels, self.block_size = in_channels, out_channels, bs
         self.kernel_size = _pair("kernel_size", kernel_size)
         self.stride, self.dilation = _pair("stride", stride), _pair("dilation", dilation)
+        if backend not in ("auto", "grouped", "dense", "triton"):
+            raise ValueError(f"backend: expected 'auto', 'grouped', 'dense' or 'triton', got {backend!r}")
+        if backend == "triton" and bs not in (16, 32, 64, 128):
+            raise ValueError(f"block_size: the Triton kernels take 16, 32, 64 or 128, got {bs}")
         self.padding, self.backend = padding, backend
         self._set_layout(lay)
         factory = {"device": device, "dtype": dtype}
@@ -119,9 +127,13 @@ class BlockSparseConv2d(nn.Module):
             raise ValueError(f"x: expected (N, {self.in_channels}, H, W), got {tuple(x.shape)}")
         p = self.padding
         padding = [p, p] if isinstance(p, int) else (["SAME", "SAME"] if p == "SAME" else [0, 0])
-        _, pads = conv_geometry(self.kernel_size, [int(x.shape[2]), int(x.shape[3])], self.stride, self.dilation,
-                                padding)
-        if self._grouped(x):
+        _out_size, pads = conv_geometry(self.kernel_size, [int(x.shape[2]), int(x.shape[3])], self.stride,
+                                        self.dilation, padding)
+        if self.backend == "triton":
+            P, Q = _out_size
+            y = bsconv2d(x, self.weight, [getattr(self, f"_t_{n}") for n in _TABLES], self.out_channels, P, Q,
+                         list(self.stride), [pads[0][0], pads[1][0]], list(self.dilation))
+        elif self._grouped(x):
             xg = x if self._gather is None else x.index_select(1, self._gather)
             y = conv_nd(xg, self.weight.flatten(0, 1), self.stride, self.dilation, pads, groups=self.weight.shape[0])
             if self._scatter is not None:
@@ -155,6 +167,10 @@ class BlockSparseConv2d(nn.Module):
         cols = np.tile(cin.reshape(-1, bs), (1, bs)).ravel()
         self.register_buffer("_rows", t(rows), persistent=False)
         self.register_buffer("_cols", t(cols), persistent=False)
+        from bstrain.kernels.conv import make_luts
+        luts = make_luts(lay, bs, dev)
+        for name in _TABLES:
+            self.register_buffer(f"_t_{name}", getattr(luts, name), persistent=False)
 
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
                               error_msgs):

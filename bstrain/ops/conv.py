@@ -494,3 +494,64 @@ def cwise_linear(x: Tensor, a: Tensor | None = None, b: Tensor | None = None, re
         y = y if b is None else y + b
     return torch.relu(y) if relu else y
 
+
+
+# --- torch.ops.bstrain.bsconv2d: the Triton kernels as custom ops ----------------------------------
+# The layout travels as its index tables (int32 tensors: col_ptr, col_blk, col_in, row_ptr, row_blk,
+# row_out, blk_in, blk_out of bstrain.kernels.conv.ConvLuts), so the ops need no registry.
+def _wt(weight: Tensor) -> Tensor:
+    """(nnz, out, in, kh, kw) -> the kernels' (nnz, kh, kw, in, out), contiguous."""
+    return weight.permute(0, 3, 4, 2, 1).contiguous()
+
+
+def _luts(weight: Tensor, tables: list[Tensor]):
+    from bstrain.kernels.conv import ConvLuts
+    return ConvLuts(weight.shape[1], *tables)
+
+
+@torch.library.custom_op("bstrain::bsconv2d", mutates_args=())
+def bsconv2d(x: Tensor, weight: Tensor, tables: list[Tensor], K: int, P: int, Q: int, stride: list[int],
+             pads: list[int], dilation: list[int]) -> Tensor:
+    """y (N, K, P, Q) of a block-sparse 2-D convolution (weight (nnz, bs, bs, kh, kw)); pads =
+    (top, left). CUDA (or TRITON_INTERPRET=1): the Triton kernels."""
+    from bstrain.kernels.conv import conv_forward
+    return conv_forward(x, _wt(weight), _luts(weight, tables), K, P, Q, stride, pads, dilation)
+
+
+@bsconv2d.register_fake
+def _(x, weight, tables, K, P, Q, stride, pads, dilation):
+    if x.is_contiguous(memory_format=torch.channels_last) and not x.is_contiguous():
+        return x.new_empty((x.shape[0], P, Q, K)).permute(0, 3, 1, 2)
+    return x.new_empty((x.shape[0], K, P, Q))
+
+
+@torch.library.custom_op("bstrain::bsconv2d_bwd", mutates_args=())
+def bsconv2d_bwd(dy: Tensor, x: Tensor, weight: Tensor, tables: list[Tensor], stride: list[int], pads: list[int],
+                 dilation: list[int]) -> tuple[Tensor, Tensor]:
+    """(dx, dweight) of bsconv2d."""
+    from bstrain.kernels.conv import conv_dw, conv_dx
+    luts = _luts(weight, tables)
+    kh, kw = weight.shape[3], weight.shape[4]
+    dx = conv_dx(dy, _wt(weight), luts, x.shape[1], x.shape[2], x.shape[3], stride, pads, dilation, x)
+    dw = conv_dw(x, dy, luts, kh, kw, stride, pads, dilation).to(weight.dtype).contiguous()
+    return dx, dw
+
+
+@bsconv2d_bwd.register_fake
+def _(dy, x, weight, tables, stride, pads, dilation):
+    return torch.empty_like(x), torch.empty_like(weight, memory_format=torch.contiguous_format)
+
+
+def _bsconv2d_setup(ctx, inputs, output):
+    x, weight, tables, _, _, _, stride, pads, dilation = inputs
+    ctx.save_for_backward(x, weight)
+    ctx.tables, ctx.stride, ctx.pads, ctx.dilation = tables, stride, pads, dilation
+
+
+def _bsconv2d_backward(ctx, dy):
+    x, weight = ctx.saved_tensors
+    dx, dw = bsconv2d_bwd(dy, x, weight, ctx.tables, ctx.stride, ctx.pads, ctx.dilation)
+    return dx, dw, [None] * len(ctx.tables), None, None, None, None, None, None
+
+
+bsconv2d.register_autograd(_bsconv2d_backward, setup_context=_bsconv2d_setup)

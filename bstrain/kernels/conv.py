@@ -1,0 +1,226 @@
+"""Implicit-GEMM Triton kernels for block-sparse 2-D convolution (no autograd here).
+
+Activations x (N, C, H, W) and y (N, K, P, Q) with any strides (channels-last makes the channel
+loads contiguous). A (C/bs, K/bs) layout's live blocks are numbered row-major (e); their filters
+are passed as ``wt`` (nnz, kh, kw, bs_in, bs_out), contiguous, read through a TMA descriptor
+(a pointer tile of (bs, bs) costs a register per element and spilled).
+
+* ``_conv_fwd``: one program per (BLOCK_M output pixels, output block j) walks the live blocks
+  of column j and the filter taps: acc += x[pixels shifted by the tap, block i] · wt[e, tap].
+* ``_conv_dx``: one program per (BLOCK_M input pixels, input block i) walks the blocks of row i
+  and the taps: dx += dy[the output pixel that tap reaches, block j] · wt[e, tap]ᵀ, where the
+  stride divides.
+* ``_conv_dw``: one program per (live block, tap, pixel split) reduces x[shifted]ᵀ · dy over its
+  share of the N·P·Q output pixels into an fp32 partial; the launcher sums the splits.
+
+Status: checked against float64 in Triton's interpreter; not yet compiled or timed on a GPU.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import triton
+import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
+
+from bstrain.kernels.alloc import empty
+
+
+@triton.jit
+def _pixels(m, P, Q):
+    n = m // (P * Q)
+    pq = m % (P * Q)
+    return n, pq // Q, pq % Q
+
+
+@triton.jit
+def _conv_fwd(X, WT, Y, col_ptr, col_blk, col_in, M, P, Q, H, W,
+              sxn, sxc, sxh, sxw, syn, syc, syp, syq,
+              st_h, st_w, pad_h, pad_w, dl_h, dl_w,
+              KH: tl.constexpr, KW: tl.constexpr, BS: tl.constexpr, BLOCK_M: tl.constexpr):
+    pid_m = tl.program_id(0)
+    j = tl.program_id(1)
+    m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    n, p, q = _pixels(m, P, Q)
+    ok_m = m < M
+    c = tl.arange(0, BS)
+    acc = tl.zeros((BLOCK_M, BS), tl.float32)
+    for t in range(tl.load(col_ptr + j) * (KH * KW), tl.load(col_ptr + j + 1) * (KH * KW)):
+        ent = t // (KH * KW)
+        tap = t % (KH * KW)
+        r = tap // KW
+        s = tap % KW
+        e = tl.load(col_blk + ent)
+        i = tl.load(col_in + ent)
+        h = p * st_h - pad_h + r * dl_h
+        w = q * st_w - pad_w + s * dl_w
+        ok = ok_m & (h >= 0) & (h < H) & (w >= 0) & (w < W)
+        a = tl.load(X + (n * sxn + h * sxh + w * sxw)[:, None] + (i * BS + c)[None, :] * sxc,
+                    mask=ok[:, None], other=0.0)
+        b = WT.load([(e * (KH * KW) + tap) * BS, 0])                        # (in, out)
+        acc = tl.dot(a, b, acc)
+    out = Y + (n * syn + p * syp + q * syq)[:, None] + (j * BS + c)[None, :] * syc
+    tl.store(out, acc.to(Y.dtype.element_ty), mask=ok_m[:, None])
+
+
+@triton.jit
+def _conv_dx(DY, WT, DX, row_ptr, row_blk, row_out, M, P, Q, H, W,
+             sdn, sdc, sdp, sdq, sxn, sxc, sxh, sxw,
+             st_h, st_w, pad_h, pad_w, dl_h, dl_w,
+             KH: tl.constexpr, KW: tl.constexpr, BS: tl.constexpr, BLOCK_M: tl.constexpr):
+    pid_m = tl.program_id(0)
+    i = tl.program_id(1)
+    m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)           # input pixels (n, h, w), M = N·H·W
+    n, h, w = _pixels(m, H, W)
+    ok_m = m < M
+    c = tl.arange(0, BS)
+    acc = tl.zeros((BLOCK_M, BS), tl.float32)
+    for t in range(tl.load(row_ptr + i) * (KH * KW), tl.load(row_ptr + i + 1) * (KH * KW)):
+        ent = t // (KH * KW)
+        tap = t % (KH * KW)
+        r = tap // KW
+        s = tap % KW
+        e = tl.load(row_blk + ent)
+        j = tl.load(row_out + ent)
+        ph = h + pad_h - r * dl_h
+        pw = w + pad_w - s * dl_w
+        p = ph // st_h
+        q = pw // st_w
+        ok = ok_m & (ph >= 0) & (pw >= 0) & (ph % st_h == 0) & (pw % st_w == 0) & (p < P) & (q < Q)
+        g = tl.load(DY + (n * sdn + p * sdp + q * sdq)[:, None] + (j * BS + c)[None, :] * sdc,
+                    mask=ok[:, None], other=0.0)
+        b = WT.load([(e * (KH * KW) + tap) * BS, 0]).T                      # (out, in)
+        acc = tl.dot(g, b, acc)
+    out = DX + (n * sxn + h * sxh + w * sxw)[:, None] + (i * BS + c)[None, :] * sxc
+    tl.store(out, acc.to(DX.dtype.element_ty), mask=ok_m[:, None])
+
+
+@triton.jit
+def _conv_dw(X, DY, DWP, blk_in, blk_out, M, P, Q, H, W, per_split,
+             sxn, sxc, sxh, sxw, sdn, sdc, sdp, sdq,
+             st_h, st_w, pad_h, pad_w, dl_h, dl_w,
+             KH: tl.constexpr, KW: tl.constexpr, BS: tl.constexpr, BLOCK_M: tl.constexpr):
+    et = tl.program_id(0)                                   # (live block, tap)
+    split = tl.program_id(1)
+    e = et // (KH * KW)
+    tap = et % (KH * KW)
+    r = tap // KW
+    s = tap % KW
+    i = tl.load(blk_in + e)
+    j = tl.load(blk_out + e)
+    c = tl.arange(0, BS)
+    acc = tl.zeros((BS, BS), tl.float32)                    # (in, out)
+    start = split * per_split
+    for m0 in range(start, tl.minimum(start + per_split, M), BLOCK_M):
+        m = m0 + tl.arange(0, BLOCK_M)
+        n, p, q = _pixels(m, P, Q)
+        ok_m = (m < M) & (m < start + per_split)
+        h = p * st_h - pad_h + r * dl_h
+        w = q * st_w - pad_w + s * dl_w
+        ok = ok_m & (h >= 0) & (h < H) & (w >= 0) & (w < W)
+        a = tl.load(X + (n * sxn + h * sxh + w * sxw)[:, None] + (i * BS + c)[None, :] * sxc,
+                    mask=ok[:, None], other=0.0)
+        g = tl.load(DY + (n * sdn + p * sdp + q * sdq)[:, None] + (j * BS + c)[None, :] * sdc,
+                    mask=ok_m[:, None], other=0.0)
+        acc = tl.dot(tl.trans(a), g, acc)
+    tl.store(DWP + ((split * tl.num_programs(0) + et) * BS + c[:, None]) * BS + c[None, :], acc)
+
+
+# ---------------------------------------------------------------------------------------------
+@dataclass
+class ConvLuts:
+    """A (C/bs, K/bs) layout's lists on one device: by output column (forward) and by input row (dX)."""
+    block_size: int
+    col_ptr: torch.Tensor     # (K/bs + 1,) int32
+    col_blk: torch.Tensor     # live block index (row-major number) of each column entry
+    col_in: torch.Tensor      # its input block
+    row_ptr: torch.Tensor     # (C/bs + 1,) int32
+    row_blk: torch.Tensor
+    row_out: torch.Tensor
+    blk_in: torch.Tensor      # (nnz,) input block of each live block
+    blk_out: torch.Tensor     # (nnz,) output block
+
+
+def make_luts(layout: np.ndarray, block_size: int, device) -> ConvLuts:
+    lay = np.asarray(layout, dtype=bool)
+    ci, kj = np.nonzero(lay)                                # row-major: the weight's block order
+    e = np.arange(len(ci))
+    by_col = np.lexsort((ci, kj))
+    t = lambda a: torch.as_tensor(np.ascontiguousarray(a), dtype=torch.int32, device=device)   # noqa: E731
+    col_ptr = np.concatenate([[0], np.cumsum(np.bincount(kj, minlength=lay.shape[1]))])
+    row_ptr = np.concatenate([[0], np.cumsum(np.bincount(ci, minlength=lay.shape[0]))])
+    return ConvLuts(block_size, t(col_ptr), t(e[by_col]), t(ci[by_col]), t(row_ptr), t(e), t(kj), t(ci), t(kj))
+
+
+def _out(shape, like):
+    """An output (N, C, H, W) in ``like``'s memory format (channels-last or contiguous)."""
+    N, C, H, W = shape
+    if like.dim() == 4 and like.is_contiguous(memory_format=torch.channels_last) and not like.is_contiguous():
+        return empty((N, H, W, C), like.dtype, like.device).permute(0, 3, 1, 2)
+    return empty(shape, like.dtype, like.device)
+
+
+def _wt_desc(wt: torch.Tensor) -> TensorDescriptor:
+    """The filters (nnz, kh, kw, in, out) as a (nnz·kh·kw·in, out) TMA descriptor of (bs, bs) tiles."""
+    bs = wt.shape[-1]
+    return TensorDescriptor.from_tensor(wt.view(-1, bs), [bs, bs])
+
+
+def _block_m(bs: int) -> int:
+    return 64 if bs >= 64 else 128
+
+
+def conv_forward(x, wt, luts: ConvLuts, K: int, P: int, Q: int, stride, pads, dilation):
+    """y (N, K, P, Q) like x's memory format; wt (nnz, kh, kw, bs, bs) contiguous; pads (top, left)."""
+    N, C, H, W = x.shape
+    bs = luts.block_size
+    KH, KW = wt.shape[1], wt.shape[2]
+    y = _out((N, K, P, Q), x)
+    M = N * P * Q
+    BM = _block_m(bs)
+    if M and K:
+        _conv_fwd[(triton.cdiv(M, BM), K // bs)](
+            x, _wt_desc(wt), y, luts.col_ptr, luts.col_blk, luts.col_in, M, P, Q, H, W, *x.stride(), *y.stride(),
+            stride[0], stride[1], pads[0], pads[1], dilation[0], dilation[1], KH=KH, KW=KW, BS=bs, BLOCK_M=BM)
+    return y
+
+
+def conv_dx(dy, wt, luts: ConvLuts, C: int, H: int, W: int, stride, pads, dilation, like):
+    """dx (N, C, H, W) in ``like``'s memory format."""
+    N, K, P, Q = dy.shape
+    bs = luts.block_size
+    KH, KW = wt.shape[1], wt.shape[2]
+    dx = _out((N, C, H, W), like).to(dy.dtype) if like.dtype != dy.dtype else _out((N, C, H, W), like)
+    M = N * H * W
+    BM = _block_m(bs)
+    if M and C:
+        _conv_dx[(triton.cdiv(M, BM), C // bs)](
+            dy, _wt_desc(wt), dx, luts.row_ptr, luts.row_blk, luts.row_out, M, P, Q, H, W, *dy.stride(),
+            *dx.stride(),
+            stride[0], stride[1], pads[0], pads[1], dilation[0], dilation[1], KH=KH, KW=KW, BS=bs, BLOCK_M=BM)
+    return dx
+
+
+def conv_dw(x, dy, luts: ConvLuts, KH: int, KW: int, stride, pads, dilation):
+    """dW (nnz, bs_out, bs_in, KH, KW) fp32, the module's weight layout."""
+    N, C, H, W = x.shape
+    _, K, P, Q = dy.shape
+    bs = luts.block_size
+    nnz = luts.blk_in.numel()
+    M = N * P * Q
+    BM = 64
+    splits = max(1, min(triton.cdiv(M, 8 * BM), triton.cdiv(264 * 4, max(1, nnz * KH * KW))))
+    per = triton.cdiv(triton.cdiv(M, splits), BM) * BM
+    splits = triton.cdiv(M, per) if M else 1
+    part = empty((splits, nnz * KH * KW, bs, bs), torch.float32, x.device)
+    if nnz and M:
+        _conv_dw[(nnz * KH * KW, splits)](
+            x, dy, part, luts.blk_in, luts.blk_out, M, P, Q, H, W, per, *x.stride(), *dy.stride(),
+            stride[0], stride[1], pads[0], pads[1], dilation[0], dilation[1], KH=KH, KW=KW, BS=bs, BLOCK_M=BM)
+        dw = part.sum(0)
+    else:
+        dw = torch.zeros((nnz * KH * KW, bs, bs), dtype=torch.float32, device=x.device)
+    # (nnz, KH, KW, in, out) -> (nnz, out, in, KH, KW)
+    return dw.view(nnz, KH, KW, bs, bs).permute(0, 4, 3, 1, 2)

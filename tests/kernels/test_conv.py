@@ -1,0 +1,86 @@
+"""The implicit-GEMM block-sparse convolution kernels (BlockSparseConv2d(backend="triton")) against
+a float64 masked dense convolution: output, dx and dW. On CPU in Triton's interpreter (fp32,
+fp16), compiled on the GPU (bf16 too)."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from bstrain.models.conv import BlockSparseConv2d
+from tests.conftest import DTYPE_IDS, assert_close, fresh_seed, kernel_device, kernel_dtypes
+from tests.models.test_convnet import masked_dense
+
+
+@pytest.fixture(autouse=True)
+def _interpret(monkeypatch):
+    if not torch.cuda.is_available():
+        monkeypatch.setenv("TRITON_INTERPRET", "1")
+
+
+def _same_pads(n, k, stride, dil):
+    out = -(-n // stride)
+    total = max((out - 1) * stride + (k - 1) * dil + 1 - n, 0)
+    return [total // 2, total - total // 2]
+
+
+@pytest.mark.parametrize("dtype", kernel_dtypes(), ids=DTYPE_IDS.get)
+@pytest.mark.parametrize("kernel,stride,dilation,padding", [(3, 1, 1, "same"), (3, 2, 1, "same"), (1, 1, 1, "valid"),
+                                                             (3, 1, 2, 2), (2, 2, 1, "same")])
+@pytest.mark.parametrize("channels_last", [False, True])
+def test_kernels_match_the_masked_dense_conv(dtype, kernel, stride, dilation, padding, channels_last):
+    torch.manual_seed(fresh_seed())
+    dev = kernel_device()
+    conv = BlockSparseConv2d(32, 48, kernel, stride, padding, dilation, block_size=16, density=0.5,
+                             backend="triton")
+    lay = conv.block_layout()
+    assert lay.sum(0).min() >= 0 and (lay.sum(1) == 0).sum() >= 0
+    w64, b64 = masked_dense(conv), conv.bias.detach().double()
+    x = torch.randn(2, 32, 7, 6)
+    conv = conv.to(device=dev, dtype=dtype)
+    xd = x.to(dev, dtype)
+    if channels_last:
+        xd = xd.to(memory_format=torch.channels_last)
+    xd.requires_grad_()
+    y = conv(xd)
+    xr = x.double().requires_grad_()
+    if padding == "same":
+        pads = _same_pads(6, kernel, stride, dilation) + _same_pads(7, kernel, stride, dilation)
+        ref = F.conv2d(F.pad(xr, pads), w64, stride=stride, dilation=dilation)
+    else:
+        ref = F.conv2d(xr, w64, stride=stride, dilation=dilation, padding=0 if padding == "valid" else padding)
+    ref = ref + b64.view(1, -1, 1, 1)
+    assert_close(y, ref, None, dtype, "out")
+    g = torch.randn_like(ref)
+    dx, dw = torch.autograd.grad(y, [xd, conv.weight], g.to(dev, dtype))
+    w = w64.clone().requires_grad_()
+    ref2 = F.conv2d(F.pad(xr, pads) if padding == "same" else xr, w, stride=stride, dilation=dilation,
+                    padding=0 if padding in ("same", "valid") else padding)
+    rx, rw = torch.autograd.grad(ref2, [xr, w], g)
+    assert_close(dx, rx, None, dtype, "dx")
+    bs = 16
+    for n, (i, j) in enumerate(zip(*np.nonzero(lay))):
+        assert_close(dw[n], rw[j * bs:(j + 1) * bs, i * bs:(i + 1) * bs], None, dtype, f"dW[{n}]")
+
+
+def test_an_input_block_with_no_live_output_gets_zero_gradient():
+    lay = np.zeros((3, 2), bool)
+    lay[0, 0] = lay[2, 1] = lay[2, 0] = True                 # input block 1 feeds nothing
+    conv = BlockSparseConv2d(48, 32, 3, layout=lay, block_size=16, backend="triton").to(kernel_device())
+    x = torch.randn(1, 48, 5, 5, device=kernel_device(), requires_grad=True)
+    dx, = torch.autograd.grad(conv(x).sum(), [x])
+    assert (dx[:, 16:32] == 0).all() and (dx[:, :16] != 0).any()
+
+
+def test_opcheck_and_compile():
+    conv = BlockSparseConv2d(32, 32, 3, block_size=16, density=0.5, backend="triton").to(kernel_device())
+    x = torch.randn(2, 32, 5, 5, device=kernel_device())
+    tables = [getattr(conv, f"_t_{n}") for n in ("col_ptr", "col_blk", "col_in", "row_ptr", "row_blk", "row_out",
+                                                 "blk_in", "blk_out")]
+    torch.library.opcheck(torch.ops.bstrain.bsconv2d.default, (x, conv.weight.detach(), tables, 32, 5, 5, [1, 1],
+                                                                [1, 1], [1, 1]), test_utils=("test_schema",
+                                                                                            "test_faketensor"))
+    torch._dynamo.reset()
+    explained = torch._dynamo.explain(conv)(x)
+    assert explained.graph_break_count == 0 and "bstrain.bsconv2d" in "".join(g.code for g in explained.graphs)
