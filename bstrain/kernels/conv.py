@@ -168,6 +168,14 @@ def _wt_desc(wt: torch.Tensor) -> TensorDescriptor:
     return TensorDescriptor.from_tensor(wt.view(-1, bs), [bs, bs])
 
 
+def _check_size(*tensors) -> None:
+    """The kernels index in int32: every tensor must hold fewer than 2**31 elements."""
+    for t in tensors:
+        if t.numel() >= 2**31:
+            raise ValueError(f"x: the convolution kernels take tensors of at most 2**31 - 1 elements, got one of "
+                             f"{tuple(t.shape)}; split the batch")
+
+
 def _block_m(bs: int) -> int:
     return 64 if bs >= 64 else 128
 
@@ -178,6 +186,7 @@ def conv_forward(x, wt, luts: ConvLuts, K: int, P: int, Q: int, stride, pads, di
     bs = luts.block_size
     KH, KW = wt.shape[1], wt.shape[2]
     y = _out((N, K, P, Q), x)
+    _check_size(x, y)
     M = N * P * Q
     BM = _block_m(bs)
     if M and K:
@@ -193,6 +202,7 @@ def conv_dx(dy, wt, luts: ConvLuts, C: int, H: int, W: int, stride, pads, dilati
     bs = luts.block_size
     KH, KW = wt.shape[1], wt.shape[2]
     dx = _out((N, C, H, W), like).to(dy.dtype) if like.dtype != dy.dtype else _out((N, C, H, W), like)
+    _check_size(dy, dx)
     M = N * H * W
     BM = _block_m(bs)
     if M and C:

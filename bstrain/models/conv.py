@@ -10,6 +10,7 @@ with no graph break.
 from __future__ import annotations
 
 import math
+import os
 
 import numpy as np
 import torch
@@ -130,6 +131,11 @@ class BlockSparseConv2d(nn.Module):
         _out_size, pads = conv_geometry(self.kernel_size, [int(x.shape[2]), int(x.shape[3])], self.stride,
                                         self.dilation, padding)
         if self.backend == "triton":
+            if not x.is_cuda and os.environ.get("TRITON_INTERPRET") != "1":
+                raise ValueError(f"x: backend='triton' needs a CUDA tensor (or TRITON_INTERPRET=1), got one on {x.device}")
+            if x.dtype != self.weight.dtype or x.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+                raise TypeError(f"x: backend='triton' takes float16/bfloat16/float32 like the weight "
+                                f"({self.weight.dtype}), got {x.dtype}")
             P, Q = _out_size
             y = bsconv2d(x, self.weight, [getattr(self, f"_t_{n}") for n in _TABLES], self.out_channels, P, Q,
                          list(self.stride), [pads[0][0], pads[1][0]], list(self.dilation))

@@ -84,3 +84,16 @@ def test_opcheck_and_compile():
     torch._dynamo.reset()
     explained = torch._dynamo.explain(conv)(x)
     assert explained.graph_break_count == 0 and "bstrain.bsconv2d" in "".join(g.code for g in explained.graphs)
+
+
+def test_triton_backend_input_errors(monkeypatch):
+    conv = BlockSparseConv2d(32, 32, 3, block_size=16, density=0.5, backend="triton")
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="needs a CUDA tensor"):
+            conv(torch.randn(1, 32, 4, 4))
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    with pytest.raises(TypeError, match="backend='triton' takes float16/bfloat16/float32 like the weight"):
+        conv.to(kernel_device())(torch.randn(1, 32, 4, 4, dtype=torch.float64, device=kernel_device()))
+    with pytest.raises(ValueError, match="the Triton kernels take 16, 32, 64 or 128"):
+        BlockSparseConv2d(24, 24, 3, block_size=8, density=0.5, backend="triton")
