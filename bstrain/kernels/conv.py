@@ -176,8 +176,18 @@ def _check_size(*tensors) -> None:
                              f"{tuple(t.shape)}; split the batch")
 
 
-def _block_m(bs: int) -> int:
-    return 64 if bs >= 64 else 128
+# (BLOCK_M, num_warps, num_stages) per (kernel, block size); CONFIGS overrides config()'s guess
+# (scripts/tune_conv.py sweeps it on the GPU; the guesses are untimed).
+CONFIGS: dict[tuple[str, int], tuple[int, int, int]] = {}
+
+
+def config(kernel: str, bs: int) -> tuple[int, int, int]:
+    """(BLOCK_M, num_warps, num_stages) of ``kernel`` in {"fwd", "dx", "dw"} at block size bs."""
+    hit = CONFIGS.get((kernel, bs))
+    if hit is not None:
+        return hit
+    bm = 64 if kernel == "dw" or bs >= 128 else 128
+    return bm, 8 if bm * bs >= 128 * 64 else 4, 3
 
 
 def conv_forward(x, wt, luts: ConvLuts, K: int, P: int, Q: int, stride, pads, dilation):
@@ -188,11 +198,12 @@ def conv_forward(x, wt, luts: ConvLuts, K: int, P: int, Q: int, stride, pads, di
     y = _out((N, K, P, Q), x)
     _check_size(x, y)
     M = N * P * Q
-    BM = _block_m(bs)
+    BM, warps, stages = config("fwd", bs)
     if M and K:
         _conv_fwd[(triton.cdiv(M, BM), K // bs)](
             x, _wt_desc(wt), y, luts.col_ptr, luts.col_blk, luts.col_in, M, P, Q, H, W, *x.stride(), *y.stride(),
-            stride[0], stride[1], pads[0], pads[1], dilation[0], dilation[1], KH=KH, KW=KW, BS=bs, BLOCK_M=BM)
+            stride[0], stride[1], pads[0], pads[1], dilation[0], dilation[1], KH=KH, KW=KW, BS=bs, BLOCK_M=BM, num_warps=warps,
+            num_stages=stages)
     return y
 
 
@@ -204,12 +215,13 @@ def conv_dx(dy, wt, luts: ConvLuts, C: int, H: int, W: int, stride, pads, dilati
     dx = _out((N, C, H, W), like).to(dy.dtype) if like.dtype != dy.dtype else _out((N, C, H, W), like)
     _check_size(dy, dx)
     M = N * H * W
-    BM = _block_m(bs)
+    BM, warps, stages = config("dx", bs)
     if M and C:
         _conv_dx[(triton.cdiv(M, BM), C // bs)](
             dy, _wt_desc(wt), dx, luts.row_ptr, luts.row_blk, luts.row_out, M, P, Q, H, W, *dy.stride(),
             *dx.stride(),
-            stride[0], stride[1], pads[0], pads[1], dilation[0], dilation[1], KH=KH, KW=KW, BS=bs, BLOCK_M=BM)
+            stride[0], stride[1], pads[0], pads[1], dilation[0], dilation[1], KH=KH, KW=KW, BS=bs, BLOCK_M=BM, num_warps=warps,
+            num_stages=stages)
     return dx
 
 
@@ -220,7 +232,7 @@ def conv_dw(x, dy, luts: ConvLuts, KH: int, KW: int, stride, pads, dilation):
     bs = luts.block_size
     nnz = luts.blk_in.numel()
     M = N * P * Q
-    BM = 64
+    BM, warps, stages = config("dw", bs)
     splits = max(1, min(triton.cdiv(M, 8 * BM), triton.cdiv(264 * 4, max(1, nnz * KH * KW))))
     per = triton.cdiv(triton.cdiv(M, splits), BM) * BM
     splits = triton.cdiv(M, per) if M else 1
@@ -228,7 +240,8 @@ def conv_dw(x, dy, luts: ConvLuts, KH: int, KW: int, stride, pads, dilation):
     if nnz and M:
         _conv_dw[(nnz * KH * KW, splits)](
             x, dy, part, luts.blk_in, luts.blk_out, M, P, Q, H, W, per, *x.stride(), *dy.stride(),
-            stride[0], stride[1], pads[0], pads[1], dilation[0], dilation[1], KH=KH, KW=KW, BS=bs, BLOCK_M=BM)
+            stride[0], stride[1], pads[0], pads[1], dilation[0], dilation[1], KH=KH, KW=KW, BS=bs, BLOCK_M=BM, num_warps=warps,
+            num_stages=stages)
         dw = part.sum(0)
     else:
         dw = torch.zeros((nnz * KH * KW, bs, bs), dtype=torch.float32, device=x.device)
