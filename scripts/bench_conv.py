@@ -135,8 +135,15 @@ def main() -> None:
     ap.add_argument("--block-sizes", type=ints, default=[32, 64])
     ap.add_argument("--groups", type=ints, default=[4, 8], help="cuDNN grouped conv rows (orientation)")
     ap.add_argument("--formats", default="channels_last,nchw")
+    ap.add_argument("--configs", help="a tune_conv.json whose best kernel configs to use")
     ap.add_argument("--cpu-smoke", action="store_true")
     args = ap.parse_args()
+    if args.configs:
+        from bstrain.kernels import conv as K
+        with open(args.configs) as f:
+            for key, v in json.load(f)["best"].items():
+                kernel, bs = key.split(",")
+                K.CONFIGS[(kernel, int(bs))] = tuple(v)
     if args.cpu_smoke:
         args.batch, args.channels, args.size, args.block_sizes, args.formats = 2, 64, 8, [16], "nchw"
     os.makedirs(args.out, exist_ok=True)

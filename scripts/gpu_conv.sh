@@ -11,5 +11,5 @@ echo "tests: ${SECONDS}s"; SECONDS=0
 timeout ${TUNE_S:-200} python3 scripts/tune_conv.py --out "$OUT" --budget-s $(( ${TUNE_S:-200} - 20 )) 2>&1 \
   | tee "$OUT/tune_conv.log" | grep -E "^best|dense"
 echo "tune: ${SECONDS}s"; SECONDS=0
-timeout ${BENCH_S:-150} python3 scripts/bench_conv.py --out "$OUT" 2>&1 | tee "$OUT/bench_conv.log" | grep "^|"
+timeout ${BENCH_S:-150} python3 scripts/bench_conv.py --out "$OUT" --configs "$OUT/tune_conv.json" 2>&1 | tee "$OUT/bench_conv.log" | grep "^|"
 echo "bench: ${SECONDS}s"
