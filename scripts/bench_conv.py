@@ -138,7 +138,9 @@ def main() -> None:
     ap.add_argument("--configs", help="a tune_conv.json whose best kernel configs to use")
     ap.add_argument("--cpu-smoke", action="store_true")
     args = ap.parse_args()
-    if args.configs:
+    if args.configs and not os.path.exists(args.configs):
+        print(f"--configs {args.configs}: no such file; the kernels' default configs are used", flush=True)
+    elif args.configs:
         from bstrain.kernels import conv as K
         with open(args.configs) as f:
             for key, v in json.load(f)["best"].items():
