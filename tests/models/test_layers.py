@@ -238,8 +238,10 @@ def test_reset_parameters_uses_each_units_fan_in():
         assert layer.bias[k].abs() <= fan ** -0.5
     x = torch.randn(4096, 128)
     var = layer(x).detach().var(0)                                    # uniform(±1/√fan): var 1/3 per unit
-    assert torch.allclose(var[:16].mean(), torch.tensor(1 / 3 + 1 / 3 / 128), rtol=0.15)
-    assert torch.allclose(var[16:].mean(), torch.tensor(1 / 3 + 1 / 3 / 16), rtol=0.15)
+    # the mean over 16 units of a sum of fan squared uniforms: relative std about 5% at fan 16, so
+    # rtol 0.3 fails with probability ~1e-8 (0.15 failed about once in 200 fresh seeds)
+    assert torch.allclose(var[:16].mean(), torch.tensor(1 / 3 + 1 / 3 / 128), rtol=0.3)
+    assert torch.allclose(var[16:].mean(), torch.tensor(1 / 3 + 1 / 3 / 16), rtol=0.3)
 
 
 def test_meta_device_then_load_or_to_empty():
