@@ -145,7 +145,7 @@ def main() -> None:
         with open(args.configs) as f:
             for key, v in json.load(f)["best"].items():
                 kernel, bs = key.split(",")
-                K.CONFIGS[(kernel, int(bs))] = tuple(v)
+                K.CONFIGS[(kernel, int(bs), 2)] = tuple(v)
     if args.cpu_smoke:
         args.batch, args.channels, args.size, args.block_sizes, args.formats = 2, 64, 8, [16], "nchw"
     os.makedirs(args.out, exist_ok=True)

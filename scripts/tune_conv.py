@@ -57,7 +57,7 @@ def main() -> None:
             for cand in CANDIDATES:
                 if time.time() - t0 > args.budget_s:
                     break
-                K.CONFIGS[(kernel, bs)] = cand
+                K.CONFIGS[(kernel, bs, 2)] = cand
                 row = dict(kernel=kernel, bs=bs, config=list(cand))
                 try:
                     call()
@@ -68,7 +68,7 @@ def main() -> None:
                     row["error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:120]}"
                 rows.append(row)
                 print(row, flush=True)
-            K.CONFIGS.pop((kernel, bs), None)
+            K.CONFIGS.pop((kernel, bs, 2), None)
             if times:
                 pick = min(times, key=times.get)
                 best[f"{kernel},{bs}"] = list(pick)

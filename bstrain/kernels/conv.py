@@ -26,6 +26,7 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from bstrain.kernels.alloc import empty
+from bstrain.kernels.matmul import _precision
 
 
 @triton.jit
@@ -39,7 +40,8 @@ def _pixels(m, P, Q):
 def _conv_fwd(X, WT, Y, col_ptr, col_blk, col_in, M, P, Q, H, W,
               sxn, sxc, sxh, sxw, syn, syc, syp, syq,
               st_h, st_w, pad_h, pad_w, dl_h, dl_w,
-              KH: tl.constexpr, KW: tl.constexpr, BS: tl.constexpr, BLOCK_M: tl.constexpr):
+              KH: tl.constexpr, KW: tl.constexpr, BS: tl.constexpr, BLOCK_M: tl.constexpr,
+              PRECISION: tl.constexpr):
     pid_m = tl.program_id(0)
     j = tl.program_id(1)
     m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -60,7 +62,7 @@ def _conv_fwd(X, WT, Y, col_ptr, col_blk, col_in, M, P, Q, H, W,
         a = tl.load(X + (n * sxn + h * sxh + w * sxw)[:, None] + (i * BS + c)[None, :] * sxc,
                     mask=ok[:, None], other=0.0)
         b = WT.load([(e * (KH * KW) + tap) * BS, 0])                        # (in, out)
-        acc = tl.dot(a, b, acc)
+        acc = tl.dot(a, b, acc, input_precision=PRECISION)
     out = Y + (n * syn + p * syp + q * syq)[:, None] + (j * BS + c)[None, :] * syc
     tl.store(out, acc.to(Y.dtype.element_ty), mask=ok_m[:, None])
 
@@ -69,7 +71,8 @@ def _conv_fwd(X, WT, Y, col_ptr, col_blk, col_in, M, P, Q, H, W,
 def _conv_dx(DY, WT, DX, row_ptr, row_blk, row_out, M, P, Q, H, W,
              sdn, sdc, sdp, sdq, sxn, sxc, sxh, sxw,
              st_h, st_w, pad_h, pad_w, dl_h, dl_w,
-             KH: tl.constexpr, KW: tl.constexpr, BS: tl.constexpr, BLOCK_M: tl.constexpr):
+             KH: tl.constexpr, KW: tl.constexpr, BS: tl.constexpr, BLOCK_M: tl.constexpr,
+              PRECISION: tl.constexpr):
     pid_m = tl.program_id(0)
     i = tl.program_id(1)
     m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)           # input pixels (n, h, w), M = N·H·W
@@ -92,7 +95,7 @@ def _conv_dx(DY, WT, DX, row_ptr, row_blk, row_out, M, P, Q, H, W,
         g = tl.load(DY + (n * sdn + p * sdp + q * sdq)[:, None] + (j * BS + c)[None, :] * sdc,
                     mask=ok[:, None], other=0.0)
         b = WT.load([(e * (KH * KW) + tap) * BS, 0]).T                      # (out, in)
-        acc = tl.dot(g, b, acc)
+        acc = tl.dot(g, b, acc, input_precision=PRECISION)
     out = DX + (n * sxn + h * sxh + w * sxw)[:, None] + (i * BS + c)[None, :] * sxc
     tl.store(out, acc.to(DX.dtype.element_ty), mask=ok_m[:, None])
 
@@ -101,7 +104,8 @@ def _conv_dx(DY, WT, DX, row_ptr, row_blk, row_out, M, P, Q, H, W,
 def _conv_dw(X, DY, DWP, blk_in, blk_out, M, P, Q, H, W, per_split,
              sxn, sxc, sxh, sxw, sdn, sdc, sdp, sdq,
              st_h, st_w, pad_h, pad_w, dl_h, dl_w,
-             KH: tl.constexpr, KW: tl.constexpr, BS: tl.constexpr, BLOCK_M: tl.constexpr):
+             KH: tl.constexpr, KW: tl.constexpr, BS: tl.constexpr, BLOCK_M: tl.constexpr,
+              PRECISION: tl.constexpr):
     et = tl.program_id(0)                                   # (live block, tap)
     split = tl.program_id(1)
     e = et // (KH * KW)
@@ -124,7 +128,7 @@ def _conv_dw(X, DY, DWP, blk_in, blk_out, M, P, Q, H, W, per_split,
                     mask=ok[:, None], other=0.0)
         g = tl.load(DY + (n * sdn + p * sdp + q * sdq)[:, None] + (j * BS + c)[None, :] * sdc,
                     mask=ok_m[:, None], other=0.0)
-        acc = tl.dot(tl.trans(a), g, acc)
+        acc = tl.dot(tl.trans(a), g, acc, input_precision=PRECISION)
     tl.store(DWP + ((split * tl.num_programs(0) + et) * BS + c[:, None]) * BS + c[None, :], acc)
 
 
@@ -178,16 +182,17 @@ def _check_size(*tensors) -> None:
 
 # (BLOCK_M, num_warps, num_stages) per (kernel, block size); CONFIGS overrides config()'s guess
 # (scripts/tune_conv.py sweeps it on the GPU; the guesses are untimed).
-CONFIGS: dict[tuple[str, int], tuple[int, int, int]] = {}
+CONFIGS: dict[tuple[str, int, int], tuple[int, int, int]] = {}
 
 
-def config(kernel: str, bs: int) -> tuple[int, int, int]:
-    """(BLOCK_M, num_warps, num_stages) of ``kernel`` in {"fwd", "dx", "dw"} at block size bs."""
-    hit = CONFIGS.get((kernel, bs))
+def config(kernel: str, bs: int, itemsize: int = 2) -> tuple[int, int, int]:
+    """(BLOCK_M, num_warps, num_stages) of ``kernel`` in {"fwd", "dx", "dw"} at block size bs and
+    element size ``itemsize`` (fp32 tiles take twice the shared memory: fewer stages)."""
+    hit = CONFIGS.get((kernel, bs, itemsize))
     if hit is not None:
         return hit
-    bm = 64 if kernel == "dw" or bs >= 128 else 128
-    return bm, 8 if bm * bs >= 128 * 64 else 4, 3
+    bm = 64 if kernel == "dw" or bs >= 128 or itemsize == 4 else 128
+    return bm, 8 if bm * bs >= 128 * 64 else 4, 2 if itemsize == 4 else 3
 
 
 def conv_forward(x, wt, luts: ConvLuts, K: int, P: int, Q: int, stride, pads, dilation):
@@ -198,11 +203,12 @@ def conv_forward(x, wt, luts: ConvLuts, K: int, P: int, Q: int, stride, pads, di
     y = _out((N, K, P, Q), x)
     _check_size(x, y)
     M = N * P * Q
-    BM, warps, stages = config("fwd", bs)
+    BM, warps, stages = config("fwd", bs, x.element_size())
     if M and K:
         _conv_fwd[(triton.cdiv(M, BM), K // bs)](
             x, _wt_desc(wt), y, luts.col_ptr, luts.col_blk, luts.col_in, M, P, Q, H, W, *x.stride(), *y.stride(),
-            stride[0], stride[1], pads[0], pads[1], dilation[0], dilation[1], KH=KH, KW=KW, BS=bs, BLOCK_M=BM, num_warps=warps,
+            stride[0], stride[1], pads[0], pads[1], dilation[0], dilation[1], KH=KH, KW=KW, BS=bs, BLOCK_M=BM,
+            PRECISION=_precision(x.dtype), num_warps=warps,
             num_stages=stages)
     return y
 
@@ -215,12 +221,13 @@ def conv_dx(dy, wt, luts: ConvLuts, C: int, H: int, W: int, stride, pads, dilati
     dx = _out((N, C, H, W), like).to(dy.dtype) if like.dtype != dy.dtype else _out((N, C, H, W), like)
     _check_size(dy, dx)
     M = N * H * W
-    BM, warps, stages = config("dx", bs)
+    BM, warps, stages = config("dx", bs, dy.element_size())
     if M and C:
         _conv_dx[(triton.cdiv(M, BM), C // bs)](
             dy, _wt_desc(wt), dx, luts.row_ptr, luts.row_blk, luts.row_out, M, P, Q, H, W, *dy.stride(),
             *dx.stride(),
-            stride[0], stride[1], pads[0], pads[1], dilation[0], dilation[1], KH=KH, KW=KW, BS=bs, BLOCK_M=BM, num_warps=warps,
+            stride[0], stride[1], pads[0], pads[1], dilation[0], dilation[1], KH=KH, KW=KW, BS=bs, BLOCK_M=BM,
+            PRECISION=_precision(dy.dtype), num_warps=warps,
             num_stages=stages)
     return dx
 
@@ -232,7 +239,7 @@ def conv_dw(x, dy, luts: ConvLuts, KH: int, KW: int, stride, pads, dilation):
     bs = luts.block_size
     nnz = luts.blk_in.numel()
     M = N * P * Q
-    BM, warps, stages = config("dw", bs)
+    BM, warps, stages = config("dw", bs, x.element_size())
     splits = max(1, min(triton.cdiv(M, 8 * BM), triton.cdiv(264 * 4, max(1, nnz * KH * KW))))
     per = triton.cdiv(triton.cdiv(M, splits), BM) * BM
     splits = triton.cdiv(M, per) if M else 1
@@ -240,7 +247,8 @@ def conv_dw(x, dy, luts: ConvLuts, KH: int, KW: int, stride, pads, dilation):
     if nnz and M:
         _conv_dw[(nnz * KH * KW, splits)](
             x, dy, part, luts.blk_in, luts.blk_out, M, P, Q, H, W, per, *x.stride(), *dy.stride(),
-            stride[0], stride[1], pads[0], pads[1], dilation[0], dilation[1], KH=KH, KW=KW, BS=bs, BLOCK_M=BM, num_warps=warps,
+            stride[0], stride[1], pads[0], pads[1], dilation[0], dilation[1], KH=KH, KW=KW, BS=bs, BLOCK_M=BM,
+            PRECISION=_precision(x.dtype), num_warps=warps,
             num_stages=stages)
         dw = part.sum(0)
     else:

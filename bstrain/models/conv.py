@@ -83,7 +83,7 @@ class BlockSparseConv2d(nn.Module):
         if backend == "triton" and bs not in (16, 32, 64, 128):
             raise ValueError(f"block_size: the Triton kernels take 16, 32, 64 or 128, got {bs}")
         self.padding, self.backend = padding, backend
-        self._set_layout(lay)
+        self._set_layout(lay, device)
         factory = {"device": device, "dtype": dtype}
         self.weight = nn.Parameter(torch.empty(int(lay.sum()), bs, bs, *self.kernel_size, **factory))
         self.bias = nn.Parameter(torch.empty(out_channels, **factory)) if bias else None
@@ -104,9 +104,14 @@ class BlockSparseConv2d(nn.Module):
         return torch.as_tensor(np.repeat(per_col, self.block_size), dtype=torch.float32)
 
     def reset_parameters(self) -> None:
-        """nn.Conv2d's default init with each output channel's true fan-in: uniform ±1/sqrt(fan_in)."""
+        """nn.Conv2d's default init with each output channel's true fan-in: uniform ±1/sqrt(fan_in).
+        Also rewrites the layout buffer and the index tables from the layout (after ``to_empty()``
+        they hold uninitialised memory)."""
         if self.weight.is_meta:
             return
+        with torch.no_grad():
+            self.layout.copy_(torch.as_tensor(self._layout))
+        self._set_layout(self._layout, self.weight.device)
         bound = 1.0 / self.fan_in().clamp_min(1).sqrt()                      # (K,)
         _, kj = np.nonzero(self._layout)
         bs = self.block_size
@@ -155,15 +160,15 @@ class BlockSparseConv2d(nn.Module):
                 f"padding={self.padding!r}, block_size={self.block_size}, density={self.density:.3f}, "
                 f"bias={self.bias is not None}")
 
-    def _set_layout(self, lay: np.ndarray) -> None:
-        """The layout and its index tables (buffers, not saved: the layout buffer is)."""
+    def _set_layout(self, lay: np.ndarray, device=None) -> None:
+        """The layout and its index tables (buffers on ``device``, not saved: the layout buffer is)."""
         bs = self.block_size
         ci, kj = np.nonzero(lay)
         self._layout = lay
         chan = np.arange(bs)
         cin = (ci[:, None] * bs + chan).ravel()                     # gathered input channel per group row
         kout = (kj[:, None] * bs + chan).ravel()                     # output channel of each grouped output
-        dev = self.layout.device if hasattr(self, "layout") else None
+        dev = device
         t = lambda a: torch.as_tensor(a, device=dev)               # noqa: E731
         self.register_buffer("_gather", None if np.array_equal(cin, np.arange(self.in_channels)) else t(cin),
                              persistent=False)
@@ -191,7 +196,10 @@ class BlockSparseConv2d(nn.Module):
                                   f"blocks, this layer's {self._layout.shape} and {int(self._layout.sum())}; build "
                                   f"the layer with layout=state_dict['{key}']")
                 return
-            if (new != self._layout).any():
-                self._set_layout(new)
+            # tables rebuilt every time (to_empty() leaves garbage), where the weight will live
+            assign = bool(local_metadata.get("assign_to_params_buffers"))
+            incoming = state_dict.get(prefix + "weight")
+            dev = incoming.device if assign and isinstance(incoming, torch.Tensor) else self.weight.device
+            self._set_layout(new, dev)
         super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
                                       error_msgs)

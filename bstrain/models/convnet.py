@@ -98,6 +98,8 @@ class SparseResNet(nn.Module):
             raise ValueError(f"model.layout: expected 'balanced' or 'grouped', got {cfg.layout!r}")
         sparse = cfg.density < 1
         groups = round(1 / cfg.density) if sparse and cfg.layout == "grouped" else 1
+        if sparse and cfg.layout == "grouped" and (groups < 2 or abs(groups * cfg.density - 1) > 1e-6):
+            raise ValueError(f"model.density: layout=grouped takes 1/groups (0.5, 0.25, 0.125, ...), got {cfg.density}")
         if sparse:
             bad = [w for w in widths if w % cfg.block_size or (w // cfg.block_size) % groups]
             if bad:
@@ -111,10 +113,12 @@ class SparseResNet(nn.Module):
             nb_in, nb_out = c_in // cfg.block_size, c_out // cfg.block_size
             if groups > 1:
                 lay = np.kron(np.eye(groups, dtype=bool), np.ones((nb_in // groups, nb_out // groups), bool))
-                return BlockSparseConv2d(c_in, c_out, k, stride, bias=False, block_size=cfg.block_size, layout=lay)
-            return BlockSparseConv2d(c_in, c_out, k, stride, bias=False, block_size=cfg.block_size,
-                                     layout=layouts.balanced((nb_in, nb_out), cfg.density,
-                                                             seed=cfg.layout_seed * 1000 + next(counter)))
+            else:
+                lay = layouts.balanced((nb_in, nb_out), cfg.density, seed=cfg.layout_seed * 1000 + next(counter))
+            # padding k // 2 as the dense convs: "same" would pad a stride-2 3x3 asymmetrically and
+            # misalign it with the 1x1 shortcut
+            return BlockSparseConv2d(c_in, c_out, k, stride, k // 2, bias=False, block_size=cfg.block_size,
+                                     layout=lay)
 
         self.stem = nn.Sequential(nn.Conv2d(cfg.in_channels, widths[0], 3, padding=1, bias=False),
                                   nn.BatchNorm2d(widths[0]), nn.ReLU())

@@ -157,6 +157,9 @@ class BlocksparseConv:
         self.C = int(max(c.max() for c in self._c)) + 1
         self.K = int(max(k.max() for k in self._k)) + 1
         self.fixed_block_size = len({(len(c), len(k)) for c, k in blocks}) == 1
+        if backend == "grouped" and not self.fixed_block_size:
+            raise ValueError("backend: 'grouped' needs blocks of one size (len(c), len(k)); these differ, use "
+                             "'dense' or 'auto'")
         self.sizeF = sum(len(c) * len(k) for c, k in blocks) * math.prod(self.TRS)
         self._geometry(MPQ)
         self.edge_bias = bool(edge_bias)
@@ -338,6 +341,8 @@ class BlocksparseConv:
         if not isinstance(eb, Tensor) or list(eb.shape) != self.edge_bias_shape:
             raise ValueError(f"edge_bias: expected shape {self.edge_bias_shape}, got "
                              f"{tuple(eb.shape) if isinstance(eb, Tensor) else type(eb).__name__}")
+        if eb.device != y.device:
+            raise ValueError(f"edge_bias: expected a tensor on {y.device} (as I), got one on {eb.device}")
         idx = torch.as_tensor(self._edge_map, device=y.device)
         table = torch.cat([eb.to(y.dtype), eb.new_zeros(eb.shape[0], 1).to(y.dtype)], 1)    # column -1: no edge
         add = table[:, idx].view([1, self.K] + list(y.shape[2:]))
@@ -350,9 +355,7 @@ class BlocksparseConv:
     def l2_normalize(self, F, gain: Tensor | None = None, epsilon: float = 1e-6) -> list[Tensor]:
         """Each block's filter scaled to unit L2 norm per output channel (times ``gain``, one value
         per output channel of the blocks in order); returns per-block filters like F."""
-        fs_in = list(F.unbind(0)) if isinstance(F, Tensor) and self.fixed_block_size and \
-            list(F.shape) == self.f_shape() else F
-        self._filters(fs_in)                                                # checks
+        fs_in = list(self._filters(F))
         dims = self._norm_dims()
         out, off = [], 0
         n_out = [len(k) for k in self._k]                                   # output channels (deconv too)
@@ -401,7 +404,10 @@ class BlocksparseDeconv(BlocksparseConv):
             MPQ = out
         self.MPQ = _dims("MPQ", MPQ, n, 1)
         # the forward convolution this one transposes: MPQ -> DHW
-        fwd, self._pads = conv_geometry(self.TRS, self.MPQ, self.strides, self.dilates, self.padding)
+        try:
+            fwd, self._pads = conv_geometry(self.TRS, self.MPQ, self.strides, self.dilates, self.padding)
+        except ValueError as exc:
+            raise ValueError(f"MPQ: the deconv's output {self.MPQ} is too small for its filter ({exc})") from None
         if fwd != self.DHW:
             raise ValueError(f"MPQ: a convolution of MPQ={self.MPQ} gives {fwd}, not the deconv's input DHW="
                              f"{self.DHW}; pass an MPQ whose convolution gives DHW")
@@ -520,26 +526,35 @@ def bsconv2d(x: Tensor, weight: Tensor, tables: list[Tensor], K: int, P: int, Q:
 
 @bsconv2d.register_fake
 def _(x, weight, tables, K, P, Q, stride, pads, dilation):
-    if x.is_contiguous(memory_format=torch.channels_last) and not x.is_contiguous():
-        return x.new_empty((x.shape[0], P, Q, K)).permute(0, 3, 1, 2)
-    return x.new_empty((x.shape[0], K, P, Q))
+    return _like_out((x.shape[0], K, P, Q), x)
 
 
 @torch.library.custom_op("bstrain::bsconv2d_bwd", mutates_args=())
 def bsconv2d_bwd(dy: Tensor, x: Tensor, weight: Tensor, tables: list[Tensor], stride: list[int], pads: list[int],
-                 dilation: list[int]) -> tuple[Tensor, Tensor]:
-    """(dx, dweight) of bsconv2d."""
+                 dilation: list[int], need_dx: bool, need_dw: bool) -> tuple[Tensor, Tensor]:
+    """(dx, dweight) of bsconv2d; an unneeded one is an empty tensor."""
     from bstrain.kernels.conv import conv_dw, conv_dx
     luts = _luts(weight, tables)
     kh, kw = weight.shape[3], weight.shape[4]
-    dx = conv_dx(dy, _wt(weight), luts, x.shape[1], x.shape[2], x.shape[3], stride, pads, dilation, x)
-    dw = conv_dw(x, dy, luts, kh, kw, stride, pads, dilation).to(weight.dtype).contiguous()
+    dx = conv_dx(dy, _wt(weight), luts, x.shape[1], x.shape[2], x.shape[3], stride, pads, dilation, x) if need_dx \
+        else x.new_empty(0)
+    dw = conv_dw(x, dy, luts, kh, kw, stride, pads, dilation).to(weight.dtype).contiguous() if need_dw \
+        else weight.new_empty(0)
     return dx, dw
 
 
+def _like_out(shape, like: Tensor) -> Tensor:
+    """An empty (N, C, H, W) in the memory format the kernels' launchers give (bstrain.kernels.conv._out)."""
+    N, C, H, W = shape
+    if like.is_contiguous(memory_format=torch.channels_last) and not like.is_contiguous():
+        return like.new_empty((N, H, W, C)).permute(0, 3, 1, 2)
+    return like.new_empty(shape)
+
+
 @bsconv2d_bwd.register_fake
-def _(dy, x, weight, tables, stride, pads, dilation):
-    return torch.empty_like(x), torch.empty_like(weight, memory_format=torch.contiguous_format)
+def _(dy, x, weight, tables, stride, pads, dilation, need_dx, need_dw):
+    return (_like_out(tuple(x.shape), x) if need_dx else x.new_empty(0),
+            weight.new_empty(weight.shape) if need_dw else weight.new_empty(0))
 
 
 def _bsconv2d_setup(ctx, inputs, output):
@@ -550,8 +565,10 @@ def _bsconv2d_setup(ctx, inputs, output):
 
 def _bsconv2d_backward(ctx, dy):
     x, weight = ctx.saved_tensors
-    dx, dw = bsconv2d_bwd(dy, x, weight, ctx.tables, ctx.stride, ctx.pads, ctx.dilation)
-    return dx, dw, [None] * len(ctx.tables), None, None, None, None, None, None
+    need_dx, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+    dx, dw = bsconv2d_bwd(dy, x, weight, ctx.tables, ctx.stride, ctx.pads, ctx.dilation, need_dx, need_dw)
+    return (dx if need_dx else None, dw if need_dw else None, [None] * len(ctx.tables), None, None, None, None,
+            None, None)
 
 
 bsconv2d.register_autograd(_bsconv2d_backward, setup_context=_bsconv2d_setup)

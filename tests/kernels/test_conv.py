@@ -35,7 +35,6 @@ def test_kernels_match_the_masked_dense_conv(dtype, kernel, stride, dilation, pa
     conv = BlockSparseConv2d(32, 48, kernel, stride, padding, dilation, block_size=16, density=0.5,
                              backend="triton")
     lay = conv.block_layout()
-    assert lay.sum(0).min() >= 0 and (lay.sum(1) == 0).sum() >= 0
     w64, b64 = masked_dense(conv), conv.bias.detach().double()
     x = torch.randn(2, 32, 7, 6)
     conv = conv.to(device=dev, dtype=dtype)
@@ -64,13 +63,32 @@ def test_kernels_match_the_masked_dense_conv(dtype, kernel, stride, dilation, pa
         assert_close(dw[n], rw[j * bs:(j + 1) * bs, i * bs:(i + 1) * bs], None, dtype, f"dW[{n}]")
 
 
-def test_an_input_block_with_no_live_output_gets_zero_gradient():
-    lay = np.zeros((3, 2), bool)
-    lay[0, 0] = lay[2, 1] = lay[2, 0] = True                 # input block 1 feeds nothing
-    conv = BlockSparseConv2d(48, 32, 3, layout=lay, block_size=16, backend="triton").to(kernel_device())
+def test_empty_rows_and_columns_of_the_layout():
+    """An input block that feeds nothing gets a zero gradient; an output block with no input is
+    the bias alone (both written, not left unset: outputs are poisoned under test)."""
+    lay = np.zeros((3, 3), bool)
+    lay[0, 0] = lay[2, 1] = lay[2, 0] = True                 # input block 1 feeds nothing; output block 2 is empty
+    conv = BlockSparseConv2d(48, 48, 3, layout=lay, block_size=16, backend="triton").to(kernel_device())
     x = torch.randn(1, 48, 5, 5, device=kernel_device(), requires_grad=True)
-    dx, = torch.autograd.grad(conv(x).sum(), [x])
+    y = conv(x)
+    torch.testing.assert_close(y[:, 32:], conv.bias[32:].view(1, -1, 1, 1).expand(1, 16, 5, 5))
+    dx, = torch.autograd.grad(y.sum(), [x])
     assert (dx[:, 16:32] == 0).all() and (dx[:, :16] != 0).any()
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "channels_last", "transposed"])
+def test_opcheck_backward_strides(layout):
+    conv = BlockSparseConv2d(32, 32, 3, block_size=16, density=0.5, backend="triton").to(kernel_device())
+    x = torch.randn(2, 32, 5, 5, device=kernel_device())
+    x = {"contiguous": x, "channels_last": x.to(memory_format=torch.channels_last),
+         "transposed": x.transpose(2, 3)}[layout]
+    tables = [getattr(conv, f"_t_{n}") for n in ("col_ptr", "col_blk", "col_in", "row_ptr", "row_blk", "row_out",
+                                                 "blk_in", "blk_out")]
+    dy = torch.randn(2, 32, 5, 5, device=kernel_device())
+    for need in ((True, True), (True, False), (False, True)):
+        torch.library.opcheck(torch.ops.bstrain.bsconv2d_bwd.default,
+                              (dy, x, conv.weight.detach(), tables, [1, 1], [1, 1], [1, 1], *need),
+                              test_utils=("test_schema", "test_faketensor"))
 
 
 def test_opcheck_and_compile():

@@ -66,10 +66,21 @@ def test_conv2d_state_dict_meta_init_and_layouts():
     with pytest.raises(RuntimeError, match="the checkpoint's layout has shape"):
         c.load_state_dict(a.state_dict())
     m = BlockSparseConv2d(16, 16, 3, block_size=4, density=0.5, seed=1, device="meta")
+    assert m._rows.is_meta and m._gather.is_meta                  # every table where the layer was built
     m.to_empty(device="cpu")
-    m.reset_parameters()
+    m.reset_parameters()                                          # tables and layout rebuilt, not garbage
     bound = 1 / (m.fan_in()[0] ** 0.5)
     assert m.weight.abs().max() <= bound and m.weight.std() > bound / 4
+    assert (m.layout.numpy() == m.block_layout()).all()
+    m.load_state_dict(a.state_dict())
+    torch.testing.assert_close(m(x), a(x))
+    loaded = BlockSparseConv2d(16, 16, 3, block_size=4, density=0.5, seed=1, device="meta")
+    loaded.to_empty(device="cpu")                                 # garbage tables, then a load without reset
+    loaded.load_state_dict(a.state_dict())
+    torch.testing.assert_close(loaded(x), a(x))
+    assigned = BlockSparseConv2d(16, 16, 3, block_size=4, density=0.5, seed=1, device="meta")
+    assigned.load_state_dict(a.state_dict(), assign=True)
+    torch.testing.assert_close(assigned(x), a(x))
     assert dict(block_sparse_layouts(torch.nn.Sequential(a)))["0"] is a.block_layout()
     with pytest.raises(ValueError, match="multiple of block_size"):
         BlockSparseConv2d(15, 16, 3, block_size=4, density=0.5)
@@ -112,6 +123,8 @@ def test_resnet_shapes_layouts_and_parameters(layout):
     (dict(density=0), "model.density"),
     (dict(layout="ring"), "model.layout"),
     (dict(widths="32,64", density=0.25, block_size=16, layout="grouped"), "x 4 groups"),
+    (dict(widths="32,64", density=0.4, block_size=8, layout="grouped"), "layout=grouped takes 1/groups"),
+    (dict(widths="32,64", density=0.9, block_size=8, layout="grouped"), "layout=grouped takes 1/groups"),
 ])
 def test_resnet_config_errors(kwargs, match):
     with pytest.raises(ValueError, match=match):

@@ -168,6 +168,22 @@ def test_deconv_is_the_adjoint_of_the_conv(geom, backend, equal):
     _check(op, fs, x, eb, y, lambda xr, w: ref_deconv(xr, w, list(TRS), list(DHW), strides, dilates, padding), True)
 
 
+def test_grouped_deconv_with_a_stacked_filter_and_flat_l2_normalize():
+    bck = [([0, 1], [0, 1, 2]), ([2, 3], [3, 4, 5]), ([0, 3], [0, 1, 2])]
+    de = BlocksparseDeconv(bck, (3, 3), (4, 5), strides=(2, 2), backend="grouped")
+    stacked = torch.randn(de.f_shape(), dtype=torch.float64)
+    x = torch.randn(de.i_shape(2), dtype=torch.float64)
+    want = ref_deconv(x, ref_filter(de, list(stacked.unbind(0)), True), [3, 3], de.MPQ, [2, 2], [1, 1], "SAME")
+    torch.testing.assert_close(de(stacked, x), want.detach())
+    flat = stacked.reshape(-1)
+    for a, b in zip(de.l2_normalize(flat), de.l2_normalize(stacked)):
+        torch.testing.assert_close(a, b)
+    with pytest.raises(ValueError, match="'grouped' needs blocks of one size"):
+        BlocksparseConv([([0], [0, 1]), ([0, 1], [1])], (3,), (5,), backend="grouped")
+    with pytest.raises(ValueError, match="MPQ: the deconv's output"):
+        BlocksparseDeconv([([0], [0])], (5,), (1,), MPQ=(2,), padding="VALID")
+
+
 def test_deconv_default_output_size():
     op = BlocksparseDeconv([([0, 1], [0, 1, 2])], (3, 3), (5, 4), strides=(2, 2))
     assert op.MPQ == [10, 8] and op.o_shape(3) == [3, 3, 10, 8]
@@ -273,6 +289,10 @@ def test_bad_calls():
         op(fs, x.double())
     with pytest.raises(ValueError, match="built with edge_bias=False"):
         op(fs, x, edge_bias=torch.zeros(2, 2))
+    with pytest.raises(ValueError, match="edge_bias: expected a tensor on meta"):
+        BlocksparseConv([([0], [0])], (3,), (5,), edge_bias=True)([torch.ones(1, 1, 3, device="meta")],
+                                                                  torch.ones(1, 1, 5, device="meta"),
+                                                                  edge_bias=torch.zeros(1, 2))
     with pytest.raises(ValueError, match="edge_bias: expected shape"):
         BlocksparseConv([([0], [0])], (3,), (5,), edge_bias=True)([torch.ones(1, 1, 3)], torch.ones(1, 1, 5),
                                                                   edge_bias=torch.zeros(3, 3))
