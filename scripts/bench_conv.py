@@ -25,19 +25,9 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bstrain.models.conv import BlockSparseConv2d  # noqa: E402
-
-
-def bench(fn, smoke: bool) -> float:
-    if smoke:
-        import time
-        fn()
-        t = time.perf_counter()
-        for _ in range(2):
-            fn()
-        return (time.perf_counter() - t) / 2 * 1e3
-    import triton
-    return triton.testing.do_bench(fn, warmup=25, rep=200, return_mode="median")
+from bench_attention import bench  # noqa: E402  (median ms: do_bench on CUDA, timed calls on CPU)
 
 
 def timed(forward, params, x, smoke):

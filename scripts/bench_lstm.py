@@ -187,20 +187,26 @@ SCALING = ["config=lstm_enwik8", "data.name=bytes", "data.max_bytes=67108864", "
            "trainer.ckpt_every=0", "trainer.log_every=10", "trainer.progress=false", "optim.ema=0"]
 
 
+def torchrun_tokens_per_s(run: Path, nproc: int, overrides: list[str]) -> tuple[float, list[float]]:
+    """Trains ``overrides`` under torchrun with nproc processes in a fresh run dir; returns (median
+    tokens/s of the logged windows after the first two, which include compilation; every window)."""
+    import re
+    import shutil
+    import subprocess
+    shutil.rmtree(run, ignore_errors=True)                 # a fresh run (an old one would refuse to start)
+    subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", "-m",
+                    "bstrain", "train", *overrides, f"hydra.run.dir={run}"], check=True)
+    rates = [float(v) for v in re.findall(r" step \d+ loss .* tokens/s (\d+)", (run / "train.log").read_text())]
+    steady = rates[2:] or rates
+    return sorted(steady)[len(steady) // 2], rates
+
+
 def cmd_scaling(args) -> None:
     """tokens/s of the enwik8-sized config: one process here, or args.nproc processes via torchrun."""
-    import re
-    import subprocess
-    import shutil
-    run = Path(args.runs) / f"scaling_{args.nproc}"
-    shutil.rmtree(run, ignore_errors=True)                 # a fresh run (an old one would refuse to start)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.nproc}", "-m",
-           "bstrain", "train", *SCALING, f"data.path={args.corpus or site_packages_glob()}",
-           f"trainer.max_steps={args.steps}", f"hydra.run.dir={run}"]
-    subprocess.run(cmd, check=True)
-    rates = [float(v) for v in re.findall(r" INFO step \d+ loss .* tokens/s (\d+)", (run / "train.log").read_text())]
-    steady = rates[2:]                                     # the first windows include compilation
-    tps = sorted(steady)[len(steady) // 2]
+    tps, rates = torchrun_tokens_per_s(Path(args.runs) / f"scaling_{args.nproc}", args.nproc,
+                                       [*SCALING, f"data.path={args.corpus or site_packages_glob()}",
+                                        f"trainer.max_steps={args.steps}"])
+    steady = rates[2:]
     out = dict(nproc=args.nproc, tokens_per_s=tps, windows=rates, overrides=SCALING, steps=args.steps,
                device=torch.cuda.get_device_name())
     with open(os.path.join(args.out, f"lstm_scaling_{args.nproc}.json"), "w") as f:

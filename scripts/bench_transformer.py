@@ -19,8 +19,6 @@ import datetime
 import json
 import os
 import re
-import shutil
-import subprocess
 import sys
 from pathlib import Path
 
@@ -28,7 +26,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from bench_lstm import build, config, site_packages_glob  # noqa: E402
+from bench_lstm import build, config, site_packages_glob, torchrun_tokens_per_s  # noqa: E402
 
 COMMON = ["config=transformer_enwik8", "data.name=bytes", "model.d_model=512", "model.n_layer=8", "model.n_head=8", "model.context=8192",
           "model.block_size=128", "model.window=256", "model.summary=32", "model.positions=rotary",
@@ -61,15 +59,11 @@ def cmd_curve(args) -> None:
 
 
 def cmd_scaling(args) -> None:
-    run = Path(args.runs) / f"scaling_{args.nproc}"
-    shutil.rmtree(run, ignore_errors=True)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.nproc}", "-m",
-           "bstrain", "train", *COMMON, *WHICH["sparse"], f"data.path={args.corpus or site_packages_glob()}",
-           "trainer.eval_every=0", "trainer.log_every=5", "data.max_bytes=67108864", f"trainer.max_steps={args.steps}", f"hydra.run.dir={run}"]
-    subprocess.run(cmd, check=True)
-    rates = [float(v) for v in re.findall(r" step \d+ loss .* tokens/s (\d+)", (run / "train.log").read_text())]
+    tps, rates = torchrun_tokens_per_s(Path(args.runs) / f"scaling_{args.nproc}", args.nproc,
+                                       [*COMMON, *WHICH["sparse"], f"data.path={args.corpus or site_packages_glob()}",
+                                        "trainer.eval_every=0", "trainer.log_every=5", "data.max_bytes=67108864",
+                                        f"trainer.max_steps={args.steps}"])
     steady = rates[2:]
-    tps = sorted(steady)[len(steady) // 2]
     out = dict(nproc=args.nproc, tokens_per_s=tps, windows=rates, steps=args.steps, device=torch.cuda.get_device_name())
     with open(os.path.join(args.out, f"transformer_scaling_{args.nproc}.json"), "w") as f:
         json.dump(out, f)

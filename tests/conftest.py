@@ -106,3 +106,25 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+class KilledRun(Exception):
+    """Raised by :func:`killed_then_resumed`'s checkpoint hook to end a run abruptly."""
+
+
+def killed_then_resumed(monkeypatch, make_cfg, kill_at: int) -> dict:
+    """Trains ``make_cfg(False)``, killed right after its step-``kill_at`` checkpoint is written,
+    then ``make_cfg(True)`` (the same run directory, resuming); returns the resumed run's result."""
+    from bstrain.train import trainer as trainer_mod
+    from bstrain.train.trainer import train
+    real_save = trainer_mod.save_checkpoint
+
+    def save_then_die(path, state):
+        real_save(path, state)
+        if state["step"] == kill_at:
+            raise KilledRun
+    monkeypatch.setattr(trainer_mod, "save_checkpoint", save_then_die)
+    with pytest.raises(KilledRun):
+        train(make_cfg(False))
+    monkeypatch.setattr(trainer_mod, "save_checkpoint", real_save)
+    return train(make_cfg(True))

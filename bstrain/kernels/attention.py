@@ -86,6 +86,16 @@ def _keep(code, PMASK, BO: tl.constexpr, BI: tl.constexpr, MODE: tl.constexpr, T
 
 
 @triton.jit
+def _program_row(ORDER, PTR, MID, TAB, B, n_outer, BO: tl.constexpr):
+    """This program's batch element, head, first outer position and its row's entry bounds: full
+    tiles [e0, e1), triangular [e1, e2), with a mask table [e2, e3)."""
+    pid = tl.program_id(0)
+    row = tl.load(ORDER + pid // B)
+    return (pid % B, row // n_outer, (row % n_outer) * BO, tl.load(PTR + row), tl.load(MID + row),
+            tl.load(TAB + row), tl.load(PTR + row + 1))
+
+
+@triton.jit
 def _fwd_loop(acc, l_i, m_i, q, K, V, kv_base, s_kt, INNER, CODE, e0, e1, PMASK, PAD, pad_base, qk_scale,
               head_dim, BO: tl.constexpr, BI: tl.constexpr, BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr,
               MODE: tl.constexpr, HAS_PAD: tl.constexpr, PRECISION: tl.constexpr, NUM_STAGES: tl.constexpr):
@@ -117,21 +127,13 @@ def _attn_fwd(Q, K, V, O, LSE, ORDER, PTR, MID, TAB, INNER, CODE, PMASK, PAD,
               s_qb, s_qt, s_kb, s_kt, s_ob, s_ot, B, H, n_outer, Tq, Tk, head_dim, qk_scale,
               BO: tl.constexpr, BI: tl.constexpr, BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr,
               HAS_PAD: tl.constexpr, PRECISION: tl.constexpr, NUM_STAGES: tl.constexpr):
-    pid = tl.program_id(0)
-    b = pid % B
-    row = tl.load(ORDER + pid // B)
-    h = row // n_outer
-    start = (row % n_outer) * BO
+    b, h, start, e0, e1, e2, e3 = _program_row(ORDER, PTR, MID, TAB, B, n_outer, BO)
     q = _rows(Q, b.to(tl.int64) * s_qb + h * head_dim, s_qt, start, BO, BLOCK_D, head_dim, EVEN_D)
     kv_base = b.to(tl.int64) * s_kb + h * head_dim
     pad_base = b.to(tl.int64) * Tk
     m_i = tl.full((BO,), float("-inf"), tl.float32)
     l_i = tl.zeros((BO,), tl.float32)
     acc = tl.zeros((BO, BLOCK_D), tl.float32)
-    e0 = tl.load(PTR + row)
-    e1 = tl.load(MID + row)
-    e2 = tl.load(TAB + row)
-    e3 = tl.load(PTR + row + 1)
     acc, l_i, m_i = _fwd_loop(acc, l_i, m_i, q, K, V, kv_base, s_kt, INNER, CODE, e0, e1, PMASK, PAD, pad_base,
                               qk_scale, head_dim, BO, BI, BLOCK_D, EVEN_D, 0, HAS_PAD, PRECISION, NUM_STAGES)
     acc, l_i, m_i = _fwd_loop(acc, l_i, m_i, q, K, V, kv_base, s_kt, INNER, CODE, e1, e2, PMASK, PAD, pad_base,
@@ -173,11 +175,7 @@ def _attn_bwd_dq(Q, K, V, O, DO, LSE, DELTA, DQ, ORDER, PTR, MID, TAB, INNER, CO
                  BO: tl.constexpr, BI: tl.constexpr, BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr,
                  HAS_PAD: tl.constexpr, PRECISION: tl.constexpr, NUM_STAGES: tl.constexpr):
     """Also writes Δ = rowsum(dO ∘ O) for :func:`_attn_bwd_dkdv` (q, o, do, dq share strides)."""
-    pid = tl.program_id(0)
-    b = pid % B
-    row = tl.load(ORDER + pid // B)
-    h = row // n_outer
-    start = (row % n_outer) * BO
+    b, h, start, e0, e1, e2, e3 = _program_row(ORDER, PTR, MID, TAB, B, n_outer, BO)
     q_base = b.to(tl.int64) * s_qb + h * head_dim
     q = _rows(Q, q_base, s_qt, start, BO, BLOCK_D, head_dim, EVEN_D)
     do = _rows(DO, q_base, s_qt, start, BO, BLOCK_D, head_dim, EVEN_D)
@@ -188,10 +186,6 @@ def _attn_bwd_dq(Q, K, V, O, DO, LSE, DELTA, DQ, ORDER, PTR, MID, TAB, INNER, CO
     lse = tl.load(LSE + stat)
     kv_base = b.to(tl.int64) * s_kb + h * head_dim
     pad_base = b.to(tl.int64) * Tk
-    e0 = tl.load(PTR + row)
-    e1 = tl.load(MID + row)
-    e2 = tl.load(TAB + row)
-    e3 = tl.load(PTR + row + 1)
     dq = tl.zeros((BO, BLOCK_D), tl.float32)
     dq = _dq_loop(dq, q, do, lse, delta, K, V, kv_base, s_kt, INNER, CODE, e0, e1, PMASK, PAD, pad_base, qk_scale,
                   head_dim, BO, BI, BLOCK_D, EVEN_D, 0, HAS_PAD, PRECISION, NUM_STAGES)
@@ -229,20 +223,12 @@ def _attn_bwd_dkdv(Q, K, V, DO, LSE, DELTA, DK, DV, ORDER, PTR, MID, TAB, INNER,
                    s_qb, s_qt, s_kb, s_kt, B, H, n_outer, Tq, Tk, head_dim, qk_scale, scale,
                    BO: tl.constexpr, BI: tl.constexpr, BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr,
                    HAS_PAD: tl.constexpr, PRECISION: tl.constexpr, NUM_STAGES: tl.constexpr):
-    pid = tl.program_id(0)
-    b = pid % B
-    col = tl.load(ORDER + pid // B)
-    h = col // n_outer
-    start = (col % n_outer) * BO
+    b, h, start, e0, e1, e2, e3 = _program_row(ORDER, PTR, MID, TAB, B, n_outer, BO)
     kv_base = b.to(tl.int64) * s_kb + h * head_dim
     k = _rows(K, kv_base, s_kt, start, BO, BLOCK_D, head_dim, EVEN_D)
     v = _rows(V, kv_base, s_kt, start, BO, BLOCK_D, head_dim, EVEN_D)
     q_base = b.to(tl.int64) * s_qb + h * head_dim
     stat_base = (b.to(tl.int64) * H + h) * Tq
-    e0 = tl.load(PTR + col)
-    e1 = tl.load(MID + col)
-    e2 = tl.load(TAB + col)
-    e3 = tl.load(PTR + col + 1)
     dk = tl.zeros((BO, BLOCK_D), tl.float32)
     dv = tl.zeros((BO, BLOCK_D), tl.float32)
     dk, dv = _dkdv_loop(dk, dv, k, v, Q, DO, LSE, DELTA, q_base, s_qt, stat_base, INNER, CODE, e0, e1, PMASK,
@@ -406,7 +392,8 @@ _KERNELS = {"fwd": (_attn_fwd, False), "dq": (_attn_bwd_dq, False), "dkdv": (_at
 
 def launch(kernel: str, luts: AttnLuts, D: int, dtype: torch.dtype, pad, B: int, tensors: tuple,
            strides: tuple, Tq: int, Tk: int, scales: tuple):
-    """One kernel over ``luts`` cut to its tiles (:func:`tiles`); returns Triton's compiled kernel
+    """One kernel over ``luts`` cut to its tiles (:func:`tiles`); ``pad`` is None or the int8 (B, Tk)
+    padding mask (:func:`_pad_i8`). Returns Triton's compiled kernel
     (None when the grid is empty)."""
     fn, by_key = _KERNELS[kernel]
     block_d = max(16, triton.next_power_of_2(D))
@@ -415,12 +402,17 @@ def launch(kernel: str, luts: AttnLuts, D: int, dtype: torch.dtype, pad, B: int,
     H = luts.heads
     if not B * H * t.n_outer:
         return None
-    pad_t = pad.to(torch.int8).contiguous() if pad is not None else tensors[0]   # never read without HAS_PAD
+    pad_t = pad if pad is not None else tensors[0]           # int8 (B, Tk); never read without HAS_PAD
     return fn[(H * t.n_outer * B,)](
         *tensors, t.order, t.ptr, t.mid, t.tab, t.inner, t.code, t.pmask, pad_t, *strides,
         B, H, t.n_outer, Tq, Tk, D, *scales,
         BO=bo, BI=bi, BLOCK_D=block_d, EVEN_D=block_d == D, HAS_PAD=pad is not None,
         PRECISION=_precision(dtype), NUM_STAGES=stages, num_warps=warps, num_stages=stages)
+
+
+def _pad_i8(pad):
+    """The kernels' form of a (B, Tk) bool padding mask, made once per forward or backward."""
+    return None if pad is None else pad.to(torch.int8).contiguous()
 
 
 def attention_forward(q, k, v, luts: AttnLuts, scale: float, pad=None):
@@ -429,7 +421,7 @@ def attention_forward(q, k, v, luts: AttnLuts, scale: float, pad=None):
     B, Tq, HD = q.shape
     o = empty(q.shape, q.dtype, q.device)
     lse = empty((B, luts.heads * Tq), torch.float32, q.device)
-    launch("fwd", luts, HD // luts.heads, q.dtype, pad, B, (q, k, v, o, lse),
+    launch("fwd", luts, HD // luts.heads, q.dtype, _pad_i8(pad), B, (q, k, v, o, lse),
            (q.stride(0), q.stride(1), k.stride(0), k.stride(1), o.stride(0), o.stride(1)), Tq, k.shape[1],
            (scale * LOG2E,))
     return o, lse
@@ -445,6 +437,7 @@ def attention_backward(do, q, k, v, o, lse, luts: AttnLuts, scale: float, pad=No
     dk = empty(k.shape, k.dtype, k.device)
     dv = empty(v.shape, v.dtype, v.device)
     strides = (q.stride(0), q.stride(1), k.stride(0), k.stride(1))
+    pad = _pad_i8(pad)
     launch("dq", luts, D, q.dtype, pad, B, (q, k, v, o, do, lse, delta, dq), strides, Tq, k.shape[1],
            (scale * LOG2E, scale))
     launch("dkdv", luts, D, q.dtype, pad, B, (q, k, v, do, lse, delta, dk, dv), strides, Tq, k.shape[1],

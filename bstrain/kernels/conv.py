@@ -37,6 +37,14 @@ def _pixels(m, P, Q):
 
 
 @triton.jit
+def _entry(t, BLK, OTHER, KH: tl.constexpr, KW: tl.constexpr):
+    """Step t of a (live block, filter tap) walk: (block number, its other-side block, tap, r, s)."""
+    ent = t // (KH * KW)
+    tap = t % (KH * KW)
+    return tl.load(BLK + ent), tl.load(OTHER + ent), tap, tap // KW, tap % KW
+
+
+@triton.jit
 def _conv_fwd(X, WT, Y, col_ptr, col_blk, col_in, M, P, Q, H, W,
               sxn, sxc, sxh, sxw, syn, syc, syp, syq,
               st_h, st_w, pad_h, pad_w, dl_h, dl_w,
@@ -50,12 +58,7 @@ def _conv_fwd(X, WT, Y, col_ptr, col_blk, col_in, M, P, Q, H, W,
     c = tl.arange(0, BS)
     acc = tl.zeros((BLOCK_M, BS), tl.float32)
     for t in range(tl.load(col_ptr + j) * (KH * KW), tl.load(col_ptr + j + 1) * (KH * KW)):
-        ent = t // (KH * KW)
-        tap = t % (KH * KW)
-        r = tap // KW
-        s = tap % KW
-        e = tl.load(col_blk + ent)
-        i = tl.load(col_in + ent)
+        e, i, tap, r, s = _entry(t, col_blk, col_in, KH, KW)
         h = p * st_h - pad_h + r * dl_h
         w = q * st_w - pad_w + s * dl_w
         ok = ok_m & (h >= 0) & (h < H) & (w >= 0) & (w < W)
@@ -81,12 +84,7 @@ def _conv_dx(DY, WT, DX, row_ptr, row_blk, row_out, M, P, Q, H, W,
     c = tl.arange(0, BS)
     acc = tl.zeros((BLOCK_M, BS), tl.float32)
     for t in range(tl.load(row_ptr + i) * (KH * KW), tl.load(row_ptr + i + 1) * (KH * KW)):
-        ent = t // (KH * KW)
-        tap = t % (KH * KW)
-        r = tap // KW
-        s = tap % KW
-        e = tl.load(row_blk + ent)
-        j = tl.load(row_out + ent)
+        e, j, tap, r, s = _entry(t, row_blk, row_out, KH, KW)
         ph = h + pad_h - r * dl_h
         pw = w + pad_w - s * dl_w
         p = ph // st_h

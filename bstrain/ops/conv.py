@@ -303,6 +303,7 @@ class BlocksparseConv:
         return self._add_edge_bias(y, edge_bias)
 
     def _conv(self, x: Tensor, w: Tensor, groups: int = 1) -> Tensor:
+        """This op's convolution (the deconv overrides it with the transposed one)."""
         return conv_nd(x, w, self.strides, self.dilates, self._pads, groups)
 
     def _dense(self, fs: list[Tensor], I: Tensor) -> Tensor:
@@ -343,7 +344,9 @@ class BlocksparseConv:
                              f"{tuple(eb.shape) if isinstance(eb, Tensor) else type(eb).__name__}")
         if eb.device != y.device:
             raise ValueError(f"edge_bias: expected a tensor on {y.device} (as I), got one on {eb.device}")
-        idx = torch.as_tensor(self._edge_map, device=y.device)
+        idx = self.__dict__.setdefault("_edge_idx", {}).get(y.device)
+        if idx is None:                                                   # once per device, not per call
+            idx = self._edge_idx[y.device] = torch.as_tensor(self._edge_map, device=y.device)
         table = torch.cat([eb.to(y.dtype), eb.new_zeros(eb.shape[0], 1).to(y.dtype)], 1)    # column -1: no edge
         add = table[:, idx].view([1, self.K] + list(y.shape[2:]))
         return y + add
@@ -441,8 +444,8 @@ class BlocksparseDeconv(BlocksparseConv):
     def _norm_dims(self) -> tuple[int, ...]:
         return (0,) + tuple(range(2, 2 + len(self.TRS)))                   # per output channel (dim 1)
 
-    def _deconv(self, x: Tensor, w: Tensor, groups: int = 1) -> Tensor:
-        """conv_transpose with (in, out/groups, *TRS) weights, cropped to MPQ (asymmetric pads)."""
+    def _conv(self, x: Tensor, w: Tensor, groups: int = 1) -> Tensor:
+        """This op's convolution (shared by the dense and grouped paths): conv_transpose with (in, out/groups, *TRS) weights, cropped to MPQ (asymmetric pads)."""
         n = len(self.TRS)
         extra = []
         for x_n, q_n, s, st, dl, (pb, _) in zip(self.MPQ, self.DHW, self.TRS, self.strides, self.dilates, self._pads):
@@ -460,20 +463,6 @@ class BlocksparseDeconv(BlocksparseConv):
         if any(pad_after):
             y = F.pad(y, [p for a in reversed(pad_after) for p in (0, a)])
         return y
-
-    def _dense(self, fs: list[Tensor], I: Tensor) -> Tensor:
-        return self._deconv(I, self.dense_filter(fs))
-
-    def _grouped(self, fs: list[Tensor], I: Tensor) -> Tensor:
-        gather, scatter = self._gather_plan(I.device)
-        x = I if gather is None else I.index_select(1, gather)
-        y = self._deconv(x, fs.stacked.flatten(0, 1) if fs.stacked is not None else torch.cat(fs, 0),
-                         groups=self.blocks)
-        if scatter is None:
-            return y
-        out = y.new_zeros([y.shape[0], self.K] + list(y.shape[2:]))
-        return out.index_add(1, scatter, y)
-
 
 
 def cwise_linear(x: Tensor, a: Tensor | None = None, b: Tensor | None = None, relu: bool = False,

@@ -12,9 +12,8 @@ from omegaconf import open_dict
 from bstrain.models.conv import BlockSparseConv2d
 from bstrain.models.convnet import SparseResNet
 from bstrain.models.layers import block_sparse_layouts
-from bstrain.train import trainer as trainer_mod
 from bstrain.train.trainer import train
-from tests.conftest import assert_close, fresh_seed
+from tests.conftest import assert_close, fresh_seed, killed_then_resumed
 
 
 def masked_dense(conv: BlockSparseConv2d) -> torch.Tensor:
@@ -131,10 +130,6 @@ def test_resnet_config_errors(kwargs, match):
         SparseResNet(**kwargs)
 
 
-class _Killed(Exception):
-    pass
-
-
 def _cfg(tmp_path, run, **over):
     from bstrain.configs.schema import register
     register()
@@ -157,17 +152,8 @@ def test_trains_and_resumes_exactly(tmp_path, monkeypatch):
     full = train(_cfg(tmp_path, "full"))
     hist = dict(full["history"])
     assert hist[8] < hist[2]
-    real_save = trainer_mod.save_checkpoint
-
-    def save_then_die(path, state):
-        real_save(path, state)
-        if state["step"] == 4:
-            raise _Killed
-    monkeypatch.setattr(trainer_mod, "save_checkpoint", save_then_die)
-    with pytest.raises(_Killed):
-        train(_cfg(tmp_path, "split"))
-    monkeypatch.setattr(trainer_mod, "save_checkpoint", real_save)
-    second = train(_cfg(tmp_path, "split", resume=True))
+    second = killed_then_resumed(monkeypatch, lambda resume: _cfg(tmp_path, "split", **({"resume": True} if resume
+                                                                                           else {})), kill_at=4)
     got = dict(second["history"])
     assert sorted(got) == [5, 6, 7, 8]
     for step in got:

@@ -8,8 +8,8 @@ from omegaconf import open_dict
 
 from bstrain.models.layers import BlockSparseLinear
 from bstrain.models.transformer import PATTERNS, SparseTransformer
-from bstrain.train import trainer as trainer_mod
 from bstrain.train.trainer import train
+from tests.conftest import killed_then_resumed
 
 SMALL = dict(d_model=32, n_layer=2, n_head=2, context=64, block_size=16, window=16, summary=4)
 
@@ -55,10 +55,6 @@ def test_config_errors(kwargs, match):
         SparseTransformer(**SMALL)(torch.zeros(1, 65, dtype=torch.long))
 
 
-class _Killed(Exception):
-    pass
-
-
 def _cfg(tmp_path, run, **over):
     from bstrain.configs.schema import register
     register()
@@ -81,17 +77,8 @@ def test_trains_and_resumes_exactly(tmp_path, monkeypatch):
     full = train(_cfg(tmp_path, "full"))
     hist = dict(full["history"])
     assert hist[8] < hist[2]
-    real_save = trainer_mod.save_checkpoint
-
-    def save_then_die(path, state):
-        real_save(path, state)
-        if state["step"] == 4:
-            raise _Killed
-    monkeypatch.setattr(trainer_mod, "save_checkpoint", save_then_die)
-    with pytest.raises(_Killed):
-        train(_cfg(tmp_path, "split"))
-    monkeypatch.setattr(trainer_mod, "save_checkpoint", real_save)
-    second = train(_cfg(tmp_path, "split", resume=True))
+    second = killed_then_resumed(monkeypatch, lambda resume: _cfg(tmp_path, "split", **({"resume": True} if resume
+                                                                                           else {})), kill_at=4)
     got = dict(second["history"])
     assert sorted(got) == [5, 6, 7, 8]
     for step in got:

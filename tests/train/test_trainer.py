@@ -20,6 +20,7 @@ from bstrain.train import checkpoint as ckpt_mod
 from bstrain.train import trainer as trainer_mod
 from bstrain.errors import UserError
 from bstrain.train.trainer import train
+from tests.conftest import killed_then_resumed
 
 REPO = Path(__file__).parents[2]
 
@@ -45,23 +46,10 @@ def test_dense_variant_and_layout_choices(make_cfg):
         assert math.isfinite(out["train_loss"])
 
 
-class _Killed(Exception):
-    pass
-
-
 def test_resume_continues_the_same_loss_curve(make_cfg, monkeypatch):
     full = train(make_cfg(trainer__max_steps=12, run="full"))
-    real_save = trainer_mod.save_checkpoint
-
-    def save_then_die(path, state):                     # the run dies right after its step-8 checkpoint
-        real_save(path, state)
-        if state["step"] == 8:
-            raise _Killed
-    monkeypatch.setattr(trainer_mod, "save_checkpoint", save_then_die)
-    with pytest.raises(_Killed):
-        train(make_cfg(trainer__max_steps=12, run="split"))
-    monkeypatch.setattr(trainer_mod, "save_checkpoint", real_save)
-    second = train(make_cfg("trainer.resume=true", trainer__max_steps=12, run="split"))
+    second = killed_then_resumed(monkeypatch, lambda resume: make_cfg(*(["trainer.resume=true"] if resume else []),
+                                                                      trainer__max_steps=12, run="split"), kill_at=8)
     got, want = dict(second["history"]), dict(full["history"])
     assert sorted(got) == [9, 10, 11, 12]
     for step in got:                    # bitwise on CPU; GPU reductions may differ in the last bits
