@@ -30,16 +30,42 @@ from bstrain.models.conv import BlockSparseConv2d  # noqa: E402
 from bench_attention import bench  # noqa: E402  (median ms: do_bench on CUDA, timed calls on CPU)
 
 
+def gpu_ms(fn, reps: int = 20) -> float:
+    """Summed GPU time of fn's kernels per call (torch.profiler): the work, without the host's
+    launch overhead, which a single small layer timed alone exposes."""
+    from torch.profiler import ProfilerActivity, profile
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(reps):
+            fn()
+        torch.cuda.synchronize()
+    return sum(e.self_device_time_total for e in prof.key_averages()) / reps / 1e3
+
+
 def timed(forward, params, x, smoke):
-    """(fwd ms, fwd+bwd ms) of y = forward(x), gradients for x and params."""
+    """(fwd ms, fwd+bwd ms, fwd GPU ms, fwd+bwd GPU ms) of y = forward(x), gradients for x and params."""
     g = torch.randn_like(forward(x))
 
     def fb():
         y = forward(x)
         torch.autograd.grad(y, [x, *params], g)
-    with torch.no_grad():
-        f = bench(lambda: forward(x), smoke)
-    return f, bench(fb, smoke)
+
+    def f():
+        with torch.no_grad():
+            forward(x)
+    if smoke:
+        return bench(f, smoke), bench(fb, smoke), float("nan"), float("nan")
+    return bench(f, smoke), bench(fb, smoke), gpu_ms(f), gpu_ms(fb)
+
+
+def row(fmt, method, live, block, t, dense) -> dict:
+    """A table row: times (wall and GPU) and ratio = time / (dense time x live fraction)."""
+    keys = ("fwd_ms", "fb_ms", "fwd_gpu_ms", "fb_gpu_ms")
+    r = dict(format=fmt, method=method, density=round(live, 4), block=block, **{k: round(v, 4) for k, v in zip(keys, t)})
+    for k, v, d in zip(keys, t, dense):
+        r["ratio_" + k[:-3]] = round(v / (d * live), 2)
+    return r
 
 
 def measure(args) -> list[dict]:
@@ -51,18 +77,14 @@ def measure(args) -> list[dict]:
         mf = torch.channels_last if fmt == "channels_last" else torch.contiguous_format
         x = torch.randn(N, C, HW, HW, device=dev, dtype=dt).to(memory_format=mf).requires_grad_()
         w = (torch.randn(C, C, 3, 3, device=dev, dtype=dt) * 0.05).to(memory_format=mf).requires_grad_()
-        dense_f, dense_fb = timed(lambda t: F.conv2d(t, w, padding=1), [w], x, smoke)
-        rows.append(dict(format=fmt, method="dense", density=1.0, block=None, fwd_ms=round(dense_f, 4),
-                         fb_ms=round(dense_fb, 4), ratio_fwd=1.0, ratio_fb=1.0))
+        dense = timed(lambda t: F.conv2d(t, w, padding=1), [w], x, smoke)
+        rows.append(row(fmt, "dense", 1.0, None, dense, dense))
         print(rows[-1], flush=True)
         for groups in args.groups:
             wg = (torch.randn(C, C // groups, 3, 3, device=dev, dtype=dt) * 0.05).to(memory_format=mf)
             wg.requires_grad_()
-            f, fb = timed(lambda t: F.conv2d(t, wg, padding=1, groups=groups), [wg], x, smoke)
-            live = 1 / groups
-            rows.append(dict(format=fmt, method=f"cuDNN groups={groups}", density=live, block=C // groups,
-                             fwd_ms=round(f, 4), fb_ms=round(fb, 4), ratio_fwd=round(f / (dense_f * live), 2),
-                             ratio_fb=round(fb / (dense_fb * live), 2)))
+            t = timed(lambda t: F.conv2d(t, wg, padding=1, groups=groups), [wg], x, smoke)
+            rows.append(row(fmt, f"cuDNN groups={groups}", 1 / groups, C // groups, t, dense))
             print(rows[-1], flush=True)
         for density in args.densities:
             for bs in args.block_sizes:
@@ -71,13 +93,11 @@ def measure(args) -> list[dict]:
                                              backend=backend).to(device=dev, dtype=dt)
                     live = conv.density
                     try:
-                        f, fb = timed(conv, [conv.weight], x, smoke)
+                        t = timed(conv, [conv.weight], x, smoke)
                     except Exception as exc:                            # keep the other rows
                         print(f"bstrain bs={bs} {backend}: {type(exc).__name__}: {exc}", flush=True)
                         continue
-                    rows.append(dict(format=fmt, method=f"bstrain {backend}", density=round(live, 4), block=bs,
-                                     fwd_ms=round(f, 4), fb_ms=round(fb, 4), ratio_fwd=round(f / (dense_f * live), 2),
-                                     ratio_fb=round(fb / (dense_fb * live), 2)))
+                    rows.append(row(fmt, f"bstrain {backend}", live, bs, t, dense))
                     print(rows[-1], flush=True)
     return rows
 
@@ -87,11 +107,15 @@ def report(rows, extra, args) -> None:
              f"torch {extra['torch']}; scripts/bench_conv.py; N={args.batch}, C=K={args.channels}, "
              f"{args.size}x{args.size}, 3x3, SAME, {extra['dtype']}; medians of triton.testing.do_bench. "
              "ratio = time / (dense time x live fraction); target fwd+bwd ratio <= 1.5.", "",
-             "| format | method | live | block | fwd ms | fwd+bwd ms | ratio fwd | ratio fwd+bwd |",
-             "|---|---|---|---|---|---|---|---|"]
+             "Wall: do_bench of the eager call (host launch overhead included); GPU: the summed kernel "
+             "time per call (torch.profiler), what a layer costs inside a network that keeps the GPU busy.", "",
+             "| format | method | live | block | fwd ms | fwd+bwd ms | GPU fwd ms | GPU fwd+bwd ms | ratio fwd "
+             "| ratio fwd+bwd | GPU ratio fwd | GPU ratio fwd+bwd |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         lines.append(f"| {r['format']} | {r['method']} | {r['density']:.3f} | {r['block'] or '-'} | {r['fwd_ms']} | "
-                     f"{r['fb_ms']} | {r['ratio_fwd']} | {r['ratio_fb']} |")
+                     f"{r['fb_ms']} | {r['fwd_gpu_ms']} | {r['fb_gpu_ms']} | {r['ratio_fwd']} | {r['ratio_fb']} | "
+                     f"{r['ratio_fwd_gpu']} | {r['ratio_fb_gpu']} |")
     with open(os.path.join(args.out, "conv.md"), "w") as f:
         f.write("\n".join(lines) + "\n")
     with open(os.path.join(args.out, "conv.json"), "w") as f:
@@ -106,10 +130,10 @@ def report(rows, extra, args) -> None:
     fig, ax = plt.subplots(figsize=(8, 4.5))
     pts = [r for r in rows if r["method"] != "dense"]
     labels = [f"{r['method']}\n{r['format'][:8]} bs={r['block']} {r['density']:.2f}" for r in pts]
-    ax.bar(range(len(pts)), [r["ratio_fb"] for r in pts])
+    ax.bar(range(len(pts)), [r["ratio_fb_gpu"] for r in pts])
     ax.axhline(1.5, ls="--", c="grey", lw=1)
     ax.set_xticks(range(len(pts)), labels, rotation=90, fontsize=6)
-    ax.set_ylabel("fwd+bwd time / (dense x live fraction)")
+    ax.set_ylabel("fwd+bwd GPU time / (dense x live fraction)")
     fig.tight_layout()
     fig.savefig(os.path.join(args.out, "conv.png"), dpi=120)
 

@@ -3,7 +3,8 @@
     PYTHONPATH=$PWD python scripts/tune_conv.py [--out DIR] [--block-sizes 32,64] [--budget-s 200]
 
 At the benchmark's layer (N=128, C=K=256, 32x32, 3x3, bf16, channels-last, 25% live, balanced
-random layout), each kernel (fwd, dx, dw) alone, per candidate: the median time
+random layout), each kernel (fwd, dx, dw; the TMA kernels "*_tma" of stride-1 channels-last
+convolutions, and/or the pointer-load kernels) alone, per candidate: the median time
 (triton.testing.do_bench), with the compiled kernel's registers and spills. Writes
 tune_conv.json ({"best": {"kernel,bs": [BLOCK_M, warps, stages]}, "rows": [...]}) and prints the
 best per kernel; dense cuDNN fwd time for scale.
@@ -23,8 +24,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from bstrain.kernels import conv as K  # noqa: E402
 from bstrain.models.conv import BlockSparseConv2d  # noqa: E402
 
+TMA_CANDIDATES = [(64, 4, 3), (128, 4, 2), (128, 4, 3), (128, 4, 4), (128, 8, 3), (256, 8, 2), (256, 8, 3)]
 CANDIDATES = [(64, 4, 2), (64, 4, 3), (64, 4, 4), (128, 4, 3), (128, 8, 3), (128, 8, 4), (256, 8, 3), (64, 8, 3),
-              (32, 4, 3)]
+              (32, 4, 3), (64, 4, 1), (128, 4, 1), (128, 8, 1), (256, 8, 1)]
 
 
 def main() -> None:
@@ -34,6 +36,7 @@ def main() -> None:
     ap.add_argument("--block-sizes", default="32,64")
     ap.add_argument("--density", type=float, default=0.25)
     ap.add_argument("--budget-s", type=float, default=200)
+    ap.add_argument("--paths", default="tma", help="tma (stride-1 TMA kernels), pointer, or both: tma,pointer")
     args = ap.parse_args()
     t0 = time.time()
     N, C, S = 128, 256, 32
@@ -52,9 +55,11 @@ def main() -> None:
         calls = {"fwd": lambda: K.conv_forward(x, wt, luts, C, S, S, (1, 1), (1, 1), (1, 1)),
                  "dx": lambda: K.conv_dx(dy, wt, luts, C, S, S, (1, 1), (1, 1), (1, 1), x),
                  "dw": lambda: K.conv_dw(x, dy, luts, 3, 3, (1, 1), (1, 1), (1, 1))}
-        for kernel, call in calls.items():
+        for path, (kernel, call) in [(p, kc) for p in args.paths.split(",") for kc in calls.items()]:
+            K.USE_TMA = path == "tma"
+            kernel = f"{kernel}_tma" if path == "tma" else kernel
             times = {}
-            for cand in CANDIDATES:
+            for cand in TMA_CANDIDATES if path == "tma" else CANDIDATES:
                 if time.time() - t0 > args.budget_s:
                     break
                 K.CONFIGS[(kernel, bs, 2)] = cand

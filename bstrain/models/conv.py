@@ -2,10 +2,11 @@
 
 The layout is a (C/bs, K/bs) 0/1 array over input and output channel blocks, as for
 :class:`bstrain.models.layers.BlockSparseLinear`; each live block (i, j) is a (bs, bs, kh, kw)
-filter from input channels i·bs.. to output channels j·bs... It runs the two paths of
-:class:`bstrain.ops.conv.BlocksparseConv` (a grouped convolution between a channel gather and a scatter-add, or one
-masked dense filter), with the channel index tables as buffers, so ``torch.compile`` traces it
-with no graph break.
+filter from input channels i·bs.. to output channels j·bs... It runs the implicit-GEMM Triton
+kernels of :mod:`bstrain.kernels.conv` (custom op ``bstrain::bsconv2d``), or the two PyTorch paths of
+:class:`bstrain.ops.conv.BlocksparseConv` (a grouped convolution between a channel gather and a
+scatter-add, or one masked dense filter), with the index tables as buffers, so ``torch.compile``
+traces it with no graph break.
 """
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ import torch
 from torch import nn
 
 from bstrain import layout as layouts
-from bstrain.ops.conv import bsconv2d, conv_geometry, conv_nd
+from bstrain.ops.conv import conv_geometry, conv_nd, sparse_conv2d
 
 __all__ = ["BlockSparseConv2d"]
 
@@ -46,7 +47,9 @@ class BlockSparseConv2d(nn.Module):
         seed: seed of the drawn layout; None follows torch's RNG.
         backend: "auto" | "grouped" | "dense" (cuDNN compositions, as BlocksparseConv) |
             "triton" (the implicit-GEMM kernels of bstrain.kernels.conv, custom op
-            ``torch.ops.bstrain.bsconv2d``; CUDA, or CPU under TRITON_INTERPRET=1).
+            ``torch.ops.bstrain.bsconv2d``; CUDA, or CPU under TRITON_INTERPRET=1). "auto" takes
+            "triton" for CUDA 16-bit channels-last stride-1 inputs with blocks of 64 or more (or
+            at most 1/8 live), else "dense".
 
     Parameters: ``weight`` (nnz, bs, bs, kh, kw), the live blocks in row-major layout order, each
     (out, in, kh, kw) as nn.Conv2d; ``bias`` (K,). The layout is the ``layout`` buffer.
@@ -123,10 +126,19 @@ class BlockSparseConv2d(nn.Module):
                 b = bound.to(self.bias)
                 self.bias.uniform_(-1, 1).mul_(b)
 
-    def _grouped(self, x: torch.Tensor) -> bool:
-        if self.backend == "dense":
-            return False
-        return self.backend == "grouped" or (x.is_cuda and self.density <= 0.5)
+    def _path(self, x: torch.Tensor) -> str:
+        """The backend that runs x. "auto" takes the Triton kernels where they beat cuDNN on the
+        H200 (benchmarks/conv.md: CUDA, 16-bit, channels-last, stride 1, blocks of 64 or more, or
+        at most 1/8 live), else the masked dense filter (faster than the grouped gather-scatter
+        at every measured point)."""
+        if self.backend != "auto":
+            return self.backend
+        if (x.is_cuda and x.dtype in (torch.float16, torch.bfloat16) and x.dtype == self.weight.dtype
+                and self.stride == (1, 1) and self.block_size in (16, 32, 64, 128)
+                and x.is_contiguous(memory_format=torch.channels_last)
+                and (self.block_size >= 64 or self.density <= 0.125)):
+            return "triton"
+        return "dense"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dim() != 4 or x.shape[1] != self.in_channels:
@@ -135,16 +147,17 @@ class BlockSparseConv2d(nn.Module):
         padding = [p, p] if isinstance(p, int) else (["SAME", "SAME"] if p == "SAME" else [0, 0])
         _out_size, pads = conv_geometry(self.kernel_size, [int(x.shape[2]), int(x.shape[3])], self.stride,
                                         self.dilation, padding)
-        if self.backend == "triton":
+        path = self._path(x)
+        if path == "triton":
             if not x.is_cuda and os.environ.get("TRITON_INTERPRET") != "1":
                 raise ValueError(f"x: backend='triton' needs a CUDA tensor (or TRITON_INTERPRET=1), got one on {x.device}")
             if x.dtype != self.weight.dtype or x.dtype not in (torch.float16, torch.bfloat16, torch.float32):
                 raise TypeError(f"x: backend='triton' takes float16/bfloat16/float32 like the weight "
                                 f"({self.weight.dtype}), got {x.dtype}")
             P, Q = _out_size
-            y = bsconv2d(x, self.weight, [getattr(self, f"_t_{n}") for n in _TABLES], self.out_channels, P, Q,
+            y = sparse_conv2d(x, self.weight, [getattr(self, f"_t_{n}") for n in _TABLES], self.out_channels, P, Q,
                          list(self.stride), [pads[0][0], pads[1][0]], list(self.dilation))
-        elif self._grouped(x):
+        elif path == "grouped":
             xg = x if self._gather is None else x.index_select(1, self._gather)
             y = conv_nd(xg, self.weight.flatten(0, 1), self.stride, self.dilation, pads, groups=self.weight.shape[0])
             if self._scatter is not None:

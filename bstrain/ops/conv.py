@@ -494,6 +494,9 @@ def cwise_linear(x: Tensor, a: Tensor | None = None, b: Tensor | None = None, re
 # --- torch.ops.bstrain.bsconv2d: the Triton kernels as custom ops ----------------------------------
 # The layout travels as its index tables (int32 tensors: col_ptr, col_blk, col_in, row_ptr, row_blk,
 # row_out, blk_in, blk_out of bstrain.kernels.conv.ConvLuts), so the ops need no registry.
+# Traced calls (torch.compile, export) go through the custom ops; eager calls run the same bodies
+# through an autograd.Function (sparse_conv2d below): the dispatcher's boxed calls into Python cost
+# about 0.4 ms per op on the H200, more than the kernels of a ResNet layer.
 def _wt(weight: Tensor) -> Tensor:
     """(nnz, out, in, kh, kw) -> the kernels' (nnz, kh, kw, in, out), contiguous."""
     return weight.permute(0, 3, 4, 2, 1).contiguous()
@@ -509,8 +512,12 @@ def bsconv2d(x: Tensor, weight: Tensor, tables: list[Tensor], K: int, P: int, Q:
              pads: list[int], dilation: list[int]) -> Tensor:
     """y (N, K, P, Q) of a block-sparse 2-D convolution (weight (nnz, bs, bs, kh, kw)); pads =
     (top, left). CUDA (or TRITON_INTERPRET=1): the Triton kernels."""
+    return _forward(x, weight, tables, K, P, Q, stride, pads, dilation)
+
+
+def _forward(x, weight, tables, K, P, Q, stride, pads, dilation, wt=None) -> Tensor:
     from bstrain.kernels.conv import conv_forward
-    return conv_forward(x, _wt(weight), _luts(weight, tables), K, P, Q, stride, pads, dilation)
+    return conv_forward(x, _wt(weight) if wt is None else wt, _luts(weight, tables), K, P, Q, stride, pads, dilation)
 
 
 @bsconv2d.register_fake
@@ -522,10 +529,16 @@ def _(x, weight, tables, K, P, Q, stride, pads, dilation):
 def bsconv2d_bwd(dy: Tensor, x: Tensor, weight: Tensor, tables: list[Tensor], stride: list[int], pads: list[int],
                  dilation: list[int], need_dx: bool, need_dw: bool) -> tuple[Tensor, Tensor]:
     """(dx, dweight) of bsconv2d; an unneeded one is an empty tensor."""
+    return _backward(dy, x, weight, tables, stride, pads, dilation, need_dx, need_dw)
+
+
+def _backward(dy, x, weight, tables, stride, pads, dilation, need_dx, need_dw, wt=None) -> tuple[Tensor, Tensor]:
     from bstrain.kernels.conv import conv_dw, conv_dx
     luts = _luts(weight, tables)
+    if dy.stride(1) != 1 and x.stride(1) == 1 and dy.dim() == 4:      # channels-last x: gather dy's channels
+        dy = dy.contiguous(memory_format=torch.channels_last)         # from contiguous rows, not strided ones
     kh, kw = weight.shape[3], weight.shape[4]
-    dx = conv_dx(dy, _wt(weight), luts, x.shape[1], x.shape[2], x.shape[3], stride, pads, dilation, x) if need_dx \
+    dx = conv_dx(dy, _wt(weight) if wt is None else wt, luts, x.shape[1], x.shape[2], x.shape[3], stride, pads, dilation, x) if need_dx \
         else x.new_empty(0)
     dw = conv_dw(x, dy, luts, kh, kw, stride, pads, dilation).to(weight.dtype).contiguous() if need_dw \
         else weight.new_empty(0)
@@ -561,3 +574,30 @@ def _bsconv2d_backward(ctx, dy):
 
 
 bsconv2d.register_autograd(_bsconv2d_backward, setup_context=_bsconv2d_setup)
+
+
+class _SparseConv2dFn(torch.autograd.Function):
+    """bsconv2d and its backward for eager calls (no dispatcher round trip)."""
+
+    @staticmethod
+    def forward(ctx, x, weight, tables, K, P, Q, stride, pads, dilation):
+        wt = _wt(weight)                                  # the kernels' filter layout, reused by dX
+        ctx.save_for_backward(x, weight, wt)
+        ctx.tables, ctx.stride, ctx.pads, ctx.dilation = tables, stride, pads, dilation
+        return _forward(x, weight, tables, K, P, Q, stride, pads, dilation, wt)
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, weight, wt = ctx.saved_tensors
+        need_dx, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        dx, dw = _backward(dy, x, weight, ctx.tables, ctx.stride, ctx.pads, ctx.dilation, need_dx, need_dw, wt)
+        return dx if need_dx else None, dw if need_dw else None, None, None, None, None, None, None, None
+
+
+def sparse_conv2d(x: Tensor, weight: Tensor, tables: list[Tensor], K: int, P: int, Q: int, stride: list[int],
+                  pads: list[int], dilation: list[int]) -> Tensor:
+    """bsconv2d with autograd: the custom op when traced, the lighter autograd.Function eagerly."""
+    from bstrain.ops.library import eager
+    if eager(x):
+        return _SparseConv2dFn.apply(x, weight, tables, K, P, Q, stride, pads, dilation)
+    return bsconv2d(x, weight, tables, K, P, Q, stride, pads, dilation)

@@ -115,3 +115,54 @@ def test_triton_backend_input_errors(monkeypatch):
         conv.to(kernel_device())(torch.randn(1, 32, 4, 4, dtype=torch.float64, device=kernel_device()))
     with pytest.raises(ValueError, match="the Triton kernels take 16, 32, 64 or 128"):
         BlockSparseConv2d(24, 24, 3, block_size=8, density=0.5, backend="triton")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("bs", [16, 32, 64, 128])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=DTYPE_IDS.get)
+@pytest.mark.parametrize("tma", [True, False], ids=["tma", "pointer"])
+@pytest.mark.parametrize("hw,dilation", [((16, 16), 1), ((9, 13), 2)])
+def test_kernels_on_cuda_per_block_size(bs, dtype, tma, hw, dilation, monkeypatch):
+    """Compiled kernels at every block size, channels-last stride 1 (the TMA kernels, or the
+    pointer-load ones forced), ragged images, against the float64 masked dense conv."""
+    from bstrain.kernels import conv as K
+    monkeypatch.setattr(K, "USE_TMA", tma)
+    torch.manual_seed(fresh_seed())
+    C = 2 * bs if bs >= 64 else 128
+    conv = BlockSparseConv2d(C, C, 3, 1, "same", dilation, block_size=bs, density=0.5, backend="triton")
+    lay = conv.block_layout()
+    w64, b64 = masked_dense(conv), conv.bias.detach().double()
+    x = torch.randn(3, C, *hw)
+    conv = conv.to(device="cuda", dtype=dtype)
+    xd = x.to("cuda", dtype).to(memory_format=torch.channels_last).requires_grad_()
+    y = conv(xd)
+    xr = x.double().requires_grad_()
+    w = w64.clone().requires_grad_()
+    ref = F.conv2d(xr, w, padding=dilation, dilation=dilation)
+    assert_close(y, ref + b64.view(1, -1, 1, 1), None, dtype, "out")
+    g = torch.randn_like(ref)
+    dx, dw = torch.autograd.grad(y, [xd, conv.weight], g.to("cuda", dtype))
+    rx, rw = torch.autograd.grad(ref, [xr, w], g)
+    assert_close(dx, rx, None, dtype, "dx")
+    for n, (i, j) in enumerate(zip(*np.nonzero(lay))):
+        assert_close(dw[n], rw[j * bs:(j + 1) * bs, i * bs:(i + 1) * bs], None, dtype, f"dW[{n}]")
+
+
+def test_auto_backend_choice():
+    """auto: the masked dense filter on CPU and for fp32, NCHW or strided CUDA inputs."""
+    conv = BlockSparseConv2d(128, 128, 3, block_size=64, density=0.25)
+    assert conv._path(torch.randn(1, 128, 4, 4).to(memory_format=torch.channels_last)) == "dense"
+    assert BlockSparseConv2d(128, 128, 3, block_size=64, density=0.25, backend="grouped")._path(
+        torch.randn(1, 128, 4, 4)) == "grouped"
+
+
+@pytest.mark.gpu
+def test_auto_backend_takes_the_kernels_on_cuda():
+    conv = BlockSparseConv2d(128, 128, 3, block_size=64, density=0.25).to("cuda", torch.bfloat16)
+    x = torch.randn(2, 128, 8, 8, device="cuda", dtype=torch.bfloat16)
+    assert conv._path(x.to(memory_format=torch.channels_last)) == "triton"
+    assert conv._path(x) == "dense" and conv._path(x.float()) == "dense"
+    strided = BlockSparseConv2d(128, 128, 3, 2, block_size=64, density=0.25).to("cuda", torch.bfloat16)
+    assert strided._path(x.to(memory_format=torch.channels_last)) == "dense"
+    small = BlockSparseConv2d(128, 128, 3, block_size=32, density=0.25).to("cuda", torch.bfloat16)
+    assert small._path(x.to(memory_format=torch.channels_last)) == "dense"
