@@ -49,7 +49,7 @@ class BlockSparseConv2d(nn.Module):
             "triton" (the implicit-GEMM kernels of bstrain.kernels.conv, custom op
             ``torch.ops.bstrain.bsconv2d``; CUDA, or CPU under TRITON_INTERPRET=1). "auto" takes
             "triton" for CUDA 16-bit channels-last stride-1 inputs with blocks of 64 or more (or
-            at most 1/8 live), else "dense".
+            at most 1/8 live), else "grouped" for block-diagonal layouts on CUDA, else "dense".
 
     Parameters: ``weight`` (nnz, bs, bs, kh, kw), the live blocks in row-major layout order, each
     (out, in, kh, kw) as nn.Conv2d; ``bias`` (K,). The layout is the ``layout`` buffer.
@@ -129,8 +129,9 @@ class BlockSparseConv2d(nn.Module):
     def _path(self, x: torch.Tensor) -> str:
         """The backend that runs x. "auto" takes the Triton kernels where they beat cuDNN on the
         H200 (benchmarks/conv.md: CUDA, 16-bit, channels-last, stride 1, blocks of 64 or more, or
-        at most 1/8 live), else the masked dense filter (faster than the grouped gather-scatter
-        at every measured point)."""
+        at most 1/8 live), else cuDNN's grouped conv where the blocks sit in channel order
+        (block-diagonal: no gather or scatter), else the masked dense filter (faster than the
+        grouped gather-scatter at every measured point)."""
         if self.backend != "auto":
             return self.backend
         if (x.is_cuda and x.dtype in (torch.float16, torch.bfloat16) and x.dtype == self.weight.dtype
@@ -138,7 +139,7 @@ class BlockSparseConv2d(nn.Module):
                 and x.is_contiguous(memory_format=torch.channels_last)
                 and (self.block_size >= 64 or self.density <= 0.125)):
             return "triton"
-        return "dense"
+        return "grouped" if x.is_cuda and self._gather is None and self._scatter is None else "dense"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dim() != 4 or x.shape[1] != self.in_channels:

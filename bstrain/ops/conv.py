@@ -21,8 +21,10 @@ padding split with the extra element after, so even filters and strides pad asym
 * ``"dense"``: scatter the blocks into one dense filter (overlaps add) and run one convolution:
   the reference, and the fastest choice when the blocks cover much of the dense filter.
 
-``backend="auto"`` takes "grouped" on CUDA when the blocks have one size and cover at most
-half of the dense filter, else "dense".
+``backend="auto"`` takes "grouped" on CUDA when the blocks have one size and sit in channel
+order (a block-diagonal layout: one grouped convolution, no gather or scatter), else "dense":
+with a gather and a scatter-add, the grouped form was slower than the dense filter at every
+point measured on the H200 (benchmarks/conv.md).
 """
 from __future__ import annotations
 
@@ -291,7 +293,9 @@ class BlocksparseConv:
             return False
         if self.backend == "grouped":
             return True
-        return I.is_cuda and self.sizeF <= 0.5 * self.C * self.K * math.prod(self.TRS)
+        # H200 (benchmarks/conv.md): cuDNN's grouped conv beats the dense filter only when no
+        # channel gather or scatter-add is needed (the blocks sit in channel order, block-diagonal)
+        return I.is_cuda and self._gather_plan(I.device) == (None, None)
 
     def __call__(self, F, I: Tensor, edge_bias: Tensor | None = None) -> Tensor:
         self._check_input(I, self.C, self.DHW)

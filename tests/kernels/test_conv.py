@@ -164,5 +164,7 @@ def test_auto_backend_takes_the_kernels_on_cuda():
     assert conv._path(x) == "dense" and conv._path(x.float()) == "dense"
     strided = BlockSparseConv2d(128, 128, 3, 2, block_size=64, density=0.25).to("cuda", torch.bfloat16)
     assert strided._path(x.to(memory_format=torch.channels_last)) == "dense"
-    small = BlockSparseConv2d(128, 128, 3, block_size=32, density=0.25).to("cuda", torch.bfloat16)
+    small = BlockSparseConv2d(128, 128, 3, block_size=32, density=0.5).to("cuda", torch.bfloat16)
     assert small._path(x.to(memory_format=torch.channels_last)) == "dense"
+    diagonal = BlockSparseConv2d(128, 128, 3, block_size=32, layout=np.eye(4)).to("cuda", torch.bfloat16)
+    assert diagonal._path(x) == "grouped"                   # cuDNN's grouped conv, no gather or scatter
