@@ -126,7 +126,7 @@ class BlockSparseConv2d(nn.Module):
                 b = bound.to(self.bias)
                 self.bias.uniform_(-1, 1).mul_(b)
 
-    def _path(self, x: torch.Tensor) -> str:
+    def _path(self, x: torch.Tensor, w: torch.Tensor | None = None) -> str:
         """The backend that runs x. "auto" takes the Triton kernels where they beat cuDNN on the
         H200 (benchmarks/conv.md: CUDA, 16-bit, channels-last, stride 1, blocks of 64 or more, or
         at most 1/8 live), else cuDNN's grouped conv where the blocks sit in channel order
@@ -134,7 +134,8 @@ class BlockSparseConv2d(nn.Module):
         grouped gather-scatter at every measured point)."""
         if self.backend != "auto":
             return self.backend
-        if (x.is_cuda and x.dtype in (torch.float16, torch.bfloat16) and x.dtype == self.weight.dtype
+        w = self.weight if w is None else w
+        if (x.is_cuda and x.dtype in (torch.float16, torch.bfloat16) and x.dtype == w.dtype
                 and self.stride == (1, 1) and self.block_size in (16, 32, 64, 128)
                 and x.is_contiguous(memory_format=torch.channels_last)
                 and (self.block_size >= 64 or self.density <= 0.125)):
@@ -148,26 +149,30 @@ class BlockSparseConv2d(nn.Module):
         padding = [p, p] if isinstance(p, int) else (["SAME", "SAME"] if p == "SAME" else [0, 0])
         _out_size, pads = conv_geometry(self.kernel_size, [int(x.shape[2]), int(x.shape[3])], self.stride,
                                         self.dilation, padding)
-        path = self._path(x)
+        w = self.weight
+        if x.is_floating_point() and torch.is_autocast_enabled(x.device.type):
+            dt = torch.get_autocast_dtype(x.device.type)   # autocast: run (and pick the path) in its dtype
+            x, w = x.to(dt), w.to(dt)
+        path = self._path(x, w)
         if path == "triton":
             if not x.is_cuda and os.environ.get("TRITON_INTERPRET") != "1":
                 raise ValueError(f"x: backend='triton' needs a CUDA tensor (or TRITON_INTERPRET=1), got one on {x.device}")
-            if x.dtype != self.weight.dtype or x.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+            if x.dtype != w.dtype or x.dtype not in (torch.float16, torch.bfloat16, torch.float32):
                 raise TypeError(f"x: backend='triton' takes float16/bfloat16/float32 like the weight "
-                                f"({self.weight.dtype}), got {x.dtype}")
+                                f"({w.dtype}), got {x.dtype}")
             P, Q = _out_size
-            y = sparse_conv2d(x, self.weight, [getattr(self, f"_t_{n}") for n in _TABLES], self.out_channels, P, Q,
+            y = sparse_conv2d(x, w, [getattr(self, f"_t_{n}") for n in _TABLES], self.out_channels, P, Q,
                          list(self.stride), [pads[0][0], pads[1][0]], list(self.dilation))
         elif path == "grouped":
             xg = x if self._gather is None else x.index_select(1, self._gather)
-            y = conv_nd(xg, self.weight.flatten(0, 1), self.stride, self.dilation, pads, groups=self.weight.shape[0])
+            y = conv_nd(xg, w.flatten(0, 1), self.stride, self.dilation, pads, groups=w.shape[0])
             if self._scatter is not None:
                 y = y.new_zeros(y.shape[0], self.out_channels, y.shape[2], y.shape[3]).index_add(1, self._scatter, y)
         else:
-            w = self.weight.new_zeros(self.out_channels, self.in_channels, *self.kernel_size)
-            w = w.index_put((self._rows, self._cols), self.weight.flatten(0, 2), accumulate=True)
-            y = conv_nd(x, w, self.stride, self.dilation, pads)
-        return y if self.bias is None else y + self.bias.view(1, -1, 1, 1)
+            dense = w.new_zeros(self.out_channels, self.in_channels, *self.kernel_size)
+            dense = dense.index_put((self._rows, self._cols), w.flatten(0, 2), accumulate=True)
+            y = conv_nd(x, dense, self.stride, self.dilation, pads)
+        return y if self.bias is None else y + self.bias.to(y.dtype).view(1, -1, 1, 1)
 
     def extra_repr(self) -> str:
         return (f"{self.in_channels}, {self.out_channels}, kernel_size={self.kernel_size}, stride={self.stride}, "

@@ -58,6 +58,9 @@ class _Shuffle(nn.Module):
 
     def forward(self, x):
         b, c, h, w = x.shape
+        if x.is_contiguous(memory_format=torch.channels_last) and not x.is_contiguous():    # stays channels-last
+            nhwc = x.permute(0, 2, 3, 1).reshape(b, h, w, self.groups, c // self.groups)
+            return nhwc.transpose(3, 4).reshape(b, h, w, c).permute(0, 3, 1, 2)
         return x.view(b, self.groups, c // self.groups, h, w).transpose(1, 2).reshape(b, c, h, w)
 
 
@@ -131,6 +134,8 @@ class SparseResNet(nn.Module):
         self.head = nn.Linear(c, cfg.classes)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.is_cuda:           # channels-last: cuDNN's faster layout and the one the Triton conv kernels take
+            x = x.contiguous(memory_format=torch.channels_last)
         h = self.stages(self.stem(x))
         return self.head(h.mean((2, 3)))
 

@@ -168,3 +168,22 @@ def test_auto_backend_takes_the_kernels_on_cuda():
     assert small._path(x.to(memory_format=torch.channels_last)) == "dense"
     diagonal = BlockSparseConv2d(128, 128, 3, block_size=32, layout=np.eye(4)).to("cuda", torch.bfloat16)
     assert diagonal._path(x) == "grouped"                   # cuDNN's grouped conv, no gather or scatter
+
+
+@pytest.mark.parametrize("backend", ["triton", "dense"])
+def test_autocast_runs_in_the_autocast_dtype(backend):
+    """Under torch.autocast an fp32 layer runs in the autocast dtype (the kernels take x and the
+    weight cast alike), the output and its bias stay in that dtype, and the fp32 weight gets
+    its gradient."""
+    torch.manual_seed(fresh_seed())
+    dev = kernel_device()
+    dt = torch.float16 if backend == "triton" else torch.bfloat16   # bf16 tl.dot is wrong in the interpreter
+    conv = BlockSparseConv2d(32, 32, 3, block_size=16, density=0.5, backend=backend).to(dev)
+    x = torch.randn(2, 32, 6, 5, device=dev)
+    with torch.autocast(dev, dtype=dt):
+        y = conv(x)
+    assert y.dtype == dt
+    ref = F.conv2d(x.double().cpu(), masked_dense(conv), padding=1) + conv.bias.detach().double().cpu().view(1, -1, 1, 1)
+    assert_close(y, ref, None, dt, "out")
+    y.float().sum().backward()
+    assert conv.weight.grad is not None and conv.weight.grad.dtype == torch.float32

@@ -183,3 +183,36 @@ def test_conv2d_on_cuda_against_float64(backend, dtype, channels_last, monkeypat
     xr = x.double().requires_grad_()
     rdx, = torch.autograd.grad(F.conv2d(xr, w64, padding=1), [xr], g)
     assert_close(dx, rdx, None, dtype, "dx")
+
+
+def test_shuffle_keeps_channels_last():
+    from bstrain.models.convnet import _Shuffle
+    x = torch.randn(2, 12, 3, 5)
+    want = _Shuffle(3)(x)
+    got = _Shuffle(3)(x.to(memory_format=torch.channels_last))
+    assert got.is_contiguous(memory_format=torch.channels_last)
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+@pytest.mark.gpu
+def test_resnet_under_bf16_autocast_takes_the_kernels(monkeypatch):
+    """On CUDA the ResNet runs channels-last, and under bf16 autocast its stride-1 sparse convs
+    with blocks of 64 take the Triton kernels; the loss matches the fp32 NCHW model's."""
+    import bstrain.models.conv as conv_mod
+    calls = []
+    real = conv_mod.sparse_conv2d
+    monkeypatch.setattr(conv_mod, "sparse_conv2d", lambda *a: calls.append(a[0].dtype) or real(*a))
+    torch.manual_seed(fresh_seed())
+    model = SparseResNet(widths="64,128", depth=1, density=0.25, block_size=64, classes=10).cuda()
+    x = torch.randn(8, 3, 16, 16, device="cuda")
+    labels = torch.randint(0, 10, (8,), device="cuda")
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        loss = F.cross_entropy(model(x).float(), labels)
+    loss.backward()
+    assert calls and set(calls) == {torch.bfloat16}
+    assert all(torch.isfinite(p.grad).all() for p in model.parameters() if p.grad is not None)
+    calls.clear()
+    with torch.no_grad():
+        ref = F.cross_entropy(model(x), labels)                 # fp32: the masked dense filter
+    assert not calls
+    assert abs(loss.item() - ref.item()) < 0.05 * max(1.0, ref.item())
