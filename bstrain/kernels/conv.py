@@ -273,9 +273,9 @@ def config(kernel: str, bs: int, itemsize: int = 2) -> tuple[int, int, int]:
 USE_TMA = True
 
 
-def _nhwc(t: torch.Tensor, bs: int):
-    """A 4-D descriptor of (bs-channel) boxes over t's channels-last (N, H, W, C) view, or None
-    where the TMA kernels don't apply (not channels-last, not 16-bit, misaligned)."""
+def _nhwc(t: torch.Tensor):
+    """t's (N, H, W, C) view for a TMA descriptor, or None where the TMA kernels don't apply
+    (not channels-last, not 16-bit, misaligned)."""
     if not USE_TMA or t.dim() != 4 or t.dtype not in (torch.float16, torch.bfloat16):
         return None
     v = t.permute(0, 2, 3, 1)
@@ -312,7 +312,7 @@ def conv_forward(x, wt, luts: ConvLuts, K: int, P: int, Q: int, stride, pads, di
     _check_size(x, y)
     M = N * P * Q
     BM, warps, stages = config("fwd", bs, x.element_size())
-    if M and K and tuple(stride) == (1, 1) and _nhwc(x, bs) is not None and _nhwc(y, bs) is not None:
+    if M and K and tuple(stride) == (1, 1) and _nhwc(x) is not None and _nhwc(y) is not None:
         _tma_conv(x, wt, y, luts.col_ptr, luts.col_blk, luts.col_in, bs, (-pads[0], -pads[1]), dilation, False,
                   "fwd_tma")
     elif M and K:
@@ -333,7 +333,7 @@ def conv_dx(dy, wt, luts: ConvLuts, C: int, H: int, W: int, stride, pads, dilati
     _check_size(dy, dx)
     M = N * H * W
     BM, warps, stages = config("dx", bs, dy.element_size())
-    if M and C and tuple(stride) == (1, 1) and _nhwc(dy, bs) is not None and _nhwc(dx, bs) is not None:
+    if M and C and tuple(stride) == (1, 1) and _nhwc(dy) is not None and _nhwc(dx) is not None:
         _tma_conv(dy, wt, dx, luts.row_ptr, luts.row_blk, luts.row_out, bs, pads, (-dilation[0], -dilation[1]), True,
                   "dx_tma")
     elif M and C:
@@ -353,7 +353,7 @@ def conv_dw(x, dy, luts: ConvLuts, KH: int, KW: int, stride, pads, dilation):
     bs = luts.block_size
     nnz = luts.blk_in.numel()
     M = N * P * Q
-    if nnz and M and tuple(stride) == (1, 1) and _nhwc(x, bs) is not None and _nhwc(dy, bs) is not None:
+    if nnz and M and tuple(stride) == (1, 1) and _nhwc(x) is not None and _nhwc(dy) is not None:
         BM, warps, stages = config("dw_tma", bs, x.element_size())
         tn, th, tw, tiles = _tiles(N, P, Q, BM)
         splits = max(1, min(triton.cdiv(tiles, 8), triton.cdiv(264 * 4, nnz * KH * KW)))

@@ -19,6 +19,7 @@ Host syncs: the loop keeps losses and gradient norms on the device and reads the
 from __future__ import annotations
 
 import contextlib
+import gc
 import math
 import os
 import signal
@@ -597,7 +598,16 @@ def train(cfg: DictConfig) -> dict:
             run_dir.mkdir(parents=True, exist_ok=True)
         barrier(world)
         handlers = setup_logging(run_dir if world.main else None, world.rank)
-        return fit(build(cfg, run_dir, device_for(world, device), world))
+        run = build(cfg, run_dir, device_for(world, device), world)
+        result = fit(run)
+        if world.active:
+            # Release the DDP model (it holds the process group) while the interpreter is whole, and
+            # let every rank arrive before any tears the group down: a gloo group destroyed under a
+            # peer that is still exiting can abort that peer.
+            del run
+            gc.collect()
+            barrier(world)
+        return result
     finally:
         remove_logging(handlers)
         finish(world)
