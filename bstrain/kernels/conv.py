@@ -110,12 +110,7 @@ def _conv_dw(X, DY, DWP, blk_in, blk_out, M, P, Q, H, W, per_split,
               PRECISION: tl.constexpr):
     et = tl.program_id(0)                                   # (live block, tap)
     split = tl.program_id(1)
-    e = et // (KH * KW)
-    tap = et % (KH * KW)
-    r = tap // KW
-    s = tap % KW
-    i = tl.load(blk_in + e)
-    j = tl.load(blk_out + e)
+    i, j, tap, r, s = _entry(et, blk_in, blk_out, KH, KW)
     c = tl.arange(0, BS)
     acc = tl.zeros((BS, BS), tl.float32)                    # (in, out)
     start = split * per_split
@@ -179,12 +174,7 @@ def _conv_dw_tma(X, DY, DWP, blk_in, blk_out, P, Q, tiles, per_split, base_h, ba
     BM: tl.constexpr = TN * TH * TW
     et = tl.program_id(0)
     split = tl.program_id(1)
-    e = et // (KH * KW)
-    tap = et % (KH * KW)
-    r = tap // KW
-    s = tap % KW
-    i = tl.load(blk_in + e)
-    j = tl.load(blk_out + e)
+    i, j, tap, r, s = _entry(et, blk_in, blk_out, KH, KW)
     acc = tl.zeros((BS, BS), tl.float32)
     for tile in range(split * per_split, tl.minimum(split * per_split + per_split, tiles)):
         n0, p0, q0 = _tile(tile, P, Q, TN, TH, TW)

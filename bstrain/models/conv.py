@@ -19,6 +19,7 @@ from torch import nn
 
 from bstrain import layout as layouts
 from bstrain.ops.conv import conv_geometry, conv_nd, sparse_conv2d
+from bstrain.ops.matmul import compute_dtype
 
 __all__ = ["BlockSparseConv2d"]
 
@@ -151,7 +152,7 @@ class BlockSparseConv2d(nn.Module):
                                         self.dilation, padding)
         w = self.weight
         if x.is_floating_point() and torch.is_autocast_enabled(x.device.type):
-            dt = torch.get_autocast_dtype(x.device.type)   # autocast: run (and pick the path) in its dtype
+            dt = compute_dtype(x)                       # autocast: run (and pick the path) in its dtype
             x, w = x.to(dt), w.to(dt)
         path = self._path(x, w)
         if path == "triton":

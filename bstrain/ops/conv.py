@@ -314,7 +314,7 @@ class BlocksparseConv:
         return self._conv(I, self.dense_filter(fs))
 
     def _gather_plan(self, device):
-        """(input channel gather or None, output scatter or None, output permutation or None)."""
+        """(input channel gather or None, output scatter or None), cached per device."""
         plan = getattr(self, "_plans", {}).get(device)
         if plan is None:
             cin = np.concatenate(self._c)
