@@ -25,7 +25,8 @@ def _rng(seed: int | None) -> np.random.Generator:
     """numpy generator for a builder: from ``seed``, or, when None, seeded from torch's global
     RNG, so that ``torch.manual_seed`` reproduces every layout drawn without a seed."""
     if seed is None:
-        seed = int(torch.randint(0, 2**62, (), dtype=torch.int64))
+        # layouts are host data: drawn on the CPU generator whatever the default device (meta too)
+        seed = int(torch.randint(0, 2**62, (), dtype=torch.int64, device="cpu"))
     return np.random.default_rng(seed)
 
 

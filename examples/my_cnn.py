@@ -9,7 +9,7 @@ CIFAR-10's python directory.
 import torch
 from torch import nn
 
-from bstrain.models.layers import BlockSparseLinear
+from bstrain.nn import BlockSparseLinear
 
 
 class SmallCNN(nn.Module):

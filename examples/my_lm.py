@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from bstrain.models.layers import BlockSparseLinear
+from bstrain.nn import BlockSparseLinear
 
 
 class ConvLM(nn.Module):

@@ -26,7 +26,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bstrain.models.conv import BlockSparseConv2d  # noqa: E402
+from bstrain.nn import BlockSparseConv2d  # noqa: E402
 from bench_attention import bench  # noqa: E402  (median ms: do_bench on CUDA, timed calls on CPU)
 
 

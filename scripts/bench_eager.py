@@ -39,7 +39,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from bstrain.models.layers import BlockSparseLinear  # noqa: E402
+from bstrain.nn import BlockSparseLinear  # noqa: E402
 
 
 def sync(device: torch.device) -> None:

@@ -73,7 +73,7 @@ def step_time(cfg, batch: int, seq: int, group: int, graph: bool) -> tuple[float
     the trainer's step, eager or replayed from a CUDA graph."""
     import triton
 
-    from bstrain.models.layers import set_grad_group
+    from bstrain.nn import set_grad_group
     from bstrain.train.graphs import CapturedStep
     from bstrain.train.step import Forward, train_step
     from bstrain.train.tasks.lm import ByteLM
@@ -136,7 +136,7 @@ def cmd_profile(args) -> None:
     """GPU time per kernel name of one eager sparse step (the same kernels a graph replays)."""
     from torch.profiler import ProfilerActivity, profile
 
-    from bstrain.models.layers import set_grad_group
+    from bstrain.nn import set_grad_group
     from bstrain.train.step import Forward, train_step
     from bstrain.train.tasks.lm import ByteLM
     from bstrain.train.trainer import make_optimizer

@@ -15,14 +15,14 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from bstrain.kernels import matmul as K  # noqa: E402
-from bstrain.models.layers import BlockSparseLinear  # noqa: E402
+from bstrain.nn import BlockSparseLinear  # noqa: E402
 from scripts.bench_eager import fwd_bwd, gpu_us, per_call_us  # noqa: E402
 
 
 def profile_lstm(args) -> None:
     """cProfile of 5 eager trainer steps of the mLSTM at hidden 8192 (batch 64 x 32, block 32)."""
     from scripts.bench_lstm import build, config
-    from bstrain.models.layers import set_grad_group
+    from bstrain.nn import set_grad_group
     from bstrain.train.step import Forward, train_step
     from bstrain.train.tasks.lm import ByteLM
     from bstrain.train.trainer import make_optimizer

@@ -22,7 +22,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from bstrain.kernels import conv as K  # noqa: E402
-from bstrain.models.conv import BlockSparseConv2d  # noqa: E402
+from bstrain.nn import BlockSparseConv2d  # noqa: E402
 
 TMA_CANDIDATES = [(64, 4, 3), (128, 4, 2), (128, 4, 3), (128, 4, 4), (128, 8, 3), (256, 8, 2), (256, 8, 3)]
 CANDIDATES = [(64, 4, 2), (64, 4, 3), (64, 4, 4), (128, 4, 3), (128, 8, 3), (128, 8, 4), (256, 8, 3), (64, 8, 3),

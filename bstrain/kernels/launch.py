@@ -16,6 +16,7 @@ set (profilers), on a device other than the current one, or when ``BSTRAIN_FAST_
 """
 from __future__ import annotations
 
+import contextlib
 import os
 
 import torch
@@ -103,3 +104,27 @@ def plan(cache: dict, key, make):
             cache.pop(next(iter(cache)))
         p = cache[key] = make()
     return p
+
+
+_GRAPH_PLANS = [False]
+
+
+@contextlib.contextmanager
+def graph_plans():
+    """Within this context every family's launchers take the plans a CUDA-graph capture takes (the
+    GPU-fastest ones), so that warm-up steps run before a capture compile and load every kernel
+    the capture launches. ``bstrain.train.graphs.CapturedStep`` warms up inside it."""
+    before = _GRAPH_PLANS[0]
+    _GRAPH_PLANS[0] = True
+    try:
+        yield
+    finally:
+        _GRAPH_PLANS[0] = before
+
+
+def host_bound(rows: int, limit: int, t: torch.Tensor) -> bool:
+    """An eager CUDA launch over this few rows costs more host time than GPU time: take the plan
+    that is cheapest to launch (one pointer-kernel launch: no TMA descriptors to encode, no
+    split workspace to allocate and reduce). Not while a CUDA graph is captured, where only the
+    GPU time counts, nor inside :func:`graph_plans`."""
+    return rows <= limit and t.is_cuda and not _GRAPH_PLANS[0] and not torch.cuda.is_current_stream_capturing()

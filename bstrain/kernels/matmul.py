@@ -24,7 +24,6 @@ When M is small the reduction is split over a second grid axis into an fp32 work
 """
 from __future__ import annotations
 
-import contextlib
 import functools
 from dataclasses import dataclass, field
 from typing import NamedTuple
@@ -36,7 +35,7 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from bstrain.kernels.alloc import empty
-from bstrain.kernels.launch import Launch, aligned, plan
+from bstrain.kernels.launch import Launch, aligned, graph_plans, host_bound, plan  # noqa: F401
 
 BLOCK_SIZES = (8, 16, 32, 64, 128)
 _INT32_MAX = 2**31 - 1
@@ -516,30 +515,6 @@ def _ds_plan(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, lut: SegmentLu
         launch(a, w, target, lut.ptr, lut.blk, lut.idx, lut.order, *ints)
         torch.sum(target, dim=0, out=out) if out.dtype == torch.float32 else out.copy_(target.sum(0))
     return run_split
-
-
-_GRAPH_PLANS = [False]
-
-
-@contextlib.contextmanager
-def graph_plans():
-    """Within this context launches take the plans a CUDA-graph capture takes (the GPU-fastest
-    ones), so that warm-up steps run before a capture compile and load every kernel the capture
-    launches. ``bstrain.train.graphs.CapturedStep`` warms up inside it."""
-    before = _GRAPH_PLANS[0]
-    _GRAPH_PLANS[0] = True
-    try:
-        yield
-    finally:
-        _GRAPH_PLANS[0] = before
-
-
-def host_bound(rows: int, limit: int, t: torch.Tensor) -> bool:
-    """An eager CUDA launch over this few rows costs more host time than GPU time: take the plan
-    that is cheapest to launch (one pointer-kernel launch: no TMA descriptors to encode, no
-    split workspace to allocate and reduce). Not while a CUDA graph is captured, where only the
-    GPU time counts, nor inside :func:`graph_plans`."""
-    return rows <= limit and t.is_cuda and not _GRAPH_PLANS[0] and not torch.cuda.is_current_stream_capturing()
 
 
 def _launch_ds(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, lut: SegmentLut, bs: int,

@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from bstrain import layout as layouts
-from bstrain.models.conv import BlockSparseConv2d
+from bstrain.nn import BlockSparseConv2d
 
 __all__ = ["ConvNetConfig", "SparseResNet"]
 

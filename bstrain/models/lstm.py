@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from bstrain import layout as layouts
-from bstrain.models.layers import BlockSparseLinear, block_sparse_layouts
+from bstrain.nn import BlockSparseLinear, block_sparse_layouts
 from bstrain.ops import ew, norms
 from bstrain.ops.embed import embedding_lookup
 
@@ -236,7 +236,7 @@ class SparseLSTM(nn.Module):
         """x: (B, T) bytes; state: (c, h) each (B, H) or None. Returns logits (B, T, 256), (c, h).
 
         Each recurrent weight's dW is computed for ``group_size`` timesteps per launch, as
-        :func:`bstrain.models.layers.set_grad_group` set it (the trainer: ``trainer.group_size``).
+        :func:`bstrain.nn.set_grad_group` set it (the trainer: ``trainer.group_size``).
         """
         B, T = x.shape
         H = self.cfg.hidden

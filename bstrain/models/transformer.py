@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from bstrain import layout as layouts
-from bstrain.models.layers import BlockSparseLinear, block_sparse_layouts
+from bstrain.nn import BlockSparseLinear, block_sparse_layouts
 from bstrain.ops.transformer import BlocksparseTransformer
 
 VOCAB = 256

@@ -57,7 +57,7 @@ def check_same_layouts(model: torch.nn.Module, world: World | None = None) -> No
     Call it after the process group is up and before wrapping the model in DDP; the trainer does.
     ``world`` defaults to the running process group.
     """
-    from bstrain.models.layers import block_sparse_layouts
+    from bstrain.nn import block_sparse_layouts
     if world is None:
         active = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
         world = World(dist.get_rank(), dist.get_world_size()) if active else World()

@@ -65,7 +65,7 @@ class CapturedStep:
                                  f"graph capture, got capturable={g.get('capturable')}, lr={lr!r}")
 
     def _capture(self) -> None:
-        from bstrain.kernels.matmul import graph_plans       # triton is needed only on CUDA
+        from bstrain.kernels.launch import graph_plans       # triton is needed only on CUDA
         self._check_optimizer()
         saved_params = [p.detach().clone() for p in self.params]
         opt_state = self.optimizer.state

@@ -34,7 +34,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from bstrain.errors import RunInterrupted, UserError
-from bstrain.models.layers import block_sparse_layouts, set_grad_group
+from bstrain.nn import block_sparse_layouts, set_grad_group
 from bstrain.train import checkpoint as ckpt_io
 from bstrain.train.checkpoint import (checkpoint_path, latest_checkpoint, load_checkpoint, prune_checkpoints,
                                       save_checkpoint)

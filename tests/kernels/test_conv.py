@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from bstrain.models.conv import BlockSparseConv2d
+from bstrain.nn import BlockSparseConv2d
 from tests.conftest import DTYPE_IDS, assert_close, fresh_seed, kernel_device, kernel_dtypes
 from tests.models.test_convnet import masked_dense
 

@@ -116,7 +116,7 @@ def test_plan_keys_cover_tf32_and_the_dw_output_pointer():
 
 
 def test_graph_plans_context_nests_and_restores():
-    from bstrain.kernels.matmul import _GRAPH_PLANS, graph_plans
+    from bstrain.kernels.launch import _GRAPH_PLANS, graph_plans
     assert _GRAPH_PLANS[0] is False
     with graph_plans():
         with graph_plans():

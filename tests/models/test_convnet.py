@@ -9,9 +9,9 @@ import torch.nn.functional as F
 from hydra import compose, initialize_config_module
 from omegaconf import open_dict
 
-from bstrain.models.conv import BlockSparseConv2d
+from bstrain.nn import BlockSparseConv2d
 from bstrain.models.convnet import SparseResNet
-from bstrain.models.layers import block_sparse_layouts
+from bstrain.nn import block_sparse_layouts
 from bstrain.train.trainer import train
 from tests.conftest import assert_close, fresh_seed, killed_then_resumed
 
@@ -198,7 +198,7 @@ def test_shuffle_keeps_channels_last():
 def test_resnet_under_bf16_autocast_takes_the_kernels(monkeypatch):
     """On CUDA the ResNet runs channels-last, and under bf16 autocast its stride-1 sparse convs
     with blocks of 64 take the Triton kernels; the loss matches the fp32 NCHW model's."""
-    import bstrain.models.conv as conv_mod
+    import bstrain.nn.conv as conv_mod
     calls = []
     real = conv_mod.sparse_conv2d
     monkeypatch.setattr(conv_mod, "sparse_conv2d", lambda *a: calls.append(a[0].dtype) or real(*a))

@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from bstrain.models.layers import set_grad_group
+from bstrain.nn import set_grad_group
 from bstrain.models.lstm import LSTMConfig, SparseLSTM
 
 

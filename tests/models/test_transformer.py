@@ -6,7 +6,7 @@ import torch
 from hydra import compose, initialize_config_module
 from omegaconf import open_dict
 
-from bstrain.models.layers import BlockSparseLinear
+from bstrain.nn import BlockSparseLinear
 from bstrain.models.transformer import PATTERNS, SparseTransformer
 from bstrain.train.trainer import train
 from tests.conftest import killed_then_resumed

@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 import bstrain.ops.library  # noqa: F401  (registers the ops)
-from bstrain.models.layers import BlockSparseLinear
+from bstrain.nn import BlockSparseLinear
 from bstrain.ops.ew import fused_lstm_gates_ref
 from bstrain.ops.matmul import BlocksparseMatMul
 from bstrain.ops.norms import layer_norm_ref

@@ -89,7 +89,7 @@ def test_fp16_overflow_on_one_rank_skips_the_step_on_every_rank(tmp_path):
 def _layouts_worker(rank: int, store: str, same: bool, results) -> None:
     import torch.distributed as dist
 
-    from bstrain.models.layers import BlockSparseLinear
+    from bstrain.nn import BlockSparseLinear
     from bstrain.train.distributed import check_same_layouts
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
     try:

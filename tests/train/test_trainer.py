@@ -308,7 +308,7 @@ def test_same_loss_curve_as_the_code_before_the_trainer_refactor(make_cfg):
 
 
 def test_models_import_neither_hydra_nor_the_cli_schema():
-    code = ("import sys, bstrain.models.lstm, bstrain.models.layers; "
+    code = ("import sys, bstrain.models.lstm, bstrain.nn; "
             "bad = [m for m in sys.modules if m.split('.')[0] in ('hydra', 'omegaconf') "
             "or m == 'bstrain.configs.schema']; "
             "print(bad); sys.exit(1 if bad else 0)")

@@ -6,7 +6,7 @@ import os
 import torch
 from torch import nn
 
-from bstrain.models.layers import BlockSparseLinear
+from bstrain.nn import BlockSparseLinear
 
 
 class OverflowLM(nn.Module):

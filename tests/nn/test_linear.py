@@ -7,7 +7,7 @@ import torch
 
 from torch import nn
 
-from bstrain.models.layers import BlockSparseLinear, sparsify
+from bstrain.nn import BlockSparseLinear, sparsify
 from tests.kernels.test_matmul import dense_weight
 
 

@@ -1,0 +1,20 @@
+"""Reusable block-sparse modules for research code, with ``torch.nn``'s conventions.
+
+=====================  =========================================================================
+``BlockSparseLinear``  ``nn.Linear`` with a block-sparse weight
+``BlockSparseConv2d``  ``nn.Conv2d`` with block-sparse channel connectivity
+``BlockSparseAttention``  attention over a block layout (the fused kernels on CUDA)
+``LayerNorm``          ``nn.LayerNorm`` over the fused kernel (segments, fused ReLU, fp32 params)
+=====================  =========================================================================
+
+``sparsify(model, include, density=...)`` swaps a model's ``nn.Linear`` and ``nn.Conv2d`` layers
+for these; ``block_sparse_layouts(model)`` lists every layout. Whole models live in
+:mod:`bstrain.models`.
+"""
+from bstrain.nn.attention import BlockSparseAttention
+from bstrain.nn.conv import BlockSparseConv2d
+from bstrain.nn.linear import BlockSparseLinear, block_sparse_layouts, set_grad_group, sparsify
+from bstrain.nn.norm import LayerNorm
+
+__all__ = ["BlockSparseLinear", "BlockSparseConv2d", "BlockSparseAttention", "LayerNorm", "sparsify",
+           "set_grad_group", "block_sparse_layouts"]

@@ -1,0 +1,281 @@
+"""nn.Modules that research code composes: BlockSparseLinear, and helpers to convert dense models."""
+from __future__ import annotations
+
+import contextlib
+import fnmatch
+from collections.abc import Callable, Iterator
+
+import numpy as np
+import torch
+from torch import nn
+
+from bstrain import layout as layouts
+from bstrain.ops.matmul import BlocksparseMatMul, check_block_size, compute_dtype
+
+__all__ = ["BlockSparseLinear", "block_sparse_layouts", "set_grad_group", "sparsify"]
+
+
+class BlockSparseLinear(nn.Module):
+    """Linear layer with a block-sparse weight: y = x·W + b, with ``nn.Linear``'s conventions.
+
+    Args:
+        in_features, out_features: C and K, multiples of block_size.
+        bias: add a learned (K,) bias.
+        block_size: bs, one of 8, 16, 32, 64, 128.
+        density: fraction of live blocks of a drawn layout (when ``layout`` is None).
+        layout: a (C/bs, K/bs) 0/1 array (instead of ``density``).
+        balanced: draw exactly ``round(density·blocks)`` live blocks spread evenly over output
+            columns and input rows (:func:`bstrain.layout.balanced`, the default); False draws
+            each block independently (:func:`bstrain.layout.random`).
+        feature_axis: 1 for (*, C) inputs (as nn.Linear), 0 for (C, *).
+        seed: seed of the drawn layout; None follows torch's RNG (``torch.manual_seed``).
+        device, dtype: of the parameters, as for nn.Linear (``device="meta"`` builds no storage).
+
+    Parameters: ``weight`` (nnz, bs, bs), the live blocks in row-major layout order, and
+    ``bias`` (K,). The layout is kept as the ``layout`` buffer, so state dicts carry it.
+    """
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = True, *, block_size: int = 32,
+                 density: float | None = None, layout=None, balanced: bool = True, feature_axis: int = 1,
+                 seed: int | None = None, device=None, dtype=None):
+        super().__init__()
+        bs = check_block_size(block_size)
+        for name, feat in (("in_features", in_features), ("out_features", out_features)):
+            if isinstance(feat, bool) or not isinstance(feat, int) or feat <= 0 or feat % bs:
+                raise ValueError(f"{name}: expected a positive multiple of block_size={bs}, got {feat!r}")
+        if not isinstance(bias, bool):
+            raise TypeError(f"bias: expected True or False (nn.Linear's third argument), got {bias!r}")
+        if layout is not None and density is not None:
+            raise ValueError("layout, density: expected one of them (a layout or a density to draw one), got both")
+        drawn = layout is None
+        if drawn:
+            if density is None:
+                raise ValueError("layout: expected a layout or a density, got neither")
+            draw = layouts.balanced if balanced else layouts.random
+            layout = draw((in_features // bs, out_features // bs), density, seed=seed)
+        lay = layouts.validate(layout, in_features, out_features, bs)
+        self.in_features, self.out_features = in_features, out_features
+        self.requested_density = density if drawn else None     # shown beside the realised one
+        self.op = BlocksparseMatMul(lay, bs, feature_axis)
+        factory = {"device": device, "dtype": dtype}
+        self.weight = nn.Parameter(torch.empty(self.op.w_shape, **factory))
+        self.bias = nn.Parameter(torch.empty(out_features, **factory)) if bias else None
+        self.register_buffer("layout", torch.as_tensor(lay, device=device), persistent=True)
+        self._group = None          # (GradGroup, grouped weight) inside grad_group()
+        self.group_size = 1         # grad_group()'s default: set_grad_group(model, n) sets it
+        self.reset_parameters()
+
+    # --- initialisation ---------------------------------------------------------------------------
+    def fan_in(self) -> torch.Tensor:
+        """(K,) float: live inputs of each output unit (bs × live blocks in its block-column)."""
+        per_col = np.asarray(self.op.layout).sum(0) * self.op.block_size      # (Kb,)
+        return torch.as_tensor(np.repeat(per_col, self.op.block_size), dtype=torch.float32)
+
+    def reset_parameters(self) -> None:
+        """nn.Linear's init with each output unit's true fan-in: weight and bias of output unit k
+        uniform in ±1/sqrt(fan_in[k]). Also rewrites the layout buffer from the op (after
+        ``to_empty()`` it holds uninitialised memory).
+
+        ``nn.init`` functions that derive fans from the weight's shape see fan_in = bs² and
+        fan_out = nnz·bs for the (nnz, bs, bs) weight: kaiming_*/xavier_* give wrong scales, and
+        orthogonal_ mixes blocks. Use this method, ``op.ortho_init()`` or ``op.identity_init()``.
+        """
+        with torch.no_grad():
+            self.layout.copy_(torch.as_tensor(self.op.layout))
+            bound = self.fan_in().clamp_min(1).rsqrt().to(self.weight.device, self.weight.dtype)   # (K,)
+            k_idx = self.op.coords[1].to(self.weight.device)
+            block_bound = bound.view(-1, self.op.block_size)[k_idx]                # (nnz, bs) per column
+            self.weight.uniform_(-1.0, 1.0).mul_(block_bound[:, None, :])
+            if self.bias is not None:
+                self.bias.uniform_(-1.0, 1.0).mul_(bound)
+
+    # --- forward ----------------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def grad_group(self, group_size: int | None = None):
+        """Within this context, calls share one dW computed for up to group_size calls per launch.
+
+        group_size None: this layer's ``group_size`` attribute (1 unless :func:`set_grad_group`
+        set it), so a model wraps its time loop in ``grad_group()`` and the trainer picks the size.
+
+        For weights applied at many timesteps (recurrent weights): wrap the time loop, then call
+        backward as usual; W.grad equals the ungrouped result. group_size <= 1 is a no-op when
+        gradients are on. Without autograd (evaluation, sampling) there is no dW to group, and the
+        context only casts the weight once for all its calls instead of at each call. Under
+        torch.compile the context does nothing: autograd's graph computes each call's dW.
+        """
+        grad = torch.is_grad_enabled()
+        group_size = self.group_size if group_size is None else group_size
+        if self._group is not None or (grad and group_size <= 1) or torch.compiler.is_compiling():
+            yield None
+            return
+        group = self.op.grad_group(group_size) if grad else None
+        self._group = (group, None)
+        try:
+            yield group
+        finally:
+            self._group = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x: (*, C) (or (C, *) with feature_axis=0); returns (*, K) (or (K, *)). Under autocast,
+        runs in its dtype."""
+        if self._group is not None:
+            group, w = self._group
+            if w is None:                              # first call in the context: cast W once
+                dtype = compute_dtype(x)
+                w = self.weight.to(dtype) if group is None else self.op.group_weight(self.weight, group, dtype)
+                self._group = (group, w)
+            y = self.op(x, w) if group is None else self.op.grouped(x, w, group)
+        else:
+            y = self.op(x, self.weight)
+        if self.bias is not None:
+            b = self.bias.to(y.dtype)
+            y = y + (b if self.op.feature_axis == 1 else b.view(-1, *([1] * (y.dim() - 1))))
+        return y
+
+    # --- dense conversion -------------------------------------------------------------------------
+    def dense_weight(self) -> torch.Tensor:
+        """The (out_features, in_features) dense weight, as nn.Linear holds it. Differentiable."""
+        return self.op.to_dense(self.weight).t()
+
+    def to_dense(self) -> nn.Linear:
+        """An nn.Linear computing the same function on (*, C) inputs, on this layer's device and dtype."""
+        linear = nn.Linear(self.in_features, self.out_features, bias=self.bias is not None,
+                           device=self.weight.device, dtype=self.weight.dtype)
+        with torch.no_grad():
+            linear.weight.copy_(self.dense_weight())
+            if self.bias is not None:
+                linear.bias.copy_(self.bias)
+        return linear
+
+    @classmethod
+    def from_dense(cls, linear: nn.Linear, *, block_size: int = 32, density: float | None = None,
+                   layout=None, feature_axis: int = 1) -> "BlockSparseLinear":
+        """A block-sparse copy of ``linear``: its weights on the live blocks, its bias.
+
+        The live blocks are ``layout``, or, with ``density``, the round(density·blocks) blocks of
+        largest L2 norm in the dense weight (magnitude pruning at block granularity).
+        """
+        if not isinstance(linear, nn.Linear):
+            raise TypeError(f"linear: expected an nn.Linear, got {type(linear).__name__}")
+        bs = check_block_size(block_size)
+        C, K = linear.in_features, linear.out_features
+        if layout is not None and density is not None:
+            raise ValueError("layout, density: expected one of them, got both")
+        if layout is None:
+            if density is None:
+                raise ValueError("layout: expected a layout or a density, got neither")
+            if C % bs or K % bs:
+                raise ValueError(f"linear: expected in/out features that are multiples of block_size={bs}, "
+                                 f"got {C} and {K}")
+            norms = linear.weight.detach().float().t().reshape(C // bs, bs, K // bs, bs).square().sum((1, 3))
+            keep = min(norms.numel(), max(1, round(layouts.check_density(density) * norms.numel())))
+            layout = np.zeros(tuple(norms.shape), dtype=bool)
+            layout.flat[norms.flatten().argsort(descending=True, stable=True)[:keep].cpu().numpy()] = True
+        layer = cls(C, K, linear.bias is not None, block_size=bs, layout=layout, feature_axis=feature_axis,
+                    device=linear.weight.device, dtype=linear.weight.dtype)
+        layer.requested_density = density
+        with torch.no_grad():
+            layer.weight.copy_(layer.op.from_dense(linear.weight.t()))
+            if linear.bias is not None:
+                layer.bias.copy_(linear.bias)
+        return layer
+
+    # --- state dicts ------------------------------------------------------------------------------
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys,
+                              unexpected_keys, error_msgs):
+        """A loaded layout replaces the op's, so weights always meet the layout they were trained on.
+
+        The weight Parameter is kept (an optimizer may hold it): a layout with the same number of
+        live blocks is taken in place; another count is an error naming the layer, unless
+        ``load_state_dict(..., assign=True)`` asks for the checkpoint's tensors.
+        """
+        key = prefix + "layout"
+        if key in state_dict:
+            new = np.asarray(state_dict[key].detach().cpu(), dtype=bool)
+            if new.shape != self.op.layout.shape:
+                error_msgs.append(f"{prefix.rstrip('.') or 'BlockSparseLinear'}: the checkpoint's layout has shape {new.shape}, "
+                                  f"this layer's {self.op.layout.shape} (in/out features differ)")
+                return
+            if (new != self.op.layout).any():
+                self._adopt_layout(new, prefix, bool(local_metadata.get("assign_to_params_buffers")), error_msgs)
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys,
+                                      unexpected_keys, error_msgs)
+
+    def _adopt_layout(self, new: np.ndarray, prefix: str, assign: bool, error_msgs: list) -> None:
+        nnz = int(new.sum())
+        if nnz != self.op.blocks and not assign:
+            error_msgs.append(
+                f"{prefix.rstrip('.') or 'BlockSparseLinear'}: the checkpoint's layout has {nnz} live blocks, this "
+                f"layer's {self.op.blocks}; build the layer with the checkpoint's layout "
+                f"(layout=state_dict['{prefix}layout']) or load with assign=True")
+            return
+        self.op = BlocksparseMatMul(new, self.op.block_size, self.op.feature_axis, backend=self.op.backend)
+        if nnz != self.weight.shape[0]:        # assign=True: the checkpoint's weight replaces ours
+            self.weight = nn.Parameter(self.weight.new_empty(self.op.w_shape, device="meta"))
+        self.requested_density = None
+
+    def extra_repr(self) -> str:
+        density = (f"density={self.op.density:.3f}" if self.requested_density is None else
+                   f"density={self.requested_density:g} (realised {self.op.density:.3f})")
+        return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
+                f"block_size={self.op.block_size}, {density}, blocks={self.op.blocks}, "
+                f"feature_axis={self.op.feature_axis}")
+
+
+def block_sparse_layouts(module: nn.Module) -> Iterator[tuple[str, np.ndarray]]:
+    """(qualified name, (C/bs, K/bs) bool layout) of every BlockSparseLinear in ``module``, and of
+    every module with a ``block_layout()`` method (BlockSparseConv2d)."""
+    for name, sub in module.named_modules():
+        if isinstance(sub, BlockSparseLinear):
+            yield name, sub.op.layout
+        elif callable(getattr(sub, "block_layout", None)):
+            yield name, sub.block_layout()
+
+
+def set_grad_group(module: nn.Module, group_size: int) -> int:
+    """Sets the gradient-grouping size of every BlockSparseLinear in ``module``; returns how many.
+
+    A layer's ``grad_group()`` context (which a recurrent model wraps around its time loop) then
+    computes dW for up to ``group_size`` calls per launch; 1 turns grouping off. The trainer calls
+    this once with ``trainer.group_size``; a layer applied once per forward is unaffected.
+    """
+    if isinstance(group_size, bool) or not isinstance(group_size, int) or group_size < 1:
+        raise ValueError(f"group_size: expected an int >= 1, got {group_size!r}")
+    layers = [m for m in module.modules() if isinstance(m, BlockSparseLinear)]
+    for layer in layers:
+        layer.group_size = group_size
+    return len(layers)
+
+
+def sparsify(model: nn.Module, include: str | Callable[[str, nn.Linear], bool], *, block_size: int = 32,
+             density: float, keep_weights: bool = True, balanced: bool = True) -> list[str]:
+    """Replaces, in place, the nn.Linear layers of ``model`` chosen by ``include`` with BlockSparseLinear.
+
+    Args:
+        include: a glob on qualified module names (``"blocks.*.mlp.*"``, ``"*"``), or a function
+            ``(name, linear) -> bool``.
+        density: fraction of live blocks of each new layer.
+        keep_weights: True keeps the largest-norm blocks of the dense weights and the biases
+            (:meth:`BlockSparseLinear.from_dense`); False draws a fresh (balanced) layout and
+            initialises it (:meth:`BlockSparseLinear.reset_parameters`).
+    Returns the names replaced. A chosen layer whose features are not multiples of block_size is
+    a ValueError naming it, raised before any layer is replaced.
+    """
+    match = include if callable(include) else (lambda name, _m: fnmatch.fnmatchcase(name, include))
+    chosen = [(name, m) for name, m in model.named_modules()
+              if name and type(m) is nn.Linear and match(name, m)]
+    for name, m in chosen:
+        if m.in_features % block_size or m.out_features % block_size:
+            raise ValueError(f"{name}: expected in/out features that are multiples of block_size={block_size}, "
+                             f"got {m.in_features} and {m.out_features}")
+    for name, m in chosen:
+        if keep_weights:
+            new = BlockSparseLinear.from_dense(m, block_size=block_size, density=density)
+        else:
+            new = BlockSparseLinear(m.in_features, m.out_features, m.bias is not None, block_size=block_size,
+                                    density=density, balanced=balanced, device=m.weight.device,
+                                    dtype=m.weight.dtype)
+        parent, _, child = name.rpartition(".")
+        setattr(model.get_submodule(parent) if parent else model, child, new)
+    return [name for name, _ in chosen]
+

@@ -1,0 +1,146 @@
+"""One layout-table mechanism for every op family (matmul, attention, conv).
+
+A family registers a builder ``build(*spec, device) -> tables`` under its name (:func:`family`);
+``spec`` is host data (numpy arrays, ints) that fully describes a layout. :func:`layout_tables`
+returns the one :class:`LayoutTables` of that content: ops and modules with equal layouts share
+it, and its content key names the layout in ``torch.ops.bstrain.*`` calls, so a compiled or
+exported graph holds a string constant, not an object (:func:`lookup` resolves it when the op
+runs).
+
+The rules every family gets from here, once:
+
+- the CPU tables are built eagerly, when the op or module is constructed, as real CPU tensors:
+  never on the meta device (a ``with torch.device("meta")`` block), never as fake tensors (an
+  export trace) and never as inference tensors (``torch.inference_mode``);
+- :meth:`LayoutTables.on` makes each device's copy once and caches it, under the same rules;
+  while a graph is traced it hands back an uncached copy instead, so nothing a tracer made is
+  ever kept;
+- copies, deep copies and pickles resolve to the shared tables of the same content.
+"""
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import weakref
+from collections.abc import Callable
+
+import numpy as np
+import torch
+
+__all__ = ["family", "layout_tables", "lookup", "LayoutTables", "eager", "tracing", "real_tensors"]
+
+_BUILDERS: dict[str, Callable] = {}
+_REGISTRY: "weakref.WeakValueDictionary[str, LayoutTables]" = weakref.WeakValueDictionary()
+_CPU = torch.device("cpu")
+
+
+def eager(t: torch.Tensor) -> bool:
+    """True when a call on t runs eagerly: not under torch.compile, and t a plain tensor (not a
+    fake or functional one, as torch.export and make_fx trace with). Traced calls go through the
+    custom ops; eager ones take the lighter ``autograd.Function`` path."""
+    return type(t) is torch.Tensor and not torch.compiler.is_compiling()
+
+
+def tracing() -> bool:
+    """A graph is being traced (torch.compile, torch.export, a fake-tensor mode): nothing made
+    now may be cached."""
+    if torch.compiler.is_compiling():
+        return True
+    from torch._guards import detect_fake_mode
+    return detect_fake_mode() is not None
+
+
+@contextlib.contextmanager
+def real_tensors(device: torch.device):
+    """Tensors made inside are real, ordinary tensors on ``device``: outside any fake mode,
+    inference mode or default-device (meta) context of the caller."""
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+    with unset_fake_temporarily(), torch.inference_mode(False), torch.device(device):
+        yield
+
+
+def family(name: str):
+    """Registers ``build(*spec, device)`` as the table builder of op family ``name``."""
+    def register(build: Callable) -> Callable:
+        _BUILDERS[name] = build
+        return build
+    return register
+
+
+def _content_key(name: str, spec: tuple) -> str:
+    h = hashlib.blake2b(digest_size=12)
+    for part in spec:
+        if isinstance(part, np.ndarray):
+            h.update(str((part.dtype.str, part.shape)).encode())
+            h.update(np.ascontiguousarray(part).tobytes())
+        else:
+            h.update(repr(part).encode())
+        h.update(b"|")
+    return f"{name}-{h.hexdigest()}"
+
+
+class LayoutTables:
+    """The tables of one layout of one family: ``host`` (CPU) and one copy per device.
+
+    Attributes:
+        family: the family's name ("matmul", "attention", "conv").
+        key: the content key; equal layouts have equal keys and share this object.
+        host: the family's tables on the CPU, built when this object is.
+    """
+
+    def __init__(self, name: str, spec: tuple, key: str):
+        self.family, self.spec, self.key = name, spec, key
+        with real_tensors(_CPU):
+            self.host = _BUILDERS[name](*spec, device=_CPU)
+        self._on: dict[torch.device, object] = {_CPU: self.host}
+
+    def on(self, device: torch.device | str):
+        """The tables on ``device``: made once per device and cached (an uncached copy while a
+        graph is traced)."""
+        device = torch.device(device)
+        if device.type == "cuda" and device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+        tables = self._on.get(device)
+        if tables is not None:
+            return tables
+        if device.type == "meta":
+            raise ValueError("device: layout tables are never made on the meta device; move the module to a real "
+                             "device (to_empty) before running it")
+        if tracing():
+            return _BUILDERS[self.family](*self.spec, device=device)
+        with real_tensors(device):
+            tables = self._on[device] = _BUILDERS[self.family](*self.spec, device=device)
+        return tables
+
+    def __reduce__(self):
+        return layout_tables, (self.family, *self.spec)
+
+    def __copy__(self):
+        return self
+
+    def __deepcopy__(self, memo):
+        return self
+
+    def __repr__(self) -> str:
+        return f"LayoutTables({self.key!r}, devices={[str(d) for d in self._on]})"
+
+
+def layout_tables(name: str, *spec) -> LayoutTables:
+    """The shared tables of family ``name`` for ``spec`` (built now if no live op holds them).
+    The registry holds weak references: the ops and modules that use the tables keep them alive."""
+    if name not in _BUILDERS:
+        raise KeyError(f"family: no layout-table builder is registered under {name!r}")
+    key = _content_key(name, spec)
+    tables = _REGISTRY.get(key)
+    if tables is None:
+        tables = _REGISTRY[key] = LayoutTables(name, spec, key)
+    return tables
+
+
+def lookup(key: str) -> LayoutTables:
+    """The live tables named ``key`` (the layout argument of a ``torch.ops.bstrain.*`` call)."""
+    tables = _REGISTRY.get(key)
+    if tables is None:
+        raise RuntimeError(f"layout: no block-sparse layout is registered under {key!r}; build the op (or the "
+                           f"module holding it) in this process before running a graph that uses it")
+    return tables
