@@ -1,0 +1,79 @@
+"""What every block-sparse module shares: its layout in the state dict, one adoption path for a
+loaded layout, and layout tables warmed when the module moves to a device."""
+from __future__ import annotations
+
+import numpy as np
+import torch
+from torch import nn
+
+
+class BlockLayoutModule(nn.Module):
+    """Base of :class:`BlockSparseLinear` and :class:`BlockSparseConv2d`.
+
+    A subclass holds a (C/bs, K/bs) bool layout, a persistent ``layout`` buffer (so state dicts
+    carry it), a ``weight`` whose first dim counts live blocks, and implements
+    :meth:`block_layout`, :meth:`_use_layout` (switch to a new layout: op and tables) and
+    :meth:`_layout_tables` (the shared tables, warmed on ``.to(device)``).
+
+    Loading a state dict whose layout differs replaces this module's layout, so weights always
+    meet the layout they were trained on. The weight Parameter is kept (an optimizer may hold
+    it) when the live-block count is the same; another count is an error naming the layer,
+    unless ``load_state_dict(..., assign=True)`` asks for the checkpoint's tensors. A layout of
+    another shape (other in/out sizes) is always an error.
+    """
+
+    def block_layout(self) -> np.ndarray:
+        raise NotImplementedError
+
+    def _use_layout(self, layout: np.ndarray) -> None:
+        raise NotImplementedError
+
+    def _layout_tables(self):
+        raise NotImplementedError
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                              error_msgs):
+        key = prefix + "layout"
+        if key in state_dict:
+            new = np.asarray(state_dict[key].detach().cpu(), dtype=bool)
+            if not self._adopt(new, prefix, bool(local_metadata.get("assign_to_params_buffers")), error_msgs):
+                return
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                                      error_msgs)
+
+    def _adopt(self, new: np.ndarray, prefix: str, assign: bool, error_msgs: list) -> bool:
+        """Takes ``new`` as this module's layout; False (with an error message) if it cannot."""
+        name = prefix.rstrip(".") or type(self).__name__
+        old = self.block_layout()
+        if new.shape != old.shape:
+            error_msgs.append(f"{name}: the checkpoint's layout has shape {new.shape}, this layer's {old.shape} "
+                              f"(in/out sizes differ)")
+            return False
+        if np.array_equal(new, old):
+            return True
+        nnz = int(new.sum())
+        if nnz != int(old.sum()) and not assign:
+            error_msgs.append(f"{name}: the checkpoint's layout has {nnz} live blocks, this layer's {int(old.sum())}; "
+                              f"build the layer with the checkpoint's layout (layout=state_dict['{prefix}layout']) "
+                              f"or load with assign=True")
+            return False
+        if not new.any():
+            error_msgs.append(f"{name}: the checkpoint's layout has no live block")
+            return False
+        self._use_layout(new)
+        if nnz != self.weight.shape[0]:            # assign=True: the checkpoint's weight replaces ours
+            shape = (nnz,) + tuple(self.weight.shape[1:])
+            self.weight = nn.Parameter(self.weight.new_empty(shape, device="meta"))
+        return True
+
+    def _apply(self, fn, recurse: bool = True):
+        """``.to()``, ``.cuda()``, ``to_empty()``: the layout tables follow to the new device once, and
+        the layout buffer is rewritten from the host layout (to_empty leaves it uninitialised)."""
+        out = super()._apply(fn, recurse)
+        dev = self.weight.device
+        if dev.type != "meta" and not self.layout.is_meta:
+            with torch.no_grad():
+                self.layout.copy_(torch.as_tensor(self.block_layout(), device=self.layout.device))
+            if dev.type == "cuda":
+                self._layout_tables().on(dev)
+        return out
