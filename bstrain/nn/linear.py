@@ -1,4 +1,4 @@
-"""nn.Modules that research code composes: BlockSparseLinear, and helpers to convert dense models."""
+"""``BlockSparseLinear``, and helpers that convert dense models: ``sparsify``, ``set_grad_group``."""
 from __future__ import annotations
 
 import contextlib
@@ -10,12 +10,13 @@ import torch
 from torch import nn
 
 from bstrain import layout as layouts
+from bstrain.nn._sparse import BlockLayoutModule
 from bstrain.ops.matmul import BlocksparseMatMul, check_block_size, compute_dtype
 
 __all__ = ["BlockSparseLinear", "block_sparse_layouts", "set_grad_group", "sparsify"]
 
 
-class BlockSparseLinear(nn.Module):
+class BlockSparseLinear(BlockLayoutModule):
     """Linear layer with a block-sparse weight: y = x·W + b, with ``nn.Linear``'s conventions.
 
     Args:
@@ -180,39 +181,17 @@ class BlockSparseLinear(nn.Module):
                 layer.bias.copy_(linear.bias)
         return layer
 
-    # --- state dicts ------------------------------------------------------------------------------
-    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys,
-                              unexpected_keys, error_msgs):
-        """A loaded layout replaces the op's, so weights always meet the layout they were trained on.
+    # --- layout (bstrain.nn._sparse.BlockLayoutModule: state dicts, .to()) ------------------------------
+    def block_layout(self) -> np.ndarray:
+        """The (C/bs, K/bs) bool layout."""
+        return self.op.layout
 
-        The weight Parameter is kept (an optimizer may hold it): a layout with the same number of
-        live blocks is taken in place; another count is an error naming the layer, unless
-        ``load_state_dict(..., assign=True)`` asks for the checkpoint's tensors.
-        """
-        key = prefix + "layout"
-        if key in state_dict:
-            new = np.asarray(state_dict[key].detach().cpu(), dtype=bool)
-            if new.shape != self.op.layout.shape:
-                error_msgs.append(f"{prefix.rstrip('.') or 'BlockSparseLinear'}: the checkpoint's layout has shape {new.shape}, "
-                                  f"this layer's {self.op.layout.shape} (in/out features differ)")
-                return
-            if (new != self.op.layout).any():
-                self._adopt_layout(new, prefix, bool(local_metadata.get("assign_to_params_buffers")), error_msgs)
-        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys,
-                                      unexpected_keys, error_msgs)
-
-    def _adopt_layout(self, new: np.ndarray, prefix: str, assign: bool, error_msgs: list) -> None:
-        nnz = int(new.sum())
-        if nnz != self.op.blocks and not assign:
-            error_msgs.append(
-                f"{prefix.rstrip('.') or 'BlockSparseLinear'}: the checkpoint's layout has {nnz} live blocks, this "
-                f"layer's {self.op.blocks}; build the layer with the checkpoint's layout "
-                f"(layout=state_dict['{prefix}layout']) or load with assign=True")
-            return
-        self.op = BlocksparseMatMul(new, self.op.block_size, self.op.feature_axis, backend=self.op.backend)
-        if nnz != self.weight.shape[0]:        # assign=True: the checkpoint's weight replaces ours
-            self.weight = nn.Parameter(self.weight.new_empty(self.op.w_shape, device="meta"))
+    def _use_layout(self, layout: np.ndarray) -> None:
+        self.op = BlocksparseMatMul(layout, self.op.block_size, self.op.feature_axis, backend=self.op.backend)
         self.requested_density = None
+
+    def _layout_tables(self):
+        return self.op._tables
 
     def extra_repr(self) -> str:
         density = (f"density={self.op.density:.3f}" if self.requested_density is None else

@@ -15,7 +15,7 @@ import os
 import torch
 import torch.nn.functional as F
 
-from bstrain.ops.library import eager
+from bstrain.ops.tables import eager
 
 __all__ = [
     "add", "multiply", "subtract", "divide", "maximum", "minimum", "negative", "reciprocal", "square",
@@ -28,14 +28,32 @@ __all__ = [
 _FLOATS = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 
 
-def _use_kernel(*tensors: torch.Tensor) -> bool:
-    """Triton path: CUDA tensors, or CPU tensors under the interpreter when BSTRAIN_FORCE_TRITON=1."""
-    t = tensors[0]
-    if t.dtype not in (torch.float32, torch.float16, torch.bfloat16):
+_BACKENDS = ("auto", "triton", "torch")
+
+
+def use_kernels(x: torch.Tensor, backend: str = "auto") -> bool:
+    """Whether an op with a Triton kernel runs it on x: the ``backend=`` argument of every such op.
+
+    "auto": on CUDA for fp32/fp16/bf16; "torch": never; "triton": always (on the CPU through
+    Triton's interpreter, which needs TRITON_INTERPRET=1 set before triton is imported).
+
+    Test-only switch: with BSTRAIN_FORCE_TRITON=1 and TRITON_INTERPRET=1 in the environment, "auto"
+    takes the kernels on CPU tensors too, so the test suite can route whole models (whose layers
+    call these ops with the default backend) through the interpreted kernels and custom ops.
+    """
+    if backend not in _BACKENDS:
+        raise ValueError(f"backend: expected one of {_BACKENDS}, got {backend!r}")
+    if backend == "torch":
         return False
-    if t.is_cuda:
-        return True
-    return os.environ.get("BSTRAIN_FORCE_TRITON") == "1" and os.environ.get("TRITON_INTERPRET") == "1"
+    floating = x.dtype in (torch.float32, torch.float16, torch.bfloat16)
+    if backend == "auto":
+        return floating and (x.is_cuda or (os.environ.get("BSTRAIN_FORCE_TRITON") == "1"
+                                            and os.environ.get("TRITON_INTERPRET") == "1"))
+    if not floating:
+        raise TypeError(f"x: the Triton backend takes float32, float16 or bfloat16, got {x.dtype}")
+    if not x.is_cuda and os.environ.get("TRITON_INTERPRET") != "1":
+        raise ValueError(f"x: backend='triton' needs a CUDA tensor or TRITON_INTERPRET=1, got a tensor on {x.device}")
+    return True
 
 
 _DTYPE_BOUND = {torch.uint8: 256, torch.uint16: 65536}
@@ -254,8 +272,116 @@ def fused_lstm_gates_ref(c, i, u, f, o, forget_bias: float = 1.0):
     return new_c, torch.tanh(new_c) * torch.sigmoid(o)
 
 
+def _gates_work(c, i, u, f, o, bias):
+    """c and the four gate pre-activations (bias added) in the math dtype (fp32 for 16-bit)."""
+    work = torch.promote_types(c.dtype, torch.float32)
+    gates = [t.to(work) for t in (i, u, f, o)]
+    if bias is not None:
+        gates = [t + bb.to(work) for t, bb in zip(gates, bias.reshape(4, -1))]
+    return c.to(work), gates
+
+
+def fused_lstm_gates_bwd_ref(c, i, u, f, o, bias, dc_new, dh_new, forget_bias: float):
+    """(dc (N, K), dgates (N, 4K) in the order i, u, f, o) of the cell update, by the formulas, in
+    c's dtype (math in fp32 for 16-bit inputs)."""
+    cw, (gi, gu, gf, go) = _gates_work(c, i, u, f, o, bias)
+    si, tu, sf, so = torch.sigmoid(gi), torch.tanh(gu), torch.sigmoid(gf + forget_bias), torch.sigmoid(go)
+    t = torch.tanh(cw * sf + si * tu)
+    dh = dh_new.to(cw.dtype)
+    dcn = dh * so * (1 - t * t) + (dc_new.to(cw.dtype) if dc_new is not None else 0)
+    dg = torch.cat([dcn * tu * si * (1 - si), dcn * si * (1 - tu * tu), dcn * cw * sf * (1 - sf),
+                    dh * t * so * (1 - so)], dim=1)
+    return (dcn * sf).to(c.dtype), dg.to(c.dtype)
+
+
+# custom ops torch.ops.bstrain.lstm_gates and lstm_gates_bwd (traced calls): CUDA runs the kernels,
+# CPU the references
+@torch.library.custom_op("bstrain::lstm_gates", mutates_args=())
+def _lstm_gates_op(c: torch.Tensor, i: torch.Tensor, u: torch.Tensor, f: torch.Tensor, o: torch.Tensor,
+                   bias: torch.Tensor | None, forget_bias: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(new_c, new_h), (N, K) each, from c and the gates i, u, f, o ((N, K) views, unit feature
+    stride); bias: (4K,) or None, added to the gates. The math is fp32 for 16-bit inputs."""
+    if c.is_cuda:
+        from bstrain.kernels.ew import lstm_gates_forward
+        return lstm_gates_forward(c, i, u, f, o, bias, forget_bias)
+    cw, gates = _gates_work(c, i, u, f, o, bias)
+    new_c, new_h = fused_lstm_gates_ref(cw, *gates, forget_bias=forget_bias)
+    return new_c.to(c.dtype), new_h.to(c.dtype)
+
+
+@_lstm_gates_op.register_fake
+def _(c, i, u, f, o, bias, forget_bias):
+    return c.new_empty(c.shape), c.new_empty(c.shape)
+
+
+@torch.library.custom_op("bstrain::lstm_gates_bwd", mutates_args=())
+def _lstm_gates_bwd_op(c: torch.Tensor, i: torch.Tensor, u: torch.Tensor, f: torch.Tensor, o: torch.Tensor,
+                       bias: torch.Tensor | None, dc_new: torch.Tensor | None, dh_new: torch.Tensor,
+                       forget_bias: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(dc (N, K), dgates (N, 4K) in the order i, u, f, o), in c's dtype."""
+    if c.is_cuda:
+        from bstrain.kernels.ew import lstm_gates_backward
+        for name, d in (("dc_new", dc_new), ("dh_new", dh_new)):
+            if d is not None and d.shape != c.shape:
+                raise ValueError(f"{name}: expected shape {tuple(c.shape)} (as c), got {tuple(d.shape)}")
+        return lstm_gates_backward(c, i, u, f, o, dc_new, dh_new, bias, forget_bias)
+    return fused_lstm_gates_bwd_ref(c, i, u, f, o, bias, dc_new, dh_new, forget_bias)
+
+
+@_lstm_gates_bwd_op.register_fake
+def _(c, i, u, f, o, bias, dc_new, dh_new, forget_bias):
+    return c.new_empty(c.shape), c.new_empty((c.shape[0], 4 * c.shape[1]))
+
+
+def _gates_setup(ctx, inputs, output):
+    c, i, u, f, o, bias, forget_bias = inputs
+    ctx.save_for_backward(c, i, u, f, o, bias)
+    ctx.forget_bias = forget_bias
+    ctx.set_materialize_grads(False)
+
+
+def _dbias(dg: torch.Tensor, bias: torch.Tensor | None, needed: bool) -> torch.Tensor | None:
+    if bias is None or not needed:
+        return None
+    dbias = dg.sum(0, dtype=torch.float32)
+    return dbias if dbias.dtype == bias.dtype else dbias.to(bias.dtype)
+
+
+def _gates_backward(ctx, dc_new, dh_new):
+    c, i, u, f, o, bias = ctx.saved_tensors
+    if dh_new is None:
+        dh_new = torch.zeros_like(c)
+    dc, dg = _lstm_gates_bwd_op(c, i, u, f, o, bias, dc_new, dh_new, ctx.forget_bias)
+    return (dc,) + tuple(dg.chunk(4, dim=1)) + (_dbias(dg, bias, ctx.needs_input_grad[5]), None)
+
+
+_lstm_gates_op.register_autograd(_gates_backward, setup_context=_gates_setup)
+
+
+class _LstmGates(torch.autograd.Function):
+    """The custom op's kernels without the dispatcher's round trip (eager calls)."""
+
+    @staticmethod
+    def forward(ctx, c, bias, forget_bias, i, u, f, o):
+        from bstrain.kernels.ew import lstm_gates_forward
+        c, i, u, f, o = (t if t.stride(1) == 1 else t.contiguous() for t in (c, i, u, f, o))
+        bias = bias.contiguous() if bias is not None else None
+        ctx.save_for_backward(c, bias, i, u, f, o)
+        ctx.forget_bias = forget_bias
+        return lstm_gates_forward(c, i, u, f, o, bias, forget_bias, check=False)
+
+    @staticmethod
+    def backward(ctx, dc_new, dh_new):
+        from bstrain.kernels.ew import lstm_gates_backward
+        c, bias, i, u, f, o = ctx.saved_tensors
+        if dh_new is None:
+            dh_new = torch.zeros_like(c)
+        dc, dg = lstm_gates_backward(c, i, u, f, o, dc_new, dh_new, bias, ctx.forget_bias, check=False)
+        return (dc, _dbias(dg, bias, ctx.needs_input_grad[1]), None) + tuple(dg.chunk(4, dim=1))
+
+
 def fused_lstm_gates(c: torch.Tensor, *args: torch.Tensor, bias: torch.Tensor | None = None,
-                     forget_bias: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+                     forget_bias: float = 1.0, backend: str = "auto") -> tuple[torch.Tensor, torch.Tensor]:
     """The seed's fused LSTM cell update.
 
     Gate order (as in the seed): **i, u, f, o** — input gate, update (candidate), forget gate,
@@ -267,6 +393,7 @@ def fused_lstm_gates(c: torch.Tensor, *args: torch.Tensor, bias: torch.Tensor | 
             (N, K) tensors i, u, f, o.
         bias: 4K elements of any shape ((4K,), (1, 4K), ...), added to the fused gates
             (one-tensor form only); c's dtype, or float32 with 16-bit gates.
+        backend: "auto" (the kernel on CUDA), "triton" (also on CPU under TRITON_INTERPRET=1) or "torch".
     Returns (new_c, new_h), each (N, K) in c's dtype. The math is fp32 for 16-bit inputs.
     """
     _check_tensor("c", c)
@@ -292,7 +419,7 @@ def fused_lstm_gates(c: torch.Tensor, *args: torch.Tensor, bias: torch.Tensor | 
     else:
         raise ValueError(f"args: expected one (N, 4K) gate tensor or four (N, K) tensors i, u, f, o, "
                          f"got {len(args)} tensors")
-    if _use_kernel(c):                                                       # the kernel adds the bias
+    if use_kernels(c, backend):                                              # the kernel adds the bias
         if eager(c):
             return _LstmGates.apply(c, bias, float(forget_bias), *gates)
         c, *gates = (t if t.stride(1) == 1 else t.contiguous() for t in (c, *gates))
@@ -304,30 +431,6 @@ def fused_lstm_gates(c: torch.Tensor, *args: torch.Tensor, bias: torch.Tensor | 
         gates = tuple(g.float() for g in gates)
     new_c, new_h = fused_lstm_gates_ref(c.to(gates[0].dtype), *gates, forget_bias=forget_bias)
     return new_c.to(c.dtype), new_h.to(c.dtype)
-
-
-class _LstmGates(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, c, bias, forget_bias, i, u, f, o):
-        from bstrain.kernels.ew import lstm_gates_forward
-        c, i, u, f, o = (t if t.stride(1) == 1 else t.contiguous() for t in (c, i, u, f, o))
-        bias = bias.contiguous() if bias is not None else None
-        ctx.save_for_backward(c, bias, i, u, f, o)
-        ctx.forget_bias = forget_bias
-        return lstm_gates_forward(c, i, u, f, o, bias, forget_bias, check=False)
-
-    @staticmethod
-    def backward(ctx, dc_new, dh_new):
-        from bstrain.kernels.ew import lstm_gates_backward
-        c, bias, i, u, f, o = ctx.saved_tensors
-        if dh_new is None:
-            dh_new = torch.zeros_like(c)
-        dc, dg = lstm_gates_backward(c, i, u, f, o, dc_new, dh_new, bias, ctx.forget_bias, check=False)
-        dbias = None
-        if bias is not None and ctx.needs_input_grad[1]:
-            dbias = dg.sum(0, dtype=torch.float32)
-            dbias = dbias if dbias.dtype == bias.dtype else dbias.to(bias.dtype)
-        return (dc, dbias, None) + tuple(dg.chunk(4, dim=1))
 
 
 # --- casts, dropout, sums --------------------------------------------------------------------------

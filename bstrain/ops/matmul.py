@@ -14,13 +14,15 @@ on CPU tensors needs ``TRITON_INTERPRET=1`` set before triton is imported.
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
+from torch import Tensor
 
 from bstrain.layout import as_layout
-from bstrain.ops.library import _as, eager, register_layout
 from bstrain.ops.proj import SparseProj  # noqa: F401  (the seed exports it from matmul)
+from bstrain.ops.tables import eager, family, layout_tables, lookup, real_tensors, tracing
 
 BLOCK_SIZES = (8, 16, 32, 64, 128)
 _INT32_MAX = 2**31 - 1
@@ -36,13 +38,6 @@ def check_block_size(block_size) -> int:
             or int(block_size) not in BLOCK_SIZES:
         raise ValueError(f"block_size: expected one of {BLOCK_SIZES}, got {block_size!r}")
     return int(block_size)
-
-
-def tracing(*tensors: torch.Tensor) -> bool:
-    """True under torch.compile or torch.export (or any fake-tensor tracing): nothing created then
-    may be cached, since it is not a real tensor."""
-    from torch._subclasses.fake_tensor import is_fake
-    return torch.compiler.is_compiling() or any(is_fake(t) for t in tensors)
 
 
 def _chunk_blocks(n, bs: int) -> int:
@@ -100,6 +95,152 @@ def bsmm_dw_ref(x: torch.Tensor, dy: torch.Tensor, c_idx: torch.Tensor, k_idx: t
     return torch.cat(parts) if parts else xr.new_zeros(0, block_size, block_size)
 
 
+# --- layout tables ---------------------------------------------------------------------------------
+@dataclass
+class MatmulTables:
+    """One (Cb, Kb) layout's tables on one device: the reference path's block coordinates (made
+    with the tables) and the kernels' lookup tables (made with the tables on CUDA; on the CPU only
+    when the interpreter runs the kernels)."""
+    layout: np.ndarray
+    block_size: int
+    device: torch.device
+    c_idx: Tensor          # (nnz,) int64 input block of each weight block, row-major order
+    k_idx: Tensor          # (nnz,) int64 output block
+    _luts: object = field(default=None, repr=False)
+
+    @property
+    def blocks(self) -> int:
+        return self.c_idx.numel()
+
+    @property
+    def C(self) -> int:
+        return self.layout.shape[0] * self.block_size
+
+    @property
+    def K(self) -> int:
+        return self.layout.shape[1] * self.block_size
+
+    @property
+    def luts(self):
+        """The kernels' tables (:class:`bstrain.kernels.matmul.BsmmLuts`) on this device."""
+        if self._luts is None:
+            from bstrain.kernels.matmul import make_luts
+            with real_tensors(self.device):
+                self._luts = make_luts(self.layout, self.block_size, self.device)
+        return self._luts
+
+
+@family("matmul")
+def _matmul_tables(layout: np.ndarray, block_size: int, *, device: torch.device) -> MatmulTables:
+    c_idx, k_idx = (torch.as_tensor(a, dtype=torch.int64, device=device) for a in np.nonzero(layout))
+    if not tracing():
+        for t in (c_idx, k_idx):       # a fixed size: torch.compile(dynamic=True) must not make it a symbol
+            torch._dynamo.mark_static(t)
+    tables = MatmulTables(layout, block_size, device, c_idx, k_idx)
+    if device.type == "cuda" and not tracing():
+        tables.luts                                                   # the kernels' tables, made now
+    return tables
+
+
+def _as(w: Tensor, dtype: torch.dtype) -> Tensor:
+    """w in ``dtype``, contiguous: fp32 master weights meet 16-bit activations."""
+    return (w if w.dtype == dtype else w.to(dtype)).contiguous()
+
+
+# --- custom ops: torch.ops.bstrain.bsmm, bsmm_dx, bsmm_dw (traced calls) -------------------------------
+# CUDA tensors run the kernels; CPU tensors the references (so opcheck runs anywhere). ``layout`` is
+# the content key of the layout's tables (bstrain.ops.tables): a compiled graph holds a string.
+@torch.library.custom_op("bstrain::bsmm", mutates_args=())
+def bsmm(x: Tensor, w: Tensor, layout: str, feature_axis: int, dw_dtype: torch.dtype) -> Tensor:
+    """Y = X·W. x: (N, C) (feature_axis=1) or (C, N); w: (nnz, bs, bs) in x's dtype or fp32.
+    dw_dtype: the dtype of dW in backward (accumulated in fp32)."""
+    t = lookup(layout).on(x.device)
+    if x.is_cuda:
+        from bstrain.kernels.matmul import bsmm_forward          # checked: the op may be called directly
+        return bsmm_forward(x, _as(w, x.dtype), t.luts, feature_axis)
+    return bsmm_ref(x, w.to(x.dtype), t.c_idx, t.k_idx, t.K, feature_axis)
+
+
+@bsmm.register_fake
+def _(x, w, layout, feature_axis, dw_dtype):
+    t = lookup(layout).host
+    n = x.shape[1 - feature_axis]
+    return x.new_empty((n, t.K) if feature_axis == 1 else (t.K, n))
+
+
+@torch.library.custom_op("bstrain::bsmm_dx", mutates_args=())
+def bsmm_dx(dy: Tensor, w: Tensor, layout: str, feature_axis: int) -> Tensor:
+    """dX = dY·Wᵀ. dy: (N, K) or (K, N); w: (nnz, bs, bs) in dy's dtype or fp32."""
+    t = lookup(layout).on(dy.device)
+    if dy.is_cuda:
+        from bstrain.kernels.matmul import bsmm_dx as kernel
+        return kernel(dy, _as(w, dy.dtype), t.luts, feature_axis)
+    return bsmm_dx_ref(dy, w.to(dy.dtype), t.c_idx, t.k_idx, t.C, feature_axis)
+
+
+@bsmm_dx.register_fake
+def _(dy, w, layout, feature_axis):
+    t = lookup(layout).host
+    n = dy.shape[1 - feature_axis]
+    return dy.new_empty((n, t.C) if feature_axis == 1 else (t.C, n))
+
+
+@torch.library.custom_op("bstrain::bsmm_dw", mutates_args=())
+def bsmm_dw(x: Tensor, dy: Tensor, layout: str, feature_axis: int, dw_dtype: torch.dtype) -> Tensor:
+    """dW = Xᵀ·dY on live blocks: (nnz, bs, bs) in dw_dtype. x: (N, C) or (C, N); dy: (N, K) or
+    (K, N), in x's dtype. The grouped-dW path calls it on the rows of many timesteps at once."""
+    t = lookup(layout).on(x.device)
+    if x.is_cuda:
+        from bstrain.kernels.matmul import bsmm_dw as kernel
+        return kernel(x, dy.to(x.dtype), t.luts, feature_axis, dw_dtype)
+    return bsmm_dw_ref(x, dy.to(x.dtype), t.c_idx, t.k_idx, t.block_size, feature_axis).to(dw_dtype)
+
+
+@bsmm_dw.register_fake
+def _(x, dy, layout, feature_axis, dw_dtype):
+    t = lookup(layout).host
+    return x.new_empty((t.blocks, t.block_size, t.block_size), dtype=dw_dtype)
+
+
+def _save_pair(ctx, inputs, output):
+    a, b, layout, feature_axis = inputs[:4]
+    ctx.save_for_backward(a, b)
+    ctx.layout, ctx.axis = layout, feature_axis
+
+
+def _bsmm_setup(ctx, inputs, output):
+    _save_pair(ctx, inputs, output)
+    ctx.dw_dtype = inputs[4]
+
+
+def _bsmm_backward(ctx, dy):
+    x, w = ctx.saved_tensors
+    dx = bsmm_dx(dy, w, ctx.layout, ctx.axis) if ctx.needs_input_grad[0] else None
+    dw = bsmm_dw(x, dy, ctx.layout, ctx.axis, ctx.dw_dtype) if ctx.needs_input_grad[1] else None
+    return dx, dw, None, None, None
+
+
+def _bsmm_dx_backward(ctx, g):
+    """dX = dY·Wᵀ: d(dY) = G·W, dW = Gᵀ·dY."""
+    dy, w = ctx.saved_tensors
+    d_dy = bsmm(g, w, ctx.layout, ctx.axis, w.dtype) if ctx.needs_input_grad[0] else None
+    d_w = bsmm_dw(g, dy, ctx.layout, ctx.axis, w.dtype) if ctx.needs_input_grad[1] else None
+    return d_dy, d_w, None, None
+
+
+def _bsmm_dw_backward(ctx, g):
+    """dW = Xᵀ·dY: dX = dY·Gᵀ, d(dY) = X·G."""
+    x, dy = ctx.saved_tensors
+    d_x = bsmm_dx(dy, g, ctx.layout, ctx.axis) if ctx.needs_input_grad[0] else None
+    d_dy = bsmm(x, g, ctx.layout, ctx.axis, x.dtype).to(dy.dtype) if ctx.needs_input_grad[1] else None
+    return d_x, d_dy, None, None, None
+
+
+bsmm.register_autograd(_bsmm_backward, setup_context=_bsmm_setup)
+bsmm_dx.register_autograd(_bsmm_dx_backward, setup_context=_save_pair)
+bsmm_dw.register_autograd(_bsmm_dw_backward, setup_context=_save_pair)
+
+
 def compute_dtype(I: torch.Tensor) -> torch.dtype:
     """The dtype the op runs in for activation I: the autocast dtype under torch.autocast for
     floating activations, else I's own."""
@@ -118,7 +259,7 @@ def _autocast_input(I: torch.Tensor) -> torch.Tensor:
 
 class _BlocksparseMatMulFn(torch.autograd.Function):
     """The eager path: the launchers of torch.ops.bstrain.bsmm and its backward, without the
-    dispatcher's round trip (bstrain.ops.library)."""
+    dispatcher's round trip (which costs about as much as a small kernel's launch)."""
 
     @staticmethod
     def forward(ctx, x, w, luts, axis, dw_dtype):
@@ -161,11 +302,13 @@ class BlocksparseMatMul:
         self.backend = backend
         cb, kb = self.layout.shape
         self.C, self.K = cb * self.block_size, kb * self.block_size
-        # the layout's name for torch.ops.bstrain.*, and its lookup tables (shared by equal layouts)
-        self.key, self._tables = register_layout(self.layout, self.block_size)
-        self.blocks = self._tables.blocks
-        self._coords = self._tables.coords                        # (2, nnz), row-major block order
-        self._ref_idx: dict = {}                                  # device -> (c_idx, k_idx)
+        # the layout's tables, shared by equal layouts; their key names the layout in torch.ops.bstrain.*
+        self._tables = layout_tables("matmul", self.layout, self.block_size)
+        self.key = self._tables.key
+        host = self._tables.host
+        self.blocks = host.blocks
+        with real_tensors(torch.device("cpu")):
+            self._coords = torch.stack([host.c_idx, host.k_idx])  # (2, nnz) on the CPU, row-major block order
 
     # --- shapes ---------------------------------------------------------------------------
     @property
@@ -286,23 +429,13 @@ class BlocksparseMatMul:
 
     # --- apply -----------------------------------------------------------------------------
     def luts(self, device: torch.device | str):
-        """Kernel lookup tables on ``device``, built on first use and cached (never while tracing)."""
-        device = torch.device(device)
-        if torch.compiler.is_compiling():
-            from bstrain.kernels.matmul import make_luts
-            return make_luts(self.layout, self.block_size, device)
-        return self._tables.luts(device)
+        """The kernels' lookup tables on ``device`` (made once per device)."""
+        return self._tables.on(device).luts
 
     def _ref_coords(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-        """(c_idx, k_idx) on ``device`` for the PyTorch path; cached, except while tracing."""
-        if device in self._ref_idx:
-            return self._ref_idx[device]
-        coords = self._coords[0].to(device, copy=True), self._coords[1].to(device, copy=True)
-        if not tracing(*coords):
-            for t in coords:           # a fixed size: torch.compile(dynamic=True) must not make it a symbol
-                torch._dynamo.mark_static(t)
-            self._ref_idx[device] = coords
-        return coords
+        """(c_idx, k_idx) on ``device`` for the PyTorch path."""
+        t = self._tables.on(device)
+        return t.c_idx, t.k_idx
 
     def _check_w(self, W) -> None:
         if not isinstance(W, torch.Tensor):
@@ -370,10 +503,10 @@ class BlocksparseMatMul:
             if not eager(X):
                 Y = torch.ops.bstrain.bsmm(X, W, self.key, self.feature_axis, dw_dtype)
             elif torch.is_grad_enabled() and (X.requires_grad or W.requires_grad):
-                Y = _BlocksparseMatMulFn.apply(X, W, self._tables.luts(X.device), self.feature_axis, dw_dtype)
+                Y = _BlocksparseMatMulFn.apply(X, W, self.luts(X.device), self.feature_axis, dw_dtype)
             else:
                 from bstrain.kernels.matmul import run_forward
-                Y = run_forward(X, _as(W, X.dtype), self._tables.luts(X.device), self.feature_axis)
+                Y = run_forward(X, _as(W, X.dtype), self.luts(X.device), self.feature_axis)
             return self._from_2d(Y, I)
         c_idx, k_idx = self._ref_coords(X.device)
         return self._from_2d(bsmm_ref(X, W.to(X.dtype), c_idx, k_idx, self.K, self.feature_axis), I)
@@ -425,7 +558,7 @@ class BlocksparseMatMul:
             if not eager(I):
                 return torch.ops.bstrain.bsmm(I, W, self.key, self.feature_axis, W.dtype)
             from bstrain.kernels import matmul as kernels
-            return kernels.run_forward(I, _as(W, I.dtype), self._tables.luts(I.device), self.feature_axis)
+            return kernels.run_forward(I, _as(W, I.dtype), self.luts(I.device), self.feature_axis)
         c_idx, k_idx = self._ref_coords(I.device)
         return bsmm_ref(I, W, c_idx, k_idx, self.K, self.feature_axis)
 
@@ -434,7 +567,7 @@ class BlocksparseMatMul:
             if not eager(dY):
                 return torch.ops.bstrain.bsmm_dx(dY, W, self.key, self.feature_axis)
             from bstrain.kernels import matmul as kernels
-            return kernels.run_dx(dY, _as(W, dY.dtype), self._tables.luts(dY.device), self.feature_axis)
+            return kernels.run_dx(dY, _as(W, dY.dtype), self.luts(dY.device), self.feature_axis)
         c_idx, k_idx = self._ref_coords(dY.device)
         return bsmm_dx_ref(dY, W, c_idx, k_idx, self.C, self.feature_axis)
 
@@ -444,7 +577,7 @@ class BlocksparseMatMul:
             if not eager(I):
                 return torch.ops.bstrain.bsmm_dw(I, dY, self.key, self.feature_axis, dw_dtype)
             from bstrain.kernels import matmul as kernels
-            return kernels.run_dw(I, dY if dY.dtype == I.dtype else dY.to(I.dtype), self._tables.luts(I.device), self.feature_axis, dw_dtype)
+            return kernels.run_dw(I, dY if dY.dtype == I.dtype else dY.to(I.dtype), self.luts(I.device), self.feature_axis, dw_dtype)
         c_idx, k_idx = self._ref_coords(I.device)
         return bsmm_dw_ref(I, dY, c_idx, k_idx, self.block_size, self.feature_axis).to(dw_dtype)
 

@@ -5,85 +5,147 @@ is ``torch.nn.functional.layer_norm``. The seed's other cases (features on axis 
 several independently normalised segments, fp32 parameters with 16-bit x) run a Triton kernel
 on CUDA where it measurably beats ``torch.compile`` (scripts/bench_ops.py), else
 :func:`layer_norm_ref`.
+
+In this file's order: the reference → the custom ops ``torch.ops.bstrain.layer_norm`` and
+``layer_norm_bwd`` (fake, autograd) → the eager ``autograd.Function`` → the seed API.
 """
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from torch import Tensor
 
-from bstrain.ops.ew import _check_tensor, _use_kernel, check_axis, check_param
-from bstrain.ops.library import eager
+from bstrain.ops.ew import _check_tensor, check_axis, check_param, use_kernels
+from bstrain.ops.tables import eager
 
 __all__ = ["layer_norm", "layer_norm_ref", "batch_norm", "batch_norm_inference"]
 
 
+# --- reference --------------------------------------------------------------------------------------
+def _groups(x: Tensor, axis: int) -> Tensor:
+    """(groups, C) view of a 2-D x with features on ``axis``."""
+    return x if axis == 1 else x.t()
+
+
+def layer_norm_stats_ref(x: Tensor, axis: int, eps: float, segments: int) -> tuple[Tensor, Tensor]:
+    """(mean, rstd), each (groups, segments), in fp32 (fp64 for fp64 x)."""
+    xr = _groups(x, axis)
+    xs = xr.reshape(xr.shape[0], segments, -1).to(torch.promote_types(x.dtype, torch.float32))
+    var, mean = torch.var_mean(xs, dim=-1, correction=0)
+    return mean, torch.rsqrt(var + eps)
+
+
 def layer_norm_ref(x, g, b, axis: int = 1, epsilon: float = 1e-6, relu: bool = False, segments: int = 1):
-    """PyTorch layer norm over the feature axis, per segment, with optional ReLU."""
-    xr = x if axis == 1 else x.t()                                # (N, C)
-    n, c = xr.shape
-    work = torch.promote_types(x.dtype, torch.float32)                # fp32 statistics for 16-bit x
-    xs = xr.reshape(n, segments, c // segments).to(work)
-    y = F.layer_norm(xs, (c // segments,), eps=epsilon).reshape(n, c)
-    y = (y * g.to(work) + b.to(work)).to(x.dtype)
-    if relu:
-        y = torch.relu(y)
+    """PyTorch layer norm of a 2-D x over the feature axis, per segment, with optional ReLU: the
+    CPU path and the tests' oracle. Statistics and math in fp32 (fp64 for fp64 x)."""
+    mean, rstd = layer_norm_stats_ref(x, axis, epsilon, segments)
+    xr = _groups(x, axis)
+    xhat = ((xr.reshape(xr.shape[0], segments, -1).to(mean.dtype) - mean[..., None]) * rstd[..., None])
+    y = xhat.reshape(xr.shape) * g.to(mean.dtype) + b.to(mean.dtype)
+    y = (torch.relu(y) if relu else y).to(x.dtype)
     return y if axis == 1 else y.t()
 
 
-def layer_norm(x: torch.Tensor, g: torch.Tensor, b: torch.Tensor, axis: int = 1, segments: int = 1,
-               epsilon: float = 1e-6, relu: bool = False, atomics: bool = True, bench: int = 0,
-               use_tf: bool = False) -> torch.Tensor:
-    """The seed's layer norm, with the seed's signature.
+def layer_norm_bwd_ref(dy, x, g, b, mean, rstd, axis: int, relu: bool, segments: int):
+    """(dx like x, dg, db) of :func:`layer_norm_ref`, by the formulas (the custom op's CPU backward
+    runs below autograd)."""
+    work = mean.dtype
+    xr, dyr = _groups(x, axis).to(work), _groups(dy, axis).to(work)
+    n, c = xr.shape
+    xhat = ((xr.reshape(n, segments, -1) - mean[..., None]) * rstd[..., None]).reshape(n, c)
+    gw = g.to(work)
+    if relu:
+        dyr = dyr * ((xhat * gw + b.to(work)) > 0)
+    dg, db = (dyr * xhat).sum(0), dyr.sum(0)
+    dxhat = (dyr * gw).reshape(n, segments, -1)
+    xh = xhat.reshape(n, segments, -1)
+    dx = (dxhat - dxhat.mean(-1, keepdim=True) - xh * (dxhat * xh).mean(-1, keepdim=True)) * rstd[..., None]
+    dx = dx.reshape(n, c).to(x.dtype)
+    return (dx if axis == 1 else dx.t()).contiguous(), dg.to(g.dtype), db.to(b.dtype)
 
-    Args:
-        x: activations of any rank; ``axis`` is the feature axis that is normalised (negative
-            counts from the end): (N, C) with axis=1 or -1, (C, N) with axis=0, (B, T, C) with
-            axis=-1, ...
-        g, b: gain and bias, C elements of any shape ((C,), (1, C), (C, 1)); x's dtype, or
-            float32 with 16-bit x.
-        segments: normalise each of ``segments`` equal slices of the C features independently
-            (e.g. the four LSTM gates); g and b still span all C.
-        relu: apply ReLU to the output (fused).
-        atomics, bench, use_tf: the seed's tuning switches; accepted, without effect.
-    Returns a tensor like x (same shape and dtype). Statistics are computed in fp32.
-    """
-    _check_tensor("x", x)
-    if x.dim() < 1:
-        raise ValueError("x: expected at least 1 dim, got a scalar")
-    axis = check_axis("axis", axis, x.dim())
+
+# --- custom ops (traced calls) -------------------------------------------------------------------------
+def _check_ln(x: Tensor, g: Tensor, b: Tensor, axis: int, segments: int) -> None:
+    """The kernel's contract: x contiguous 2-D, features on axis 0 or 1 splitting into segments
+    of at most MAX_SEGMENT; g and b (C,) contiguous on x's device."""
+    from bstrain.kernels.norms import MAX_SEGMENT
+    if x.dim() != 2 or axis not in (0, 1) or not x.is_contiguous():
+        raise ValueError(f"x: expected a contiguous 2-D tensor with features on axis 0 or 1, got shape "
+                         f"{tuple(x.shape)}, axis {axis}")
+    if x.dtype not in (torch.float32, torch.float16, torch.bfloat16):
+        raise TypeError(f"x: expected float32, float16 or bfloat16, got {x.dtype}")
     C = x.shape[axis]
-    if C == 0:
-        raise ValueError(f"x: expected at least one feature on axis {axis}, got shape {tuple(x.shape)}")
-    g, b = check_param("g", g, x, C), check_param("b", b, x, C)
-    if isinstance(segments, bool) or not isinstance(segments, int) or segments < 1 or C % segments:
-        raise ValueError(f"segments: expected a positive divisor of the {C} features, got {segments!r}")
-    if x.dim() == 2:                                           # (N, C) or (C, N) as they are: no views
-        return _layer_norm_2d(x, g, b, axis, epsilon, relu, segments)
-    if axis == 0:                                              # features first: (C, N)
-        return _layer_norm_2d(x.reshape(C, -1), g, b, 0, epsilon, relu, segments).reshape(x.shape)
-    moved = x if axis == x.dim() - 1 else x.movedim(axis, -1)  # features last: (N, C)
-    y = _layer_norm_2d(moved.reshape(-1, C), g, b, 1, epsilon, relu, segments).reshape(moved.shape)
-    return y if moved is x else y.movedim(-1, axis)
+    if segments < 1 or C % segments or C // segments > MAX_SEGMENT:
+        raise ValueError(f"segments: expected a divisor of the {C} features into segments of at most "
+                         f"{MAX_SEGMENT}, got {segments}")
+    for name, p in (("g", g), ("b", b)):
+        if p.shape != (C,) or not p.is_contiguous() or p.device != x.device:
+            raise ValueError(f"{name}: expected a contiguous ({C},) tensor on {x.device}, got "
+                             f"{tuple(p.shape)} on {p.device}")
 
 
-def _layer_norm_2d(x, g, b, axis: int, epsilon: float, relu: bool, segments: int) -> torch.Tensor:
-    """x: (N, C) for axis=1 or (C, N) for axis=0; g, b: (C,)."""
-    kernel = _use_kernel(x)
-    if axis == 1 and not relu and segments == 1 and (g.dtype == x.dtype or not kernel):
-        if g.dtype == x.dtype:
-            return F.layer_norm(x, (x.shape[1],), g, b, eps=epsilon)
-        return F.layer_norm(x.float(), (x.shape[1],), g, b, eps=epsilon).to(x.dtype)  # fp32 params
-    if kernel:                  # fp32 params with 16-bit x too: one kernel instead of three casts around torch's
-        from bstrain.kernels.norms import MAX_SEGMENT
-        if x.shape[axis] // segments <= MAX_SEGMENT:
-            if eager(x):
-                return _LayerNorm.apply(x, g, b, axis, float(epsilon), bool(relu), segments)
-            return torch.ops.bstrain.layer_norm(x.contiguous(), g.contiguous(), b.contiguous(), axis, float(epsilon),
-                                                bool(relu), segments)[0]
-    return layer_norm_ref(x, g, b, axis, epsilon, relu, segments)
+@torch.library.custom_op("bstrain::layer_norm", mutates_args=())
+def _layer_norm_op(x: Tensor, g: Tensor, b: Tensor, axis: int, eps: float, relu: bool,
+                   segments: int) -> tuple[Tensor, Tensor, Tensor]:
+    """x: contiguous (N, C) (axis=1) or (C, N) (axis=0); g, b: (C,). Returns (y, mean, rstd); the
+    statistics are (groups, segments) fp32. CUDA: the kernel; CPU: the reference."""
+    if x.is_cuda:
+        from bstrain.kernels.norms import layer_norm_forward
+        _check_ln(x, g, b, axis, segments)
+        return layer_norm_forward(x, g, b, axis, eps, relu, segments)
+    mean, rstd = layer_norm_stats_ref(x, axis, eps, segments)
+    return layer_norm_ref(x, g, b, axis, eps, relu, segments).contiguous(), mean, rstd
 
 
+@_layer_norm_op.register_fake
+def _(x, g, b, axis, eps, relu, segments):
+    groups = x.shape[1 - axis]
+    stats = x.new_empty((groups, segments), dtype=torch.promote_types(x.dtype, torch.float32))
+    return torch.empty_like(x, memory_format=torch.contiguous_format), stats, stats.clone()
+
+
+@torch.library.custom_op("bstrain::layer_norm_bwd", mutates_args=())
+def _layer_norm_bwd_op(dy: Tensor, x: Tensor, g: Tensor, b: Tensor, mean: Tensor, rstd: Tensor, axis: int,
+                       relu: bool, segments: int) -> tuple[Tensor, Tensor, Tensor]:
+    """(dx like x, dg, db in g's and b's dtypes)."""
+    if x.is_cuda:
+        from bstrain.kernels.norms import layer_norm_backward
+        _check_ln(x, g, b, axis, segments)
+        if dy.shape != x.shape:
+            raise ValueError(f"dy: expected shape {tuple(x.shape)} (as x), got {tuple(dy.shape)}")
+        dx, dg, db = layer_norm_backward(dy.contiguous(), x, g, b, mean, rstd, axis, relu, segments)
+        if dg.untyped_storage().data_ptr() == db.untyped_storage().data_ptr():
+            db = db.clone()                                 # views of one sum: outputs may not share storage
+        return dx, dg, db
+    return layer_norm_bwd_ref(dy, x, g, b, mean, rstd, axis, relu, segments)
+
+
+@_layer_norm_bwd_op.register_fake
+def _(dy, x, g, b, mean, rstd, axis, relu, segments):
+    return torch.empty_like(x, memory_format=torch.contiguous_format), torch.empty_like(g), torch.empty_like(b)
+
+
+def _ln_setup(ctx, inputs, output):
+    x, g, b, axis, eps, relu, segments = inputs
+    _, mean, rstd = output
+    ctx.save_for_backward(x, g, b, mean, rstd)
+    ctx.config = (axis, relu, segments)
+    ctx.mark_non_differentiable(mean, rstd)
+
+
+def _ln_backward(ctx, dy, _dmean, _drstd):
+    x, g, b, mean, rstd = ctx.saved_tensors
+    dx, dg, db = _layer_norm_bwd_op(dy, x, g, b, mean, rstd, *ctx.config)
+    return dx, dg, db, None, None, None, None
+
+
+_layer_norm_op.register_autograd(_ln_backward, setup_context=_ln_setup)
+
+
+# --- eager autograd -------------------------------------------------------------------------------------
 class _LayerNorm(torch.autograd.Function):
+    """The custom op's kernels without the dispatcher's round trip."""
+
     @staticmethod
     def forward(ctx, x, g, b, axis, epsilon, relu, segments):
         from bstrain.kernels.norms import layer_norm_forward
@@ -101,6 +163,62 @@ class _LayerNorm(torch.autograd.Function):
         dx, dg, db = layer_norm_backward(dy.contiguous(), x, g.contiguous(), b.contiguous(), mean, rstd,
                                          axis, relu, segments)
         return dx, dg, db, None, None, None, None
+
+
+# --- seed API -------------------------------------------------------------------------------------------
+def layer_norm(x: torch.Tensor, g: torch.Tensor, b: torch.Tensor, axis: int = 1, segments: int = 1,
+               epsilon: float = 1e-6, relu: bool = False, atomics: bool = True, bench: int = 0,
+               use_tf: bool = False, *, backend: str = "auto") -> torch.Tensor:
+    """The seed's layer norm, with the seed's signature.
+
+    Args:
+        x: activations of any rank; ``axis`` is the feature axis that is normalised (negative
+            counts from the end): (N, C) with axis=1 or -1, (C, N) with axis=0, (B, T, C) with
+            axis=-1, ...
+        g, b: gain and bias, C elements of any shape ((C,), (1, C), (C, 1)); x's dtype, or
+            float32 with 16-bit x.
+        segments: normalise each of ``segments`` equal slices of the C features independently
+            (e.g. the four LSTM gates); g and b still span all C.
+        relu: apply ReLU to the output (fused).
+        atomics, bench, use_tf: the seed's tuning switches; accepted, without effect.
+        backend: "auto" (the kernel on CUDA where it pays, PyTorch otherwise), "triton" (the
+            kernel; on CPU under TRITON_INTERPRET=1) or "torch".
+    Returns a tensor like x (same shape and dtype). Statistics are computed in fp32.
+    """
+    _check_tensor("x", x)
+    if x.dim() < 1:
+        raise ValueError("x: expected at least 1 dim, got a scalar")
+    axis = check_axis("axis", axis, x.dim())
+    C = x.shape[axis]
+    if C == 0:
+        raise ValueError(f"x: expected at least one feature on axis {axis}, got shape {tuple(x.shape)}")
+    g, b = check_param("g", g, x, C), check_param("b", b, x, C)
+    if isinstance(segments, bool) or not isinstance(segments, int) or segments < 1 or C % segments:
+        raise ValueError(f"segments: expected a positive divisor of the {C} features, got {segments!r}")
+    kernel = use_kernels(x, backend)
+    if x.dim() == 2:                                           # (N, C) or (C, N) as they are: no views
+        return _layer_norm_2d(x, g, b, axis, epsilon, relu, segments, kernel)
+    if axis == 0:                                              # features first: (C, N)
+        return _layer_norm_2d(x.reshape(C, -1), g, b, 0, epsilon, relu, segments, kernel).reshape(x.shape)
+    moved = x if axis == x.dim() - 1 else x.movedim(axis, -1)  # features last: (N, C)
+    y = _layer_norm_2d(moved.reshape(-1, C), g, b, 1, epsilon, relu, segments, kernel).reshape(moved.shape)
+    return y if moved is x else y.movedim(-1, axis)
+
+
+def _layer_norm_2d(x, g, b, axis: int, epsilon: float, relu: bool, segments: int, kernel: bool) -> torch.Tensor:
+    """x: (N, C) for axis=1 or (C, N) for axis=0; g, b: (C,)."""
+    if axis == 1 and not relu and segments == 1 and (g.dtype == x.dtype or not kernel):
+        if g.dtype == x.dtype:
+            return F.layer_norm(x, (x.shape[1],), g, b, eps=epsilon)
+        return F.layer_norm(x.float(), (x.shape[1],), g, b, eps=epsilon).to(x.dtype)  # fp32 params
+    if kernel:                  # fp32 params with 16-bit x too: one kernel instead of three casts around torch's
+        from bstrain.kernels.norms import MAX_SEGMENT
+        if x.shape[axis] // segments <= MAX_SEGMENT:
+            if eager(x):
+                return _LayerNorm.apply(x, g, b, axis, float(epsilon), bool(relu), segments)
+            return torch.ops.bstrain.layer_norm(x.contiguous(), g.contiguous(), b.contiguous(), axis, float(epsilon),
+                                                bool(relu), segments)[0]
+    return layer_norm_ref(x, g, b, axis, epsilon, relu, segments)
 
 
 def _check_batch_norm(x, **params) -> list[torch.Tensor]:

@@ -11,10 +11,9 @@ from tests.conftest import DTYPE_IDS, assert_close, kernel_device, kernel_dtypes
 
 
 @pytest.fixture(params=["torch", "triton"])
-def backend(request, monkeypatch):
-    """Runs a test on the PyTorch path and on the Triton path (interpreter on CPU)."""
-    monkeypatch.setenv("BSTRAIN_FORCE_TRITON", "1" if request.param == "triton" else "0")
-    return kernel_device() if request.param == "triton" else "cpu"
+def path(request):
+    """(device, backend=): the PyTorch path, and the Triton path (the interpreter on CPU)."""
+    return (kernel_device() if request.param == "triton" else "cpu"), request.param
 
 
 @pytest.mark.parametrize("name, ref", [
@@ -120,13 +119,14 @@ def test_split4_concat4_round_trip():
 
 @pytest.mark.parametrize("dtype", kernel_dtypes(), ids=lambda d: DTYPE_IDS[d])
 @pytest.mark.parametrize("form", ["fused_bias", "fused", "four"])
-def test_fused_lstm_gates(backend, dtype, form):
+def test_fused_lstm_gates(path, dtype, form):
+    backend, name = path
     n, k = 5, 24
     c = torch.randn(n, k, device=backend).to(dtype).requires_grad_()
     h = torch.randn(n, 4 * k, device=backend).to(dtype).requires_grad_()
     b = torch.randn(4 * k, device=backend).to(dtype).requires_grad_() if form == "fused_bias" else None
     args = (h,) if form != "four" else ew.split4(h)
-    cn, hn = ew.fused_lstm_gates(c, *args, bias=b, forget_bias=1.0)
+    cn, hn = ew.fused_lstm_gates(c, *args, bias=b, forget_bias=1.0, backend=name)
     c64, h64 = c.detach().cpu().double().requires_grad_(), h.detach().cpu().double().requires_grad_()
     b64 = b.detach().cpu().double().requires_grad_() if b is not None else None
     i, u, f, o = (h64 + b64 if b64 is not None else h64).chunk(4, 1)
@@ -201,7 +201,8 @@ def test_add_n8_and_add_n():
 
 
 @pytest.mark.parametrize("dtype", kernel_dtypes(), ids=lambda d: DTYPE_IDS[d])
-def test_softmax_cross_entropy(backend, dtype):
+def test_softmax_cross_entropy(path, dtype):
+    backend, name = path
     logits = (3 * torch.randn(5, 700, device=backend)).to(dtype).requires_grad_()
     labels = torch.randint(0, 700, (5,), device=backend)
     loss = ew.softmax_cross_entropy(logits, labels)
@@ -229,7 +230,8 @@ def test_softmax_cross_entropy_any_rank(label_dtype):
     torch.testing.assert_close(ew.softmax_cross_entropy(logits, labels.view(2, 12)), loss)
 
 
-def test_softmax_cross_entropy_fp16_vocab_65536(backend):
+def test_softmax_cross_entropy_fp16_vocab_65536(path):
+    backend, name = path
     logits = (torch.rand(2, 65536, device=backend) * 60000).half()
     labels = torch.tensor([3, 65535], device=backend)
     loss = ew.softmax_cross_entropy(logits, labels)
@@ -239,12 +241,13 @@ def test_softmax_cross_entropy_fp16_vocab_65536(backend):
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=lambda d: DTYPE_IDS[d])
-def test_fused_lstm_gates_fp32_bias_with_16_bit_gates(backend, dtype):
+def test_fused_lstm_gates_fp32_bias_with_16_bit_gates(path, dtype):
     """The seed's mixed precision: an fp32 (1, 4K) gate bias with 16-bit c and gates."""
+    backend, name = path
     c = torch.randn(3, 8, device=backend).to(dtype).requires_grad_()
     h = torch.randn(3, 32, device=backend).to(dtype).requires_grad_()
     b = torch.randn(1, 32, device=backend, requires_grad=True)
-    cn, hn = ew.fused_lstm_gates(c, h, bias=b)
+    cn, hn = ew.fused_lstm_gates(c, h, bias=b, backend=name)
     assert cn.dtype == hn.dtype == dtype
     rc, rh = ew.fused_lstm_gates_ref(c.detach().double().cpu(),
                                      *(h.detach().double().cpu() + b.detach().double().cpu()).chunk(4, 1))
@@ -255,10 +258,11 @@ def test_fused_lstm_gates_fp32_bias_with_16_bit_gates(backend, dtype):
     torch.testing.assert_close(b.grad.view(-1), h.grad.float().sum(0).cpu().to(b.device), rtol=1e-2, atol=1e-2)
 
 
-def test_fused_lstm_gates_non_contiguous_inputs(backend):
+def test_fused_lstm_gates_non_contiguous_inputs(path):
+    backend, name = path
     c = torch.randn(16, 8, device=backend).t()                       # (8, 16), feature stride 8
     h4 = torch.randn(64, 8, device=backend).t()                      # (8, 64), feature stride 8
-    cn, hn = ew.fused_lstm_gates(c, h4)
+    cn, hn = ew.fused_lstm_gates(c, h4, backend=name)
     rc, rh = ew.fused_lstm_gates_ref(c.contiguous(), *h4.contiguous().chunk(4, 1))
     torch.testing.assert_close(cn, rc)
     torch.testing.assert_close(hn, rh)

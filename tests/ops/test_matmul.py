@@ -67,7 +67,8 @@ def test_two_weights_share_one_layout():
     for w, y in ((w1, y1), (w2, y2)):
         wd = dense_weight(op.layout, w)
         assert_close(y, x.double().cpu() @ wd, torch_mm(x.double().cpu(), wd, torch.float32), torch.float32)
-    assert len(op._tables._luts) == 1, "lookup tables must be built once per device"
+    assert op.luts(dev) is op.luts(dev), "lookup tables must be built once per device"
+    assert op._tables.on(dev) is op._tables.on(dev)
 
 
 def test_master_weights_fp32_with_fp16_activations():
@@ -243,7 +244,7 @@ def test_export_fresh_op_leaves_eager_calls_real():
     torch.testing.assert_close(ep.module()(x), m(x))
     y = m(x)
     assert type(y) is torch.Tensor and not isinstance(y, torch._subclasses.FakeTensor)
-    assert all(type(t) is torch.Tensor for pair in m.op._ref_idx.values() for t in pair)
+    assert all(type(t) is torch.Tensor for t in (*m.op._ref_coords(x.device), *m.op._tables.on(x.device).c_idx[None]))
 
 
 def test_ortho_init_blocks_are_orthogonal():

@@ -28,13 +28,12 @@ def seed_layer_norm(x, g, b, axis, eps, relu, segments):
 @pytest.mark.parametrize("axis", (0, 1), ids=lambda a: f"axis{a}")
 @pytest.mark.parametrize("segments, relu", [(1, False), (1, True), (4, False), (4, True)])
 def test_layer_norm(backend, dtype, axis, segments, relu, monkeypatch):
-    monkeypatch.setenv("BSTRAIN_FORCE_TRITON", "1" if backend == "triton" else "0")
     dev = kernel_device() if backend == "triton" else "cpu"
     c, n = 4 * 19, 13
     x = (torch.randn((n, c) if axis == 1 else (c, n), device=dev) + 0.5).to(dtype).requires_grad_()
     g = (torch.rand(c, device=dev) + 0.5).to(dtype).requires_grad_()
     b = torch.randn(c, device=dev).to(dtype).requires_grad_()
-    y = norms.layer_norm(x, g, b, axis=axis, segments=segments, relu=relu)
+    y = norms.layer_norm(x, g, b, axis=axis, segments=segments, relu=relu, backend=backend)
     assert y.shape == x.shape and y.dtype == dtype
     x64, g64, b64 = (t.detach().cpu().double().requires_grad_() for t in (x, g, b))
     ref = seed_layer_norm(x64, g64, b64, axis, 1e-6, relu, segments)
@@ -54,12 +53,11 @@ def test_layer_norm(backend, dtype, axis, segments, relu, monkeypatch):
 @pytest.mark.parametrize("segments, relu", [(1, False), (2, True)])
 def test_layer_norm_any_rank_and_axis(backend, shape, axis, segments, relu, monkeypatch):
     """The seed's transformer calls layer_norm(x, g, b, axis=-1) on (B, T, C): any rank, any axis."""
-    monkeypatch.setenv("BSTRAIN_FORCE_TRITON", "1" if backend == "triton" else "0")
     dev = kernel_device() if backend == "triton" else "cpu"
     x = torch.randn(shape, device=dev, requires_grad=True)
     C = shape[axis]
     g, b = torch.randn(C, device=dev, requires_grad=True), torch.randn(C, device=dev, requires_grad=True)
-    y = norms.layer_norm(x, g, b, axis=axis, segments=segments, relu=relu)
+    y = norms.layer_norm(x, g, b, axis=axis, segments=segments, relu=relu, backend=backend)
     assert y.shape == x.shape
     x64, g64, b64 = (t.detach().double().cpu().requires_grad_() for t in (x, g, b))
     moved = x64.movedim(axis, -1)
@@ -90,12 +88,11 @@ HALF_CASES = [("torch", torch.float16), ("torch", torch.bfloat16)] + \
 @pytest.mark.parametrize("axis, relu", [(1, False), (1, True), (0, False)], ids=["axis1", "axis1-relu", "axis0"])
 def test_layer_norm_fp32_params_with_16_bit_x(backend, dtype, axis, relu, monkeypatch):
     """The seed's mixed precision: fp32 gain and bias, shaped (1, C) and (C, 1), with fp16/bf16 x."""
-    monkeypatch.setenv("BSTRAIN_FORCE_TRITON", "1" if backend == "triton" else "0")
     dev = kernel_device() if backend == "triton" else "cpu"
     x = torch.randn((7, 24) if axis == 1 else (24, 7), device=dev).to(dtype).requires_grad_()
     g = (torch.rand(1, 24, device=dev) + 0.5).requires_grad_()
     b = torch.randn(24, 1, device=dev).requires_grad_()
-    y = norms.layer_norm(x, g, b, axis=axis, relu=relu)
+    y = norms.layer_norm(x, g, b, axis=axis, relu=relu, backend=backend)
     assert y.dtype == dtype
     x64, g64, b64 = (t.detach().double().cpu().requires_grad_() for t in (x, g, b))
     ref = seed_layer_norm(x64, g64.view(-1), b64.view(-1), axis, 1e-6, False, 1)

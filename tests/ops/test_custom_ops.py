@@ -10,7 +10,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import bstrain.ops.library  # noqa: F401  (registers the ops)
+import bstrain.ops  # noqa: F401  (registers the ops)
+import bstrain.ops.tables
 from bstrain.nn import BlockSparseLinear
 from bstrain.ops.ew import fused_lstm_gates_ref
 from bstrain.ops.matmul import BlocksparseMatMul
@@ -301,7 +302,7 @@ def test_copies_and_pickles_keep_their_layout_registered():
     del layer
     gc.collect()
     for m in (copied, loaded):
-        assert m.op.key == key and bstrain.ops.library.layout_tables(key) is m.op._tables
+        assert m.op.key == key and bstrain.ops.tables.lookup(key) is m.op._tables
         x = torch.randn(3, 64)
         torch.testing.assert_close(OPS.bsmm(x, m.weight, key, 1, torch.float32), m(x) - m.bias)
 
