@@ -19,6 +19,12 @@ Layer part, at M rows of a C x K weight (default 64 x 4096 x 4096, bf16), per bl
 Per-call times are wall-clock means over a loop of calls ended by one synchronize (what Python
 code that calls the op pays), medians of 5 such loops; all in one process, one run.
 
+Host part (``--parts host``): the eager host cost of one forward + backward call of a conv layer and
+of the fused attention, each against its dense twin, at shapes small enough that the GPU work
+(shown beside, from CUDA-graph replays) is far shorter than the host's, so the per-call wall time
+is the host cost. Targets: BlockSparseConv2d ≤ 1.5× nn.Conv2d; BlocksparseTransformer.attention ≤
+1.5× F.scaled_dot_product_attention. Writes eager_host.md and eager_host.json.
+
 LSTM part (needs hydra): the trainer's step of the sparse mLSTM at hidden 8192 (batch 64 x 32,
 density 0.1, block 32), eager against the CUDA-graph step.
 
@@ -162,6 +168,82 @@ def measure_layers(args, device: torch.device, dtype: torch.dtype) -> list[dict]
     return rows
 
 
+def _host_row(name, sparse_step, dense_step, device, gpu: bool) -> dict:
+    from bstrain.kernels import launch
+    row = {"case": name}
+    direct = launch.stats["direct"]
+    try_us(row, "sparse_us", lambda: sparse_step, device, calls=100)
+    row["direct_launches_per_call"] = round((launch.stats["direct"] - direct) / (100 * REPEATS + 10), 1)
+    try_us(row, "dense_us", lambda: dense_step, device, calls=100)
+    if gpu:
+        for key, step in (("sparse_gpu_us", sparse_step), ("dense_gpu_us", dense_step)):
+            try:
+                row[key] = round(gpu_us(graphed(step, device)), 1)
+            except Exception as exc:
+                row[key] = None
+                row[key + "_error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
+    if row.get("sparse_us") and row.get("dense_us"):
+        row["ratio"] = round(row["sparse_us"] / row["dense_us"], 2)
+        row["met"] = row["ratio"] <= 1.5
+    print(row, flush=True)
+    return row
+
+
+def measure_host(args, device: torch.device, dtype: torch.dtype) -> list[dict]:
+    """Eager host cost of one fwd+bwd call: conv and attention against their dense twins."""
+    import torch.nn.functional as F
+    from torch import nn
+
+    from bstrain import layout as layouts
+    from bstrain.nn import BlockSparseConv2d
+    from bstrain.ops.transformer import BlocksparseTransformer
+    cuda = device.type == "cuda"
+    rows = []
+    # conv: 256 channels, blocks of 64, 25% live (the kernels' path), 4 x 16 x 16 images
+    n, ch, hw = (4, 256, 16) if cuda else (1, 32, 6)
+    bs = 64 if cuda else 16
+    fmt = torch.channels_last if cuda else torch.contiguous_format
+    sparse = BlockSparseConv2d(ch, ch, 3, padding=1, block_size=bs, density=0.25, seed=0, device=device, dtype=dtype)
+    dense = nn.Conv2d(ch, ch, 3, padding=1, device=device, dtype=dtype).to(memory_format=fmt)
+    x = torch.randn(n, ch, hw, hw, device=device, dtype=dtype).to(memory_format=fmt).requires_grad_()
+    g = torch.randn(n, ch, hw, hw, device=device, dtype=dtype).to(memory_format=fmt)
+    rows.append(_host_row(f"conv {n}x{ch}x{hw}x{hw}, 3x3, blocks of {bs}, 25% live ({sparse._path(x)})",
+                          lambda: sparse(x).backward(g), lambda: dense(x).backward(g), device, cuda))
+    # attention: causal, 8 heads of 64, 512 positions, blocks of 64, batch 1
+    T, H, D, abs_ = (512, 8, 64, 64) if cuda else (64, 2, 16, 16)
+    lay, cb = layouts.attention_layout(layouts.causal_mask, T, T, abs_)
+    op = BlocksparseTransformer(lay, abs_, heads=H, mask_callback=cb)
+    q, k, v = (torch.randn(1, T, H * D, device=device, dtype=dtype, requires_grad=True) for _ in range(3))
+    do = torch.randn(1, T, H * D, device=device, dtype=dtype)
+    qh, kh, vh = (t.detach().view(1, T, H, D).transpose(1, 2).contiguous().requires_grad_() for t in (q, k, v))
+    doh = do.view(1, T, H, D).transpose(1, 2).contiguous()
+    rows.append(_host_row(f"attention causal, T={T}, {H} heads of {D}, blocks of {abs_}, batch 1",
+                          lambda: op.attention(q, k, v).backward(do),
+                          lambda: F.scaled_dot_product_attention(qh, kh, vh, is_causal=True).backward(doh),
+                          device, cuda))
+    return rows
+
+
+def report_host(rows: list[dict], extra: dict, out: str) -> None:
+    lines = [f"# Eager host cost of conv and attention: {extra['device']}, {extra['date']}", "",
+             f"torch {extra['torch']}, triton {extra.get('triton', '-')}; `scripts/bench_eager.py --parts host`. "
+             f"One forward + backward call, wall time per call in a loop of calls (µs, median of {REPEATS} loops), "
+             "at shapes where the GPU work (CUDA-graph replay, beside) is shorter than the host's: the wall "
+             "time is the host cost. Target: ≤ 1.5× the dense twin's.", "",
+             "| case | bstrain µs | dense twin µs | ratio | target ≤ 1.5 | bstrain GPU µs | dense GPU µs | direct launches per call |",
+             "|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        met = "met" if r.get("met") else ("missed" if "met" in r else "-")
+        lines.append(f"| {r['case']} | {r.get('sparse_us')} | {r.get('dense_us')} | {r.get('ratio', '-')} | {met} | "
+                     f"{r.get('sparse_gpu_us', '-')} | {r.get('dense_gpu_us', '-')} | {r.get('direct_launches_per_call')} |")
+    lines += ["", "Dense twins: `nn.Conv2d` (cuDNN) at the same shape; `F.scaled_dot_product_attention(is_causal=True)`."]
+    with open(os.path.join(out, "eager_host.md"), "w") as f:
+        f.write("\n".join(lines) + "\n")
+    with open(os.path.join(out, "eager_host.json"), "w") as f:
+        json.dump({"rows": rows, **extra}, f, indent=1)
+    print("\n".join(lines))
+
+
 def measure_lstm(args) -> list[dict]:
     """The sparse mLSTM's trainer step, eager and graphed, in this process (scripts/bench_lstm.py)."""
     from scripts.bench_lstm import config, step_time
@@ -239,7 +321,8 @@ def main() -> None:
     if args.cpu_smoke:
         device, dtype = torch.device("cpu"), torch.float32
         args.m, args.features, args.block_sizes, args.densities = 8, 64, [16], [0.5]
-        args.compile_densities, args.parts = [0.5], "layer"
+        args.compile_densities = [0.5]
+        args.parts = "layer" if args.parts == "layer,lstm" else args.parts
     else:
         device, dtype = torch.device("cuda"), torch.bfloat16
     extra = {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu (smoke)",
@@ -249,9 +332,12 @@ def main() -> None:
         extra["triton"] = triton.__version__
         extra["triton_launch_us"] = round(triton_launch_us(device), 1)
     parts = args.parts.split(",")
+    if "host" in parts:
+        report_host(measure_host(args, device, dtype), extra, args.out)
     rows = measure_layers(args, device, dtype) if "layer" in parts else []
     lstm = measure_lstm(args) if "lstm" in parts else []
-    report(rows, lstm, extra, args.out)
+    if rows or lstm:
+        report(rows, lstm, extra, args.out)
 
 
 if __name__ == "__main__":
