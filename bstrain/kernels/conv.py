@@ -1,4 +1,4 @@
-"""Implicit-GEMM Triton kernels for block-sparse 2-D convolution (no autograd here).
+"""Implicit-GEMM Triton kernels for block-sparse 2-D convolution and their launchers (no autograd here).
 
 Activations x (N, C, H, W) and y (N, K, P, Q) with any strides (channels-last makes the channel
 loads contiguous). A (C/bs, K/bs) layout's live blocks are numbered row-major (e); their filters
@@ -6,31 +6,38 @@ are passed as ``wt`` (nnz, kh, kw, bs_in, bs_out), contiguous, read through a TM
 (a pointer tile of (bs, bs) costs a register per element and spilled).
 
 * ``_conv_fwd``: one program per (BLOCK_M output pixels, output block j) walks the live blocks
-  of column j and the filter taps: acc += x[pixels shifted by the tap, block i] · wt[e, tap].
+  of column j and the filter taps: acc += x[pixels shifted by the tap, block i] · wt[e, tap];
+  the bias, if any, is added before the store.
 * ``_conv_dx``: one program per (BLOCK_M input pixels, input block i) walks the blocks of row i
   and the taps: dx += dy[the output pixel that tap reaches, block j] · wt[e, tap]ᵀ, where the
   stride divides.
 * ``_conv_dw``: one program per (live block, tap, pixel split) reduces x[shifted]ᵀ · dy over its
-  share of the N·P·Q output pixels into an fp32 partial; the launcher sums the splits.
+  share of the N·P·Q output pixels. Unsplit, it writes dW straight into the module's weight
+  layout (nnz, out, in, kh, kw) in its dtype; split, into fp32 partials of that layout, summed.
 
 Stride-1 convolutions of channels-last 16-bit tensors take ``_conv_tma`` (forward and dX) and
 ``_conv_dw_tma`` instead: the activations are read as TMA boxes of a spatial tile (TN images x TH
 rows x TW columns) shifted by the tap, the box's zero fill standing in for the padding, so the
 loop carries no per-pixel address or mask arithmetic. Other strides, NCHW and fp32 take the
 pointer-load kernels above. Timings: benchmarks/conv.md.
+
+**Launches.** Every launcher goes through :mod:`bstrain.kernels.launch`: a plan per key of what the
+JIT specialises on (shapes, strides, dtypes, 16-byte alignment, geometry) is cached on the
+layout's :class:`ConvLuts`, holding its :class:`Launch`, descriptor templates and integer
+arguments, so an eager call after the first costs a dict lookup and one direct launch.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 import triton
 import triton.language as tl
-from triton.tools.tensor_descriptor import TensorDescriptor
 
 from bstrain.kernels.alloc import empty
-from bstrain.kernels.matmul import _precision, _tma_ok
+from bstrain.kernels.launch import Launch, aligned, host_bound, plan
+from bstrain.kernels.matmul import _desc_like, _precision, _template, _tma_ok
 
 
 @triton.jit
@@ -49,11 +56,11 @@ def _entry(t, BLK, OTHER, KH: tl.constexpr, KW: tl.constexpr):
 
 
 @triton.jit
-def _conv_fwd(X, WT, Y, col_ptr, col_blk, col_in, M, P, Q, H, W,
+def _conv_fwd(X, WT, Y, B, col_ptr, col_blk, col_in, M, P, Q, H, W,
               sxn, sxc, sxh, sxw, syn, syc, syp, syq,
               st_h, st_w, pad_h, pad_w, dl_h, dl_w,
               KH: tl.constexpr, KW: tl.constexpr, BS: tl.constexpr, BLOCK_M: tl.constexpr,
-              PRECISION: tl.constexpr):
+              HAS_BIAS: tl.constexpr, PRECISION: tl.constexpr):
     pid_m = tl.program_id(0)
     j = tl.program_id(1)
     m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -70,6 +77,8 @@ def _conv_fwd(X, WT, Y, col_ptr, col_blk, col_in, M, P, Q, H, W,
                     mask=ok[:, None], other=0.0)
         b = WT.load([(e * (KH * KW) + tap) * BS, 0])                        # (in, out)
         acc = tl.dot(a, b, acc, input_precision=PRECISION)
+    if HAS_BIAS:
+        acc += tl.load(B + j * BS + c).to(tl.float32)[None, :]
     out = Y + (n * syn + p * syp + q * syq)[:, None] + (j * BS + c)[None, :] * syc
     tl.store(out, acc.to(Y.dtype.element_ty), mask=ok_m[:, None])
 
@@ -79,7 +88,7 @@ def _conv_dx(DY, WT, DX, row_ptr, row_blk, row_out, M, P, Q, H, W,
              sdn, sdc, sdp, sdq, sxn, sxc, sxh, sxw,
              st_h, st_w, pad_h, pad_w, dl_h, dl_w,
              KH: tl.constexpr, KW: tl.constexpr, BS: tl.constexpr, BLOCK_M: tl.constexpr,
-              PRECISION: tl.constexpr):
+             PRECISION: tl.constexpr):
     pid_m = tl.program_id(0)
     i = tl.program_id(1)
     m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)           # input pixels (n, h, w), M = N·H·W
@@ -103,11 +112,20 @@ def _conv_dx(DY, WT, DX, row_ptr, row_blk, row_out, M, P, Q, H, W,
 
 
 @triton.jit
-def _conv_dw(X, DY, DWP, blk_in, blk_out, M, P, Q, H, W, per_split,
+def _store_dw(DW, acc, et, split, sw_split, sw_e, sw_tap, sw_in, sw_out, KH: tl.constexpr, KW: tl.constexpr,
+              BS: tl.constexpr):
+    """acc (in, out) of (live block, tap) ``et`` into DW by strides: the weight layout, or its partials."""
+    c = tl.arange(0, BS)
+    out = DW + split * sw_split + (et // (KH * KW)) * sw_e + (et % (KH * KW)) * sw_tap
+    tl.store(out + c[:, None] * sw_in + c[None, :] * sw_out, acc.to(DW.dtype.element_ty))
+
+
+@triton.jit
+def _conv_dw(X, DY, DW, blk_in, blk_out, M, P, Q, H, W, per_split,
              sxn, sxc, sxh, sxw, sdn, sdc, sdp, sdq,
-             st_h, st_w, pad_h, pad_w, dl_h, dl_w,
+             st_h, st_w, pad_h, pad_w, dl_h, dl_w, sw_split, sw_e, sw_tap, sw_in, sw_out,
              KH: tl.constexpr, KW: tl.constexpr, BS: tl.constexpr, BLOCK_M: tl.constexpr,
-              PRECISION: tl.constexpr):
+             PRECISION: tl.constexpr):
     et = tl.program_id(0)                                   # (live block, tap)
     split = tl.program_id(1)
     i, j, tap, r, s = _entry(et, blk_in, blk_out, KH, KW)
@@ -126,7 +144,7 @@ def _conv_dw(X, DY, DWP, blk_in, blk_out, M, P, Q, H, W, per_split,
         g = tl.load(DY + (n * sdn + p * sdp + q * sdq)[:, None] + (j * BS + c)[None, :] * sdc,
                     mask=ok_m[:, None], other=0.0)
         acc = tl.dot(tl.trans(a), g, acc, input_precision=PRECISION)
-    tl.store(DWP + ((split * tl.num_programs(0) + et) * BS + c[:, None]) * BS + c[None, :], acc)
+    _store_dw(DW, acc, et, split, sw_split, sw_e, sw_tap, sw_in, sw_out, KH, KW, BS)
 
 
 @triton.jit
@@ -138,9 +156,9 @@ def _tile(pid, P, Q, TN: tl.constexpr, TH: tl.constexpr, TW: tl.constexpr):
 
 
 @triton.jit
-def _conv_tma(A, WT, Y, ptr, blk, other, N, P, Q, syn, syc, syp, syq, base_h, base_w, step_h, step_w,
+def _conv_tma(A, WT, Y, B, ptr, blk, other, N, P, Q, syn, syc, syp, syq, base_h, base_w, step_h, step_w,
               KH: tl.constexpr, KW: tl.constexpr, BS: tl.constexpr, TN: tl.constexpr, TH: tl.constexpr,
-              TW: tl.constexpr, TRANS_B: tl.constexpr, PRECISION: tl.constexpr):
+              TW: tl.constexpr, TRANS_B: tl.constexpr, HAS_BIAS: tl.constexpr, PRECISION: tl.constexpr):
     """Stride-1 forward (A = x, lists by output column, base = -pad, step = dilation) and dX (A = dy,
     lists by input row, base = +pad, step = -dilation, TRANS_B): one program per spatial tile of
     the result and one of its channel blocks; every (block, tap) step is one TMA box of A (the
@@ -156,17 +174,20 @@ def _conv_tma(A, WT, Y, ptr, blk, other, N, P, Q, syn, syc, syp, syq, base_h, ba
         if TRANS_B:
             b = b.T
         acc = tl.dot(a, b, acc, input_precision=PRECISION)
+    c = tl.arange(0, BS)
+    if HAS_BIAS:
+        acc += tl.load(B + j * BS + c).to(tl.float32)[None, :]
     m = tl.arange(0, BM)
     n = n0 + m // (TH * TW)
     p = p0 + (m // TW) % TH
     q = q0 + m % TW
-    c = tl.arange(0, BS)
     out = Y + (n * syn + p * syp + q * syq)[:, None] + (j * BS + c)[None, :] * syc
     tl.store(out, acc.to(Y.dtype.element_ty), mask=((n < N) & (p < P) & (q < Q))[:, None])
 
 
 @triton.jit
-def _conv_dw_tma(X, DY, DWP, blk_in, blk_out, P, Q, tiles, per_split, base_h, base_w, dl_h, dl_w,
+def _conv_dw_tma(X, DY, DW, blk_in, blk_out, P, Q, tiles, per_split, base_h, base_w, dl_h, dl_w,
+                 sw_split, sw_e, sw_tap, sw_in, sw_out,
                  KH: tl.constexpr, KW: tl.constexpr, BS: tl.constexpr, TN: tl.constexpr, TH: tl.constexpr,
                  TW: tl.constexpr, PRECISION: tl.constexpr):
     """Stride-1 dW: one program per (live block, tap, split of the output tiles); TMA boxes of x
@@ -181,14 +202,16 @@ def _conv_dw_tma(X, DY, DWP, blk_in, blk_out, P, Q, tiles, per_split, base_h, ba
         a = X.load([n0, p0 + base_h + r * dl_h, q0 + base_w + s * dl_w, i * BS]).reshape(BM, BS)
         g = DY.load([n0, p0, q0, j * BS]).reshape(BM, BS)
         acc = tl.dot(tl.trans(a), g, acc, input_precision=PRECISION)
-    c = tl.arange(0, BS)
-    tl.store(DWP + ((split * tl.num_programs(0) + et) * BS + c[:, None]) * BS + c[None, :], acc)
+    _store_dw(DW, acc, et, split, sw_split, sw_e, sw_tap, sw_in, sw_out, KH, KW, BS)
 
 
 # ---------------------------------------------------------------------------------------------
-@dataclass
+# Lookup tables
+# ---------------------------------------------------------------------------------------------
+@dataclass(eq=False)
 class ConvLuts:
-    """A (C/bs, K/bs) layout's lists on one device: by output column (forward) and by input row (dX)."""
+    """A (C/bs, K/bs) layout's lists on one device: by output column (forward) and by input row
+    (dX), and the launch plans of the calls made with them (:func:`bstrain.kernels.launch.plan`)."""
     block_size: int
     col_ptr: torch.Tensor     # (K/bs + 1,) int32
     col_blk: torch.Tensor     # live block index (row-major number) of each column entry
@@ -198,6 +221,7 @@ class ConvLuts:
     row_out: torch.Tensor
     blk_in: torch.Tensor      # (nnz,) input block of each live block
     blk_out: torch.Tensor     # (nnz,) output block
+    plans: dict = field(default_factory=dict, repr=False)
 
 
 def make_luts(layout: np.ndarray, block_size: int, device) -> ConvLuts:
@@ -211,30 +235,11 @@ def make_luts(layout: np.ndarray, block_size: int, device) -> ConvLuts:
     return ConvLuts(block_size, t(col_ptr), t(e[by_col]), t(ci[by_col]), t(row_ptr), t(e), t(kj), t(ci), t(kj))
 
 
-def _out(shape, like):
-    """An output (N, C, H, W) in ``like``'s memory format (channels-last or contiguous)."""
-    N, C, H, W = shape
-    if like.dim() == 4 and like.is_contiguous(memory_format=torch.channels_last) and not like.is_contiguous():
-        return empty((N, H, W, C), like.dtype, like.device).permute(0, 3, 1, 2)
-    return empty(shape, like.dtype, like.device)
-
-
-def _wt_desc(wt: torch.Tensor) -> TensorDescriptor:
-    """The filters (nnz, kh, kw, in, out) as a (nnz·kh·kw·in, out) TMA descriptor of (bs, bs) tiles."""
-    bs = wt.shape[-1]
-    return TensorDescriptor.from_tensor(wt.view(-1, bs), [bs, bs])
-
-
-def _check_size(*tensors) -> None:
-    """The kernels index in int32: every tensor must hold fewer than 2**31 elements."""
-    for t in tensors:
-        if t.numel() >= 2**31:
-            raise ValueError(f"x: the convolution kernels take tensors of at most 2**31 - 1 elements, got one of "
-                             f"{tuple(t.shape)}; split the batch")
-
-
-# (BLOCK_M, num_warps, num_stages) per (kernel, block size); CONFIGS overrides config()'s guess
-# (scripts/tune_conv.py sweeps it on the GPU; the guesses are untimed).
+# ---------------------------------------------------------------------------------------------
+# Configurations
+# ---------------------------------------------------------------------------------------------
+# (BLOCK_M, num_warps, num_stages) per (kernel, block size, element size); CONFIGS overrides
+# config()'s guess (scripts/tune_conv.py sweeps it on the GPU; the guesses are untimed).
 CONFIGS: dict[tuple[str, int, int], tuple[int, int, int]] = {}
 
 
@@ -261,6 +266,26 @@ def config(kernel: str, bs: int, itemsize: int = 2) -> tuple[int, int, int]:
 # The TMA kernels serve stride-1 convolutions of channels-last 16-bit tensors; False forces the
 # pointer-load kernels everywhere (tests and benchmarks compare the two).
 USE_TMA = True
+DW_PROGRAMS = 264 * 4      # dW splits its pixels until about this many programs run (4 per SM x 2, H200)
+DW_SMALL_M = 8192          # at or below this many output pixels an eager dW launches once, unsplit
+
+
+def _knobs(dtype: torch.dtype) -> tuple:
+    """What a plan depends on beyond its arguments: TF32, the TMA switch and config overrides."""
+    return (dtype == torch.float32 and torch.backends.cuda.matmul.allow_tf32, USE_TMA,
+            tuple(CONFIGS.items()) if CONFIGS else None)
+
+
+def _channels_last(t: torch.Tensor) -> bool:
+    return t.dim() == 4 and t.is_contiguous(memory_format=torch.channels_last) and not t.is_contiguous()
+
+
+def _allocator(shape, dtype: torch.dtype, device, channels_last: bool):
+    """A function making outputs (N, C, H, W) in the chosen memory format."""
+    N, C, H, W = shape
+    if channels_last:
+        return lambda: empty((N, H, W, C), dtype, device).permute(0, 3, 1, 2)
+    return lambda: empty(shape, dtype, device)
 
 
 def _nhwc(t: torch.Tensor):
@@ -272,6 +297,14 @@ def _nhwc(t: torch.Tensor):
     return v if v.is_contiguous() and _tma_ok(v) else None
 
 
+def _check_size(*tensors) -> None:
+    """The kernels index in int32: every tensor must hold fewer than 2**31 elements."""
+    for t in tensors:
+        if t.numel() >= 2**31:
+            raise ValueError(f"x: the convolution kernels take tensors of at most 2**31 - 1 elements, got one of "
+                             f"{tuple(t.shape)}; split the batch")
+
+
 def _tiles(N: int, P: int, Q: int, bm: int) -> tuple[int, int, int, int]:
     """(TN, TH, TW, tile count): spatial tiles of bm pixels, whole rows first, then images."""
     tw = min(triton.next_power_of_2(Q), bm)
@@ -280,96 +313,183 @@ def _tiles(N: int, P: int, Q: int, bm: int) -> tuple[int, int, int, int]:
     return tn, th, tw, triton.cdiv(N, tn) * triton.cdiv(P, th) * triton.cdiv(Q, tw)
 
 
-def _tma_conv(a, wt, y, ptr, blk, other, bs, base, step, trans_b, kernel):
-    """Launch _conv_tma: y (N, ·, P, Q) channels-last from A (N, ·, H, W) channels-last."""
+def _wt_template(wt: torch.Tensor):
+    """The filters (nnz, kh, kw, in, out) as a (nnz·kh·kw·in, out) descriptor of (bs, bs) tiles
+    (a template: each call sets its base to that call's filters)."""
+    bs = wt.shape[-1]
+    return _template(wt.view(-1, bs), [bs, bs])
+
+
+def _tma_launch(a: torch.Tensor, y: torch.Tensor, bs: int, kernel: str, consts: dict, base, step, trans_b: bool):
+    """(Launch of _conv_tma, template of a's NHWC descriptor, integer arguments) for y from a."""
     N, _, P, Q = y.shape
-    KH, KW = wt.shape[1], wt.shape[2]
     BM, warps, stages = config(kernel, bs, a.element_size())
     tn, th, tw, tiles = _tiles(N, P, Q, BM)
-    desc = TensorDescriptor.from_tensor(a.permute(0, 2, 3, 1), [tn, th, tw, bs])
-    _conv_tma[(tiles, y.shape[1] // bs)](
-        desc, _wt_desc(wt), y, ptr, blk, other, N, P, Q, *y.stride(), base[0], base[1], step[0], step[1],
-        KH=KH, KW=KW, BS=bs, TN=tn, TH=th, TW=tw, TRANS_B=trans_b, PRECISION=_precision(a.dtype),
-        num_warps=warps, num_stages=stages)
+    a_t = _template(a.permute(0, 2, 3, 1), [tn, th, tw, bs])
+    launch = Launch(_conv_tma, (tiles, y.shape[1] // bs), a.device,
+                    dict(consts, TN=tn, TH=th, TW=tw, TRANS_B=trans_b), num_warps=warps, num_stages=stages)
+    return launch, a_t, (N, P, Q, *y.stride(), base[0], base[1], step[0], step[1])
 
 
-def conv_forward(x, wt, luts: ConvLuts, K: int, P: int, Q: int, stride, pads, dilation):
-    """y (N, K, P, Q) like x's memory format; wt (nnz, kh, kw, bs, bs) contiguous; pads (top, left)."""
+# ---------------------------------------------------------------------------------------------
+# Launchers
+# ---------------------------------------------------------------------------------------------
+def conv_forward(x, wt, luts: ConvLuts, K: int, P: int, Q: int, stride, pads, dilation, bias=None):
+    """y (N, K, P, Q) in x's memory format, plus bias (K,) of any float dtype if given.
+
+    x: (N, C, H, W); wt: (nnz, kh, kw, bs, bs) contiguous; pads: (top, left); the bottom and
+    right padding follow from P and Q.
+    """
+    stride, pads, dilation = tuple(stride), tuple(pads), tuple(dilation)
+    key = ("fwd", x.shape, x.stride(), x.dtype, x.device, wt.shape, K, P, Q, stride, pads, dilation,
+           None if bias is None else bias.dtype, aligned(x, wt) if bias is None else aligned(x, wt, bias),
+           _knobs(x.dtype))
+    run = plan(luts.plans, key, lambda: _fwd_plan(x, wt, bias, luts, K, P, Q, stride, pads, dilation))
+    return run(x, wt, bias)
+
+
+def _fwd_plan(x, wt, bias, luts: ConvLuts, K, P, Q, stride, pads, dilation):
     N, C, H, W = x.shape
-    bs = luts.block_size
-    KH, KW = wt.shape[1], wt.shape[2]
-    y = _out((N, K, P, Q), x)
+    bs, KH, KW = luts.block_size, wt.shape[1], wt.shape[2]
+    alloc = _allocator((N, K, P, Q), x.dtype, x.device, _channels_last(x))
+    y = alloc()                                   # a sample: fresh outputs are 16-byte aligned alike
     _check_size(x, y)
-    M = N * P * Q
+    if not (N * P * Q and K):
+        return lambda x, wt, bias: alloc()
+    w_t = _wt_template(wt)
+    consts = dict(KH=KH, KW=KW, BS=bs, HAS_BIAS=bias is not None, PRECISION=_precision(x.dtype))
+    lists = (luts.col_ptr, luts.col_blk, luts.col_in)
+    if stride == (1, 1) and _nhwc(x) is not None and _nhwc(y) is not None:
+        launch, a_t, ints = _tma_launch(x, y, bs, "fwd_tma", consts, (-pads[0], -pads[1]), dilation, False)
+
+        def run_tma(x, wt, bias):
+            y = alloc()
+            launch(_desc_like(a_t, x), _desc_like(w_t, wt), y, y if bias is None else bias, *lists, *ints)
+            return y
+        return run_tma
     BM, warps, stages = config("fwd", bs, x.element_size())
-    if M and K and tuple(stride) == (1, 1) and _nhwc(x) is not None and _nhwc(y) is not None:
-        _tma_conv(x, wt, y, luts.col_ptr, luts.col_blk, luts.col_in, bs, (-pads[0], -pads[1]), dilation, False,
-                  "fwd_tma")
-    elif M and K:
-        _conv_fwd[(triton.cdiv(M, BM), K // bs)](
-            x, _wt_desc(wt), y, luts.col_ptr, luts.col_blk, luts.col_in, M, P, Q, H, W, *x.stride(), *y.stride(),
-            stride[0], stride[1], pads[0], pads[1], dilation[0], dilation[1], KH=KH, KW=KW, BS=bs, BLOCK_M=BM,
-            PRECISION=_precision(x.dtype), num_warps=warps,
-            num_stages=stages)
-    return y
+    M = N * P * Q
+    launch = Launch(_conv_fwd, (triton.cdiv(M, BM), K // bs), x.device, dict(consts, BLOCK_M=BM),
+                    num_warps=warps, num_stages=stages)
+    ints = (M, P, Q, H, W, *x.stride(), *y.stride(), *stride, *pads, *dilation)
+
+    def run(x, wt, bias):
+        y = alloc()
+        launch(x, _desc_like(w_t, wt), y, y if bias is None else bias, *lists, *ints)
+        return y
+    return run
 
 
 def conv_dx(dy, wt, luts: ConvLuts, C: int, H: int, W: int, stride, pads, dilation, like):
-    """dx (N, C, H, W) in ``like``'s memory format."""
+    """dx (N, C, H, W) in dy's dtype and ``like``'s memory format (x's)."""
+    stride, pads, dilation = tuple(stride), tuple(pads), tuple(dilation)
+    key = ("dx", dy.shape, dy.stride(), dy.dtype, dy.device, wt.shape, C, H, W, stride, pads, dilation,
+           like.stride(), aligned(dy, wt), _knobs(dy.dtype))
+    run = plan(luts.plans, key, lambda: _dx_plan(dy, wt, luts, C, H, W, stride, pads, dilation, like))
+    return run(dy, wt)
+
+
+def _dx_plan(dy, wt, luts: ConvLuts, C, H, W, stride, pads, dilation, like):
     N, K, P, Q = dy.shape
-    bs = luts.block_size
-    KH, KW = wt.shape[1], wt.shape[2]
-    dx = _out((N, C, H, W), like).to(dy.dtype) if like.dtype != dy.dtype else _out((N, C, H, W), like)
+    bs, KH, KW = luts.block_size, wt.shape[1], wt.shape[2]
+    alloc = _allocator((N, C, H, W), dy.dtype, dy.device, _channels_last(like))
+    dx = alloc()
     _check_size(dy, dx)
     M = N * H * W
+    if not (M and C):
+        return lambda dy, wt: alloc()
+    w_t = _wt_template(wt)
+    consts = dict(KH=KH, KW=KW, BS=bs, PRECISION=_precision(dy.dtype))
+    lists = (luts.row_ptr, luts.row_blk, luts.row_out)
+    if stride == (1, 1) and _nhwc(dy) is not None and _nhwc(dx) is not None:
+        launch, a_t, ints = _tma_launch(dy, dx, bs, "dx_tma", dict(consts, HAS_BIAS=False), pads,
+                                        (-dilation[0], -dilation[1]), True)
+
+        def run_tma(dy, wt):
+            dx = alloc()
+            launch(_desc_like(a_t, dy), _desc_like(w_t, wt), dx, dx, *lists, *ints)
+            return dx
+        return run_tma
     BM, warps, stages = config("dx", bs, dy.element_size())
-    if M and C and tuple(stride) == (1, 1) and _nhwc(dy) is not None and _nhwc(dx) is not None:
-        _tma_conv(dy, wt, dx, luts.row_ptr, luts.row_blk, luts.row_out, bs, pads, (-dilation[0], -dilation[1]), True,
-                  "dx_tma")
-    elif M and C:
-        _conv_dx[(triton.cdiv(M, BM), C // bs)](
-            dy, _wt_desc(wt), dx, luts.row_ptr, luts.row_blk, luts.row_out, M, P, Q, H, W, *dy.stride(),
-            *dx.stride(),
-            stride[0], stride[1], pads[0], pads[1], dilation[0], dilation[1], KH=KH, KW=KW, BS=bs, BLOCK_M=BM,
-            PRECISION=_precision(dy.dtype), num_warps=warps,
-            num_stages=stages)
-    return dx
+    launch = Launch(_conv_dx, (triton.cdiv(M, BM), C // bs), dy.device, dict(consts, BLOCK_M=BM),
+                    num_warps=warps, num_stages=stages)
+    ints = (M, P, Q, H, W, *dy.stride(), *dx.stride(), *stride, *pads, *dilation)
+
+    def run(dy, wt):
+        dx = alloc()
+        launch(dy, _desc_like(w_t, wt), dx, *lists, *ints)
+        return dx
+    return run
 
 
-def conv_dw(x, dy, luts: ConvLuts, KH: int, KW: int, stride, pads, dilation):
-    """dW (nnz, bs_out, bs_in, KH, KW) fp32, the module's weight layout."""
+def conv_dw(x, dy, luts: ConvLuts, KH: int, KW: int, stride, pads, dilation, dtype: torch.dtype = torch.float32,
+            splits: int | None = None):
+    """dW (nnz, bs_out, bs_in, KH, KW) in ``dtype`` (fp32 accumulation): the module's weight layout.
+
+    splits: how many ways the N·P·Q reduction is split (None: chosen; tests force it). An eager
+    call over few pixels (host-bound) runs unsplit: one launch, no workspace.
+    """
+    stride, pads, dilation = tuple(stride), tuple(pads), tuple(dilation)
+    if splits is None and host_bound(dy.shape[0] * dy.shape[2] * dy.shape[3], DW_SMALL_M, x):
+        splits = 1
+    key = ("dw", x.shape, x.stride(), dy.shape, dy.stride(), x.dtype, dtype, x.device, KH, KW, stride, pads,
+           dilation, splits, aligned(x, dy), _knobs(x.dtype))
+    run = plan(luts.plans, key, lambda: _dw_plan(x, dy, luts, KH, KW, stride, pads, dilation, dtype, splits))
+    return run(x, dy)
+
+
+def _dw_split(work: int, per_program: int, nnz_taps: int, splits: int | None) -> tuple[int, int]:
+    """(splits, units per split) of ``work`` units (pixels or tiles), units rounded to per_program."""
+    if splits is None:
+        splits = max(1, min(triton.cdiv(work, 8 * per_program), triton.cdiv(DW_PROGRAMS, nnz_taps)))
+    per = triton.cdiv(triton.cdiv(work, max(1, splits)), per_program) * per_program
+    return triton.cdiv(work, per), per
+
+
+def _dw_plan(x, dy, luts: ConvLuts, KH, KW, stride, pads, dilation, dtype, splits):
     N, C, H, W = x.shape
     _, K, P, Q = dy.shape
-    bs = luts.block_size
+    bs, dev = luts.block_size, x.device
     nnz = luts.blk_in.numel()
+    shape = (nnz, bs, bs, KH, KW)
     M = N * P * Q
-    if nnz and M and tuple(stride) == (1, 1) and _nhwc(x) is not None and _nhwc(dy) is not None:
-        BM, warps, stages = config("dw_tma", bs, x.element_size())
+    if not (nnz and M):
+        return lambda x, dy: torch.zeros(shape, dtype=dtype, device=dev)
+    # strides of (split, live block, tap, in, out) in the (nnz, out, in, KH, KW) weight layout
+    sw = (nnz * bs * bs * KH * KW, bs * bs * KH * KW, 1, KH * KW, bs * KH * KW)
+    consts = dict(KH=KH, KW=KW, BS=bs, PRECISION=_precision(x.dtype))
+    tma = stride == (1, 1) and _nhwc(x) is not None and _nhwc(dy) is not None
+    BM, warps, stages = config("dw_tma" if tma else "dw", bs, x.element_size())
+    if tma:
         tn, th, tw, tiles = _tiles(N, P, Q, BM)
-        splits = max(1, min(triton.cdiv(tiles, 8), triton.cdiv(264 * 4, nnz * KH * KW)))
-        per = triton.cdiv(tiles, splits)
-        splits = triton.cdiv(tiles, per)
-        part = empty((splits, nnz * KH * KW, bs, bs), torch.float32, x.device)
-        _conv_dw_tma[(nnz * KH * KW, splits)](
-            TensorDescriptor.from_tensor(x.permute(0, 2, 3, 1), [tn, th, tw, bs]),
-            TensorDescriptor.from_tensor(dy.permute(0, 2, 3, 1), [tn, th, tw, bs]), part, luts.blk_in, luts.blk_out,
-            P, Q, tiles, per, -pads[0], -pads[1], dilation[0], dilation[1], KH=KH, KW=KW, BS=bs, TN=tn, TH=th,
-            TW=tw, PRECISION=_precision(x.dtype), num_warps=warps, num_stages=stages)
-        dw = part.sum(0)
-        return dw.view(nnz, KH, KW, bs, bs).permute(0, 4, 3, 1, 2)
-    BM, warps, stages = config("dw", bs, x.element_size())
-    splits = max(1, min(triton.cdiv(M, 8 * BM), triton.cdiv(264 * 4, max(1, nnz * KH * KW))))
-    per = triton.cdiv(triton.cdiv(M, splits), BM) * BM
-    splits = triton.cdiv(M, per) if M else 1
-    part = empty((splits, nnz * KH * KW, bs, bs), torch.float32, x.device)
-    if nnz and M:
-        _conv_dw[(nnz * KH * KW, splits)](
-            x, dy, part, luts.blk_in, luts.blk_out, M, P, Q, H, W, per, *x.stride(), *dy.stride(),
-            stride[0], stride[1], pads[0], pads[1], dilation[0], dilation[1], KH=KH, KW=KW, BS=bs, BLOCK_M=BM,
-            PRECISION=_precision(x.dtype), num_warps=warps,
-            num_stages=stages)
-        dw = part.sum(0)
+        splits, per = _dw_split(tiles, 1, nnz * KH * KW, splits)
+        x_t, dy_t = (_template(t.permute(0, 2, 3, 1), [tn, th, tw, bs]) for t in (x, dy))
+        launch = Launch(_conv_dw_tma, (nnz * KH * KW, splits), dev, dict(consts, TN=tn, TH=th, TW=tw),
+                        num_warps=warps, num_stages=stages)
+        ints = (P, Q, tiles, per, -pads[0], -pads[1], *dilation, *sw)
+
+        def operands(x, dy):
+            return _desc_like(x_t, x), _desc_like(dy_t, dy), luts.blk_in, luts.blk_out
     else:
-        dw = torch.zeros((nnz * KH * KW, bs, bs), dtype=torch.float32, device=x.device)
-    # (nnz, KH, KW, in, out) -> (nnz, out, in, KH, KW)
-    return dw.view(nnz, KH, KW, bs, bs).permute(0, 4, 3, 1, 2)
+        splits, per = _dw_split(M, BM, nnz * KH * KW, splits)
+        launch = Launch(_conv_dw, (nnz * KH * KW, splits), dev, dict(consts, BLOCK_M=BM),
+                        num_warps=warps, num_stages=stages)
+        ints = (M, P, Q, H, W, per, *x.stride(), *dy.stride(), *stride, *pads, *dilation, *sw)
+
+        def operands(x, dy):
+            return x, dy, luts.blk_in, luts.blk_out
+    if splits == 1:
+        def run(x, dy):
+            dw = empty(shape, dtype, dev)
+            a, b, blk_in, blk_out = operands(x, dy)
+            launch(a, b, dw, blk_in, blk_out, *ints)
+            return dw
+        return run
+
+    def run_split(x, dy):
+        part = empty((splits,) + shape, torch.float32, dev)         # fp32 partial sums
+        a, b, blk_in, blk_out = operands(x, dy)
+        launch(a, b, part, blk_in, blk_out, *ints)
+        dw = part.sum(0)
+        return dw if dtype == torch.float32 else dw.to(dtype)
+    return run_split

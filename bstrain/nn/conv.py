@@ -1,62 +1,92 @@
 """``BlockSparseConv2d``: a 2-D convolution whose (out, in) channel pairs live in blocks.
 
 The layout is a (C/bs, K/bs) 0/1 array over input and output channel blocks, as for
-:class:`bstrain.nn.BlockSparseLinear`; each live block (i, j) is a (bs, bs, kh, kw)
-filter from input channels i·bs.. to output channels j·bs... It runs the implicit-GEMM Triton
-kernels of :mod:`bstrain.kernels.conv` (custom op ``bstrain::bsconv2d``), or the two PyTorch paths of
-:class:`bstrain.ops.conv.BlocksparseConv` (a grouped convolution between a channel gather and a
-scatter-add, or one masked dense filter), with the index tables as buffers, so ``torch.compile``
-traces it with no graph break.
+:class:`bstrain.nn.BlockSparseLinear`; each live block (i, j) is a (bs, bs, kh, kw) filter from
+input channels i·bs.. to output channels j·bs... It runs the implicit-GEMM Triton kernels of
+:mod:`bstrain.kernels.conv` (custom op ``bstrain::bsconv2d``), or the two PyTorch paths of
+:func:`bstrain.ops.conv.bsconv2d_ref` (a grouped convolution between a channel gather and a
+scatter-add, or one masked dense filter). Its index tables are the layout's shared tables
+(:mod:`bstrain.ops.tables`, family ``"conv"``), not module buffers, so ``torch.compile`` traces
+it with no graph break and ``to_empty`` has nothing to garble.
+
+A drop-in for ``nn.Conv2d``: the same positional arguments and defaults (padding 0), int or pair
+padding, unbatched (C, H, W) inputs, :meth:`~BlockSparseConv2d.to_dense` and
+:meth:`~BlockSparseConv2d.from_dense`; :func:`sparsify_conv2d_candidates` and
+:meth:`~BlockSparseConv2d.sparsified` are the Conv2d half of :func:`bstrain.nn.sparsify`.
 """
 from __future__ import annotations
 
+import fnmatch
 import math
 import os
+from collections.abc import Callable
 
 import numpy as np
 import torch
 from torch import nn
 
 from bstrain import layout as layouts
-from bstrain.ops.conv import conv_geometry, conv_nd, sparse_conv2d
+from bstrain.nn._sparse import BlockLayoutModule
+from bstrain.ops.conv import bsconv2d_ref, conv_geometry, dense_conv_filter, sparse_conv2d, tables_on
 from bstrain.ops.matmul import compute_dtype
+from bstrain.ops.tables import layout_tables
 
-__all__ = ["BlockSparseConv2d"]
+__all__ = ["BlockSparseConv2d", "sparsify_conv2d_candidates"]
 
-_TABLES = ("col_ptr", "col_blk", "col_in", "row_ptr", "row_blk", "row_out", "blk_in", "blk_out")
+KERNEL_BLOCK_SIZES = (16, 32, 64, 128)
+_AUTOCAST_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+_HALF = (torch.float16, torch.bfloat16)
 
 
-def _pair(name: str, v) -> tuple[int, int]:
+def _pair(name: str, v, low: int = 1) -> tuple[int, int]:
     if isinstance(v, int) and not isinstance(v, bool):
         v = (v, v)
-    if not isinstance(v, (tuple, list)) or len(v) != 2 or not all(isinstance(a, int) and a >= 1 for a in v):
-        raise ValueError(f"{name}: expected a positive int or a pair of them, got {v!r}")
+    if not isinstance(v, (tuple, list)) or len(v) != 2 or \
+            not all(isinstance(a, int) and not isinstance(a, bool) and a >= low for a in v):
+        raise ValueError(f"{name}: expected an int >= {low} or a pair of them, got {v!r}")
     return tuple(v)
 
 
-class BlockSparseConv2d(nn.Module):
+def _padding(padding) -> str | tuple[int, int]:
+    """'same', 'valid' (nn.Conv2d's spellings, any case) or (ph, pw)."""
+    if isinstance(padding, str):
+        if padding.lower() not in ("same", "valid"):
+            raise ValueError(f"padding: expected 'same', 'valid', an int >= 0 or a pair of them, got {padding!r}")
+        return padding.lower()
+    try:
+        return _pair("padding", padding, 0)
+    except ValueError:
+        raise ValueError(f"padding: expected 'same', 'valid', an int >= 0 or a pair of them, got {padding!r}") from None
+
+
+class BlockSparseConv2d(BlockLayoutModule):
     """``nn.Conv2d``'s conventions with block-sparse channel connectivity.
 
     Args:
         in_channels, out_channels: C and K, multiples of block_size.
-        kernel_size, stride, dilation: as nn.Conv2d.
-        padding: "same" (TensorFlow's rule: output ceil(size / stride)), "valid", or an int.
+        kernel_size, stride, dilation: as nn.Conv2d (an int or a pair).
+        padding: as nn.Conv2d: an int or a pair (ph, pw) (default 0), "valid", or "same"
+            (TensorFlow's rule: output ceil(size / stride), the total padding split with the
+            extra element after; at stride 1 that is nn.Conv2d's padding="same", which torch
+            refuses for larger strides).
         bias: add a learned (K,) bias.
-        block_size: channels per block.
+        block_size: channels per block (the kernels take 16, 32, 64 or 128).
         density: fraction of live blocks of a drawn balanced layout (when ``layout`` is None).
         layout: a (C/bs, K/bs) 0/1 array instead.
         seed: seed of the drawn layout; None follows torch's RNG.
-        backend: "auto" | "grouped" | "dense" (cuDNN compositions, as BlocksparseConv) |
+        backend: "auto" | "grouped" | "dense" (cuDNN compositions, :func:`bsconv2d_ref`) |
             "triton" (the implicit-GEMM kernels of bstrain.kernels.conv, custom op
             ``torch.ops.bstrain.bsconv2d``; CUDA, or CPU under TRITON_INTERPRET=1). "auto" takes
             "triton" for CUDA 16-bit channels-last stride-1 inputs with blocks of 64 or more (or
             at most 1/8 live), else "grouped" for block-diagonal layouts on CUDA, else "dense".
+        device, dtype: of the parameters (``device="meta"``, or a ``torch.device("meta")``
+            context, builds no storage; the layout and its tables are host data all the same).
 
     Parameters: ``weight`` (nnz, bs, bs, kh, kw), the live blocks in row-major layout order, each
     (out, in, kh, kw) as nn.Conv2d; ``bias`` (K,). The layout is the ``layout`` buffer.
     """
 
-    def __init__(self, in_channels: int, out_channels: int, kernel_size, stride=1, padding="same", dilation=1,
+    def __init__(self, in_channels: int, out_channels: int, kernel_size, stride=1, padding=0, dilation=1,
                  bias: bool = True, *, block_size: int = 16, density: float | None = None, layout=None,
                  seed: int | None = None, backend: str = "auto", device=None, dtype=None):
         super().__init__()
@@ -73,61 +103,80 @@ class BlockSparseConv2d(nn.Module):
                 raise ValueError("layout: expected a layout or a density, got neither")
             layout = layouts.balanced((in_channels // bs, out_channels // bs), density, seed=seed)
         lay = layouts.validate(layout, in_channels, out_channels, bs)
-        if isinstance(padding, str):
-            if padding.lower() not in ("same", "valid"):
-                raise ValueError(f"padding: expected 'same', 'valid' or an int, got {padding!r}")
-            padding = padding.upper()
-        elif isinstance(padding, bool) or not isinstance(padding, int) or padding < 0:
-            raise ValueError(f"padding: expected 'same', 'valid' or an int >= 0, got {padding!r}")
+        if backend not in ("auto", "grouped", "dense", "triton"):
+            raise ValueError(f"backend: expected 'auto', 'grouped', 'dense' or 'triton', got {backend!r}")
+        if backend == "triton" and bs not in KERNEL_BLOCK_SIZES:
+            raise ValueError(f"block_size: the Triton kernels take 16, 32, 64 or 128, got {bs}")
         self.in_channels, self.out_channels, self.block_size = in_channels, out_channels, bs
         self.kernel_size = _pair("kernel_size", kernel_size)
         self.stride, self.dilation = _pair("stride", stride), _pair("dilation", dilation)
-        if backend not in ("auto", "grouped", "dense", "triton"):
-            raise ValueError(f"backend: expected 'auto', 'grouped', 'dense' or 'triton', got {backend!r}")
-        if backend == "triton" and bs not in (16, 32, 64, 128):
-            raise ValueError(f"block_size: the Triton kernels take 16, 32, 64 or 128, got {bs}")
-        self.padding, self.backend = padding, backend
-        self._set_layout(lay, device)
+        self.padding, self.backend = _padding(padding), backend
+        self._geometries: dict = {}                 # (H, W) -> (P, Q, pads per dim, (top, left))
+        self._use_layout(lay)
         factory = {"device": device, "dtype": dtype}
         self.weight = nn.Parameter(torch.empty(int(lay.sum()), bs, bs, *self.kernel_size, **factory))
         self.bias = nn.Parameter(torch.empty(out_channels, **factory)) if bias else None
         self.register_buffer("layout", torch.as_tensor(lay, device=device), persistent=True)
         self.reset_parameters()
 
+    # --- the layout (BlockLayoutModule) ---------------------------------------------------------------
     def block_layout(self) -> np.ndarray:
         """The (C/bs, K/bs) bool layout (for TensorBoard images and the DDP layout check)."""
         return self._layout
 
+    def _use_layout(self, layout: np.ndarray) -> None:
+        self._layout = np.ascontiguousarray(layout, dtype=bool)
+        self._density = float(self._layout.mean())
+        self._tables = layout_tables("conv", self._layout, self.block_size)    # CPU tables built now
+        host = self._tables.host
+        self._diagonal = host.gather is None and host.scatter is None            # blocks in channel order
+
+    def _layout_tables(self):
+        return self._tables
+
     @property
     def density(self) -> float:
-        return float(self._layout.mean())
+        return self._density
 
     def fan_in(self) -> torch.Tensor:
         """(K,) live inputs of each output channel: bs x live blocks in its column x kh x kw."""
         per_col = self._layout.sum(0) * self.block_size * math.prod(self.kernel_size)
-        return torch.as_tensor(np.repeat(per_col, self.block_size), dtype=torch.float32)
+        return torch.as_tensor(np.repeat(per_col, self.block_size), dtype=torch.float32, device="cpu")
 
     def reset_parameters(self) -> None:
-        """nn.Conv2d's default init with each output channel's true fan-in: uniform ±1/sqrt(fan_in).
-        Also rewrites the layout buffer and the index tables from the layout (after ``to_empty()``
-        they hold uninitialised memory)."""
+        """nn.Conv2d's default init with each output channel's true fan-in: uniform ±1/sqrt(fan_in)."""
         if self.weight.is_meta:
             return
-        with torch.no_grad():
-            self.layout.copy_(torch.as_tensor(self._layout))
-        self._set_layout(self._layout, self.weight.device)
         bound = 1.0 / self.fan_in().clamp_min(1).sqrt()                      # (K,)
         _, kj = np.nonzero(self._layout)
         bs = self.block_size
-        rows = torch.as_tensor(kj)[:, None] * bs + torch.arange(bs)[None, :]  # (nnz, bs) output channels
+        rows = torch.as_tensor(kj)[:, None] * bs + torch.arange(bs, device="cpu")[None, :]   # (nnz, bs) outputs
         with torch.no_grad():
             self.weight.uniform_(-1, 1)
             self.weight.mul_(bound[rows].view(len(kj), bs, 1, 1, 1).to(self.weight))
             if self.bias is not None:
-                b = bound.to(self.bias)
-                self.bias.uniform_(-1, 1).mul_(b)
+                self.bias.uniform_(-1, 1).mul_(bound.to(self.bias))
 
-    def _path(self, x: torch.Tensor, w: torch.Tensor | None = None) -> str:
+    # --- forward ------------------------------------------------------------------------------------
+    def _geometry(self, H: int, W: int) -> tuple:
+        """(P, Q, ((top, bottom), (left, right)), (top, left)) of an H x W input: computed once
+        per input size (not while traced, where sizes may be symbols)."""
+        cacheable = type(H) is int and type(W) is int and not torch.compiler.is_compiling()
+        hit = self._geometries.get((H, W)) if cacheable else None
+        if hit is None:
+            p = self.padding
+            per_dim = ["SAME", "SAME"] if p == "same" else [0, 0] if p == "valid" else list(p)
+            try:
+                (P, Q), pads = conv_geometry(self.kernel_size, [H, W], self.stride, self.dilation, per_dim)
+            except ValueError:
+                raise ValueError(f"x: a {H} x {W} input is smaller than the filter {self.kernel_size} (dilation "
+                                 f"{self.dilation}, padding {self.padding!r})") from None
+            hit = (P, Q, tuple(pads), (pads[0][0], pads[1][0]))
+            if cacheable:
+                self._geometries[(H, W)] = hit
+        return hit
+
+    def _path(self, x: torch.Tensor) -> str:
         """The backend that runs x. "auto" takes the Triton kernels where they beat cuDNN on the
         H200 (benchmarks/conv.md: CUDA, 16-bit, channels-last, stride 1, blocks of 64 or more, or
         at most 1/8 live), else cuDNN's grouped conv where the blocks sit in channel order
@@ -135,91 +184,144 @@ class BlockSparseConv2d(nn.Module):
         grouped gather-scatter at every measured point)."""
         if self.backend != "auto":
             return self.backend
-        w = self.weight if w is None else w
-        if (x.is_cuda and x.dtype in (torch.float16, torch.bfloat16) and x.dtype == w.dtype
-                and self.stride == (1, 1) and self.block_size in (16, 32, 64, 128)
-                and x.is_contiguous(memory_format=torch.channels_last)
-                and (self.block_size >= 64 or self.density <= 0.125)):
+        if not x.is_cuda:
+            return "dense"
+        if (x.dtype in _HALF and self.stride == (1, 1) and self.block_size in KERNEL_BLOCK_SIZES
+                and (self.block_size >= 64 or self._density <= 0.125)
+                and x.is_contiguous(memory_format=torch.channels_last)):
             return "triton"
-        return "grouped" if x.is_cuda and self._gather is None and self._scatter is None else "dense"
+        return "grouped" if self._diagonal else "dense"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dim() != 4 or x.shape[1] != self.in_channels:
-            raise ValueError(f"x: expected (N, {self.in_channels}, H, W), got {tuple(x.shape)}")
-        p = self.padding
-        padding = [p, p] if isinstance(p, int) else (["SAME", "SAME"] if p == "SAME" else [0, 0])
-        _out_size, pads = conv_geometry(self.kernel_size, [int(x.shape[2]), int(x.shape[3])], self.stride,
-                                        self.dilation, padding)
+        """x: (N, C, H, W), or unbatched (C, H, W); returns (N, K, P, Q) or (K, P, Q). Under
+        autocast, runs in its dtype."""
+        unbatched = x.dim() == 3
+        if x.dim() not in (3, 4) or x.shape[-3] != self.in_channels:
+            raise ValueError(f"x: expected (N, {self.in_channels}, H, W) or ({self.in_channels}, H, W), got "
+                             f"{tuple(x.shape)}")
+        if unbatched:
+            x = x.unsqueeze(0)
+        P, Q, pads, top_left = self._geometry(x.shape[2], x.shape[3])
         w = self.weight
-        if x.is_floating_point() and torch.is_autocast_enabled(x.device.type):
-            dt = compute_dtype(x)                       # autocast: run (and pick the path) in its dtype
+        dev = x.device.type
+        if x.dtype in _AUTOCAST_DTYPES and dev in ("cuda", "cpu") and torch.is_autocast_enabled(dev):
+            dt = compute_dtype(x)                      # autocast: run (and pick the path) in its dtype
             x, w = x.to(dt), w.to(dt)
-        path = self._path(x, w)
+        if x.dtype != w.dtype:
+            raise TypeError(f"x: expected {w.dtype} (the weight's dtype), got {x.dtype}; cast the input or the layer "
+                            f"(or run under torch.autocast)")
+        path = self._path(x)
         if path == "triton":
-            if not x.is_cuda and os.environ.get("TRITON_INTERPRET") != "1":
-                raise ValueError(f"x: backend='triton' needs a CUDA tensor (or TRITON_INTERPRET=1), got one on {x.device}")
-            if x.dtype != w.dtype or x.dtype not in (torch.float16, torch.bfloat16, torch.float32):
-                raise TypeError(f"x: backend='triton' takes float16/bfloat16/float32 like the weight "
-                                f"({w.dtype}), got {x.dtype}")
-            P, Q = _out_size
-            y = sparse_conv2d(x, w, [getattr(self, f"_t_{n}") for n in _TABLES], self.out_channels, P, Q,
-                         list(self.stride), [pads[0][0], pads[1][0]], list(self.dilation))
-        elif path == "grouped":
-            xg = x if self._gather is None else x.index_select(1, self._gather)
-            y = conv_nd(xg, w.flatten(0, 1), self.stride, self.dilation, pads, groups=w.shape[0])
-            if self._scatter is not None:
-                y = y.new_zeros(y.shape[0], self.out_channels, y.shape[2], y.shape[3]).index_add(1, self._scatter, y)
+            y = self._kernels(x, w, P, Q, top_left)
         else:
-            dense = w.new_zeros(self.out_channels, self.in_channels, *self.kernel_size)
-            dense = dense.index_put((self._rows, self._cols), w.flatten(0, 2), accumulate=True)
-            y = conv_nd(x, dense, self.stride, self.dilation, pads)
-        return y if self.bias is None else y + self.bias.to(y.dtype).view(1, -1, 1, 1)
+            y = bsconv2d_ref(x, w, tables_on(self._tables, x.device), self.out_channels, self.stride, pads,
+                             self.dilation, grouped=path == "grouped")
+            if self.bias is not None:
+                y = y + self.bias.to(y.dtype).view(1, -1, 1, 1)
+        return y.squeeze(0) if unbatched else y
+
+    def _kernels(self, x, w, P, Q, top_left) -> torch.Tensor:
+        if not x.is_cuda and not x.is_meta and os.environ.get("TRITON_INTERPRET") != "1":
+            raise ValueError(f"x: backend='triton' needs a CUDA tensor (or TRITON_INTERPRET=1), got one on {x.device}")
+        if x.dtype not in _AUTOCAST_DTYPES:
+            raise TypeError(f"x: backend='triton' takes float16, bfloat16 or float32, got {x.dtype}")
+        return sparse_conv2d(x, w, self.bias, self._tables, self.out_channels, P, Q, self.stride, top_left,
+                             self.dilation)
+
+    # --- dense conversion ----------------------------------------------------------------------------
+    def dense_weight(self) -> torch.Tensor:
+        """The (K, C, kh, kw) dense weight, as nn.Conv2d holds it; zeros off the live blocks.
+        Differentiable."""
+        return dense_conv_filter(self.weight, tables_on(self._tables, self.weight.device), self.out_channels,
+                                 self.in_channels)
+
+    def to_dense(self) -> nn.Conv2d:
+        """An nn.Conv2d computing the same function, on this layer's device and dtype."""
+        if self.padding == "same" and self.stride != (1, 1):
+            raise ValueError(f"to_dense: padding='same' at stride {self.stride} follows TensorFlow's rule (the "
+                             f"padding depends on the input size, the extra element after), which nn.Conv2d "
+                             f"cannot express; build the layer with explicit padding")
+        conv = nn.Conv2d(self.in_channels, self.out_channels, self.kernel_size, self.stride, self.padding,
+                         self.dilation, bias=self.bias is not None, device=self.weight.device, dtype=self.weight.dtype)
+        with torch.no_grad():
+            conv.weight.copy_(self.dense_weight())
+            if self.bias is not None:
+                conv.bias.copy_(self.bias)
+        return conv
+
+    @classmethod
+    def from_dense(cls, conv: nn.Conv2d, *, block_size: int = 16, density: float | None = None, layout=None,
+                   backend: str = "auto") -> "BlockSparseConv2d":
+        """A block-sparse copy of ``conv``: its weights on the live blocks, its bias and geometry.
+
+        The live blocks are ``layout``, or, with ``density``, the round(density·blocks) blocks of
+        largest L2 norm in the dense weight (magnitude pruning at block granularity).
+        """
+        _check_convertible("conv", conv, block_size)
+        C, K, bs = conv.in_channels, conv.out_channels, block_size
+        if layout is not None and density is not None:
+            raise ValueError("layout, density: expected one of them, got both")
+        if layout is None:
+            if density is None:
+                raise ValueError("layout: expected a layout or a density, got neither")
+            w = conv.weight.detach().float()
+            norms = w.reshape(K // bs, bs, C // bs, bs, -1).square().sum((1, 3, 4)).t()     # (Cb, Kb)
+            keep = min(norms.numel(), max(1, round(layouts.check_density(density) * norms.numel())))
+            layout = np.zeros(tuple(norms.shape), dtype=bool)
+            layout.flat[norms.flatten().argsort(descending=True, stable=True)[:keep].cpu().numpy()] = True
+        layer = cls(C, K, conv.kernel_size, conv.stride, conv.padding, conv.dilation, conv.bias is not None,
+                    block_size=bs, layout=layout, backend=backend, device=conv.weight.device, dtype=conv.weight.dtype)
+        t = tables_on(layer._tables, conv.weight.device)
+        with torch.no_grad():
+            layer.weight.copy_(conv.weight[t.rows, t.cols].view(layer.weight.shape))
+            if conv.bias is not None:
+                layer.bias.copy_(conv.bias)
+        return layer
+
+    @classmethod
+    def sparsified(cls, conv: nn.Conv2d, *, block_size: int, density: float,
+                   keep_weights: bool = True) -> "BlockSparseConv2d":
+        """The layer :func:`bstrain.nn.sparsify` puts in place of ``conv``: :meth:`from_dense`
+        (the largest-norm blocks and the bias) with ``keep_weights``, else a fresh balanced layout
+        of that density, initialised, with conv's geometry, device and dtype."""
+        if keep_weights:
+            return cls.from_dense(conv, block_size=block_size, density=density)
+        _check_convertible("conv", conv, block_size)
+        return cls(conv.in_channels, conv.out_channels, conv.kernel_size, conv.stride, conv.padding, conv.dilation,
+                   conv.bias is not None, block_size=block_size, density=density, device=conv.weight.device,
+                   dtype=conv.weight.dtype)
 
     def extra_repr(self) -> str:
         return (f"{self.in_channels}, {self.out_channels}, kernel_size={self.kernel_size}, stride={self.stride}, "
-                f"padding={self.padding!r}, block_size={self.block_size}, density={self.density:.3f}, "
-                f"bias={self.bias is not None}")
+                f"padding={self.padding!r}, dilation={self.dilation}, block_size={self.block_size}, "
+                f"density={self._density:.3f}, bias={self.bias is not None}, backend={self.backend!r}")
 
-    def _set_layout(self, lay: np.ndarray, device=None) -> None:
-        """The layout and its index tables (buffers on ``device``, not saved: the layout buffer is)."""
-        bs = self.block_size
-        ci, kj = np.nonzero(lay)
-        self._layout = lay
-        chan = np.arange(bs)
-        cin = (ci[:, None] * bs + chan).ravel()                     # gathered input channel per group row
-        kout = (kj[:, None] * bs + chan).ravel()                     # output channel of each grouped output
-        dev = device
-        t = lambda a: torch.as_tensor(a, device=dev)               # noqa: E731
-        self.register_buffer("_gather", None if np.array_equal(cin, np.arange(self.in_channels)) else t(cin),
-                             persistent=False)
-        self.register_buffer("_scatter", None if np.array_equal(kout, np.arange(self.out_channels)) else t(kout),
-                             persistent=False)
-        rows = np.repeat(kout.reshape(-1, bs), bs, axis=1).ravel()   # dense (k, c) of every filter element
-        cols = np.tile(cin.reshape(-1, bs), (1, bs)).ravel()
-        self.register_buffer("_rows", t(rows), persistent=False)
-        self.register_buffer("_cols", t(cols), persistent=False)
-        from bstrain.kernels.conv import make_luts
-        luts = make_luts(lay, bs, dev)
-        for name in _TABLES:
-            self.register_buffer(f"_t_{name}", getattr(luts, name), persistent=False)
 
-    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
-                              error_msgs):
-        """A loaded layout replaces this layer's (same number of live blocks), so weights always
-        meet the layout they were trained on; another shape or count is an error naming the layer."""
-        key = prefix + "layout"
-        if key in state_dict:
-            new = np.asarray(state_dict[key].detach().cpu(), dtype=bool)
-            name = prefix.rstrip(".") or "BlockSparseConv2d"
-            if new.shape != self._layout.shape or new.sum() != self._layout.sum():
-                error_msgs.append(f"{name}: the checkpoint's layout has shape {new.shape} and {int(new.sum())} live "
-                                  f"blocks, this layer's {self._layout.shape} and {int(self._layout.sum())}; build "
-                                  f"the layer with layout=state_dict['{key}']")
-                return
-            # tables rebuilt every time (to_empty() leaves garbage), where the weight will live
-            assign = bool(local_metadata.get("assign_to_params_buffers"))
-            incoming = state_dict.get(prefix + "weight")
-            dev = incoming.device if assign and isinstance(incoming, torch.Tensor) else self.weight.device
-            self._set_layout(new, dev)
-        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
-                                      error_msgs)
+def _check_convertible(name: str, conv: nn.Conv2d, block_size: int) -> None:
+    """A ValueError naming ``name`` when ``conv`` has no BlockSparseConv2d equivalent."""
+    if not isinstance(conv, nn.Conv2d):
+        raise TypeError(f"{name}: expected an nn.Conv2d, got {type(conv).__name__}")
+    if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
+        raise ValueError(f"block_size: expected a positive int, got {block_size!r}")
+    if conv.in_channels % block_size or conv.out_channels % block_size:
+        raise ValueError(f"{name}: expected in/out channels that are multiples of block_size={block_size}, got "
+                         f"{conv.in_channels} and {conv.out_channels}")
+    if conv.groups != 1:
+        raise ValueError(f"{name}: expected groups=1 (a grouped conv is a block-diagonal layout: build a "
+                         f"BlockSparseConv2d with layout=...), got groups={conv.groups}")
+    if conv.padding_mode != "zeros":
+        raise ValueError(f"{name}: expected padding_mode='zeros', got {conv.padding_mode!r}")
+
+
+def sparsify_conv2d_candidates(model: nn.Module, include: str | Callable[[str, nn.Module], bool],
+                               block_size: int) -> list[tuple[str, nn.Conv2d]]:
+    """(name, layer) of every ``nn.Conv2d`` of ``model`` (exactly that type) chosen by ``include``
+    (a glob on qualified names, or ``(name, conv) -> bool``), checked: a chosen layer that cannot
+    become a BlockSparseConv2d (channels not multiples of block_size, groups, padding mode) is a
+    ValueError naming it, raised before the caller replaces anything. Replace each with
+    ``BlockSparseConv2d.sparsified(conv, block_size=..., density=..., keep_weights=...)``."""
+    match = include if callable(include) else (lambda name, _m: fnmatch.fnmatchcase(name, include))
+    chosen = [(name, m) for name, m in model.named_modules() if name and type(m) is nn.Conv2d and match(name, m)]
+    for name, m in chosen:
+        _check_convertible(name, m, block_size)
+    return chosen

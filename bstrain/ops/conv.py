@@ -1,18 +1,26 @@
-"""Block-sparse convolution: the seed's ``BlocksparseConv`` / ``BlocksparseDeconv`` and
-``cwise_linear`` on torch tensors, with autograd.
+"""Block-sparse convolution: the reference, the ``torch.ops.bstrain.bsconv2d`` custom ops over the
+Triton kernels, their eager autograd path, and the seed's ``BlocksparseConv`` /
+``BlocksparseDeconv`` and ``cwise_linear`` on torch tensors (in that order in this file).
 
-**Blocks.** ``BCK`` is a sequence of blocks, each a pair (input-channel indices, output-channel
-indices). Block i connects its input channels to its output channels through a filter of shape
-``f_shape(block=i) = (len(k_i), len(c_i), *TRS)`` (deconv: ``(len(c_i), len(k_i), *TRS)``, the
-layout of ``conv_transpose``). Blocks may differ in size and overlap; overlapping contributions
-add. C and K are one more than the largest input and output index.
+**Layouts and tables.** :class:`bstrain.nn.BlockSparseConv2d` connects channel blocks by a
+(C/bs, K/bs) bool layout. Its tables come from :mod:`bstrain.ops.tables` (family ``"conv"``,
+spec ``(layout, block_size)``): per device, the kernels' lists (:class:`ConvLuts`, with their
+launch plans) and the PyTorch paths' index tensors (:class:`ConvTables`). The custom ops name
+the layout by the tables' key, resolved with :func:`bstrain.ops.tables.lookup` when they run.
+
+**The seed's blocks.** ``BCK`` is a sequence of blocks, each a pair (input-channel indices,
+output-channel indices). Block i connects its input channels to its output channels through a
+filter of shape ``f_shape(block=i) = (len(k_i), len(c_i), *TRS)`` (deconv: ``(len(c_i), len(k_i),
+*TRS)``, the layout of ``conv_transpose``). Blocks may differ in size and overlap; overlapping
+contributions add. C and K are one more than the largest input and output index. Their index
+tensors are tables too (family ``"conv_blocks"``).
 
 **Geometry.** TRS, DHW and MPQ take 1-3 dims (the activations' spatial dims, N and C first, as in
 the seed). Padding is ``"SAME"`` (TensorFlow's rule: output ceil(size / stride), the total
 padding split with the extra element after, so even filters and strides pad asymmetrically),
 ``"VALID"``, or explicit per-dim ints (symmetric).
 
-**How it runs** (all of it PyTorch, so autograd, ``torch.compile`` and cuDNN apply):
+**How the seed ops run** (all of it PyTorch, so autograd, ``torch.compile`` and cuDNN apply):
 
 * ``"grouped"`` (blocks of one size): gather the input channels of every block, one grouped
   convolution (``groups`` = blocks), then add each block's output into its channels. When the
@@ -29,13 +37,19 @@ point measured on the H200 (benchmarks/conv.md).
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
+
 import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-__all__ = ["BlocksparseConv", "BlocksparseDeconv", "cwise_linear", "conv_geometry", "conv_nd"]
+from bstrain.ops.tables import LayoutTables, eager, family, layout_tables, lookup
 
+__all__ = ["BlocksparseConv", "BlocksparseDeconv", "cwise_linear", "conv_geometry", "conv_nd", "ConvTables",
+           "bsconv2d_ref", "dense_conv_filter", "sparse_conv2d", "tables_on"]
+
+# --- geometry -------------------------------------------------------------------------------------
 _CONV = {1: F.conv1d, 2: F.conv2d, 3: F.conv3d}
 _CONV_T = {1: F.conv_transpose1d, 2: F.conv_transpose2d, 3: F.conv_transpose3d}
 
@@ -105,6 +119,226 @@ def _index_list(name: str, idx) -> np.ndarray:
     return arr.astype(np.int64)
 
 
+# --- layout tables ----------------------------------------------------------------------------------
+def _index(a: np.ndarray, device) -> Tensor:
+    t = torch.as_tensor(np.ascontiguousarray(a), dtype=torch.int64, device=device)
+    torch._dynamo.mark_static(t)          # a fixed size: torch.compile(dynamic=True) must not make it a symbol
+    return t
+
+
+@dataclass(eq=False)
+class ConvTables:
+    """A (C/bs, K/bs) layout's tables on one device (family ``"conv"``)."""
+    block_size: int
+    luts: object              # bstrain.kernels.conv.ConvLuts: the kernels' lists and launch plans
+    gather: Tensor | None     # (nnz·bs,) input channel of each grouped-conv input; None: the channels in order
+    scatter: Tensor | None    # (nnz·bs,) output channel of each grouped-conv output; None: in order
+    rows: Tensor              # (nnz·bs·bs,) dense filter row (output channel) of each weight element
+    cols: Tensor              # (nnz·bs·bs,) its column (input channel)
+
+
+@family("conv")
+def conv_tables(layout: np.ndarray, block_size: int, *, device) -> ConvTables:
+    """The tables of a validated (C/bs, K/bs) bool layout; live blocks numbered row-major."""
+    from bstrain.kernels.conv import make_luts
+    bs = block_size
+    ci, kj = np.nonzero(layout)
+    chan = np.arange(bs)
+    cin = (ci[:, None] * bs + chan).ravel()                         # (nnz·bs,) grouped input channels
+    kout = (kj[:, None] * bs + chan).ravel()                        # (nnz·bs,) grouped output channels
+    rows = np.repeat(kout.reshape(-1, bs), bs, axis=1).ravel()      # weight[e, o, i] -> (kout[e, o],
+    cols = np.tile(cin.reshape(-1, bs), (1, bs)).ravel()            #                    cin[e, i])
+    in_order = lambda idx, n: np.array_equal(idx, np.arange(n))    # noqa: E731
+    return ConvTables(bs, make_luts(layout, bs, device),
+                      None if in_order(cin, layout.shape[0] * bs) else _index(cin, device),
+                      None if in_order(kout, layout.shape[1] * bs) else _index(kout, device),
+                      _index(rows, device), _index(cols, device))
+
+
+@dataclass(eq=False)
+class BlockTables:
+    """The index tensors of the seed's blocks on one device (family ``"conv_blocks"``)."""
+    rows: Tensor              # dense filter (row, col) of every filter element, block by block
+    cols: Tensor
+    gather: Tensor | None     # the blocks' input channels in order; None: 0..C-1
+    scatter: Tensor | None    # their output channels; None: 0..K-1
+    edge: Tensor | None       # (prod MPQ,) edge pattern of each output position (-1: none)
+
+
+@family("conv_blocks")
+def block_tables(c_flat: np.ndarray, k_flat: np.ndarray, sizes: np.ndarray, transposed: bool,
+                 edge_map: np.ndarray | None, *, device) -> BlockTables:
+    """c_flat, k_flat: every block's channel lists, concatenated; sizes: (blocks, 2) their lengths."""
+    cs = np.split(c_flat, np.cumsum(sizes[:, 0])[:-1])
+    ks = np.split(k_flat, np.cumsum(sizes[:, 1])[:-1])
+    rows, cols = [], []
+    for c, k in zip(cs, ks):
+        a, b = (c, k) if transposed else (k, c)
+        rows.append(np.repeat(a, len(b)))
+        cols.append(np.tile(b, len(a)))
+    C, K = int(c_flat.max()) + 1, int(k_flat.max()) + 1
+    return BlockTables(_index(np.concatenate(rows), device), _index(np.concatenate(cols), device),
+                       None if np.array_equal(c_flat, np.arange(C)) else _index(c_flat, device),
+                       None if np.array_equal(k_flat, np.arange(K)) else _index(k_flat, device),
+                       None if edge_map is None else _index(edge_map, device))
+
+
+_BUILD = {"conv": conv_tables, "conv_blocks": block_tables}
+
+
+def tables_on(tables: LayoutTables, device: torch.device):
+    """``tables.on(device)``; on the meta device (shape-only runs) an uncached meta copy."""
+    if device.type == "meta":
+        return _BUILD[tables.family](*tables.spec, device=device)
+    return tables.on(device)
+
+
+# --- reference: the PyTorch paths --------------------------------------------------------------------
+def dense_conv_filter(weight: Tensor, tables: ConvTables, K: int, C: int) -> Tensor:
+    """The (K, C, kh, kw) dense filter of weight (nnz, bs, bs, kh, kw), zeros off the live blocks.
+    Differentiable."""
+    dense = weight.new_zeros(K, C, *weight.shape[3:])
+    return dense.index_put((tables.rows, tables.cols), weight.flatten(0, 2))
+
+
+def bsconv2d_ref(x: Tensor, weight: Tensor, tables: ConvTables, K: int, stride, pads, dilation,
+                 grouped: bool = False) -> Tensor:
+    """The block-sparse convolution in PyTorch: the CPU path and the kernels' oracle.
+
+    Args:
+        x: (N, C, H, W); weight: (nnz, bs_out, bs_in, kh, kw) live blocks in row-major order.
+        pads: ((top, bottom), (left, right)).
+        grouped: one grouped convolution between a channel gather and a scatter-add (cuDNN's
+            fastest form for block-diagonal layouts, which need neither); else the masked dense
+            filter.
+    Returns (N, K, P, Q).
+    """
+    if not grouped:
+        return conv_nd(x, dense_conv_filter(weight, tables, K, x.shape[1]), stride, dilation, pads)
+    xg = x if tables.gather is None else x.index_select(1, tables.gather)       # (N, nnz·bs, H, W)
+    y = conv_nd(xg, weight.flatten(0, 1), stride, dilation, pads, groups=weight.shape[0])
+    if tables.scatter is None:
+        return y
+    return y.new_zeros(y.shape[0], K, y.shape[2], y.shape[3]).index_add(1, tables.scatter, y)
+
+
+# --- torch.ops.bstrain.bsconv2d: the Triton kernels as custom ops ------------------------------------
+# Traced calls (torch.compile, export) go through the custom ops, which name the layout by its
+# tables' key; eager calls run the same launchers through an autograd.Function (sparse_conv2d
+# below): the dispatcher's boxed calls into Python cost about 0.4 ms per op on the H200, more
+# than the kernels of a ResNet layer.
+def _wt(weight: Tensor) -> Tensor:
+    """(nnz, out, in, kh, kw) -> the kernels' (nnz, kh, kw, in, out), contiguous."""
+    return weight.permute(0, 3, 4, 2, 1).contiguous()
+
+
+def _forward(x, wt, bias, tables: ConvTables, K, P, Q, stride, pads, dilation) -> Tensor:
+    from bstrain.kernels.conv import conv_forward
+    return conv_forward(x, wt, tables.luts, K, P, Q, stride, pads, dilation, bias)
+
+
+def _backward(dy, x, wt, tables: ConvTables, stride, pads, dilation, need_dx, need_dw, w_dtype):
+    """(dx or None, dweight or None); wt: the kernels' filters (nnz, kh, kw, in, out)."""
+    from bstrain.kernels.conv import conv_dw, conv_dx
+    if dy.stride(1) != 1 and x.stride(1) == 1 and dy.dim() == 4:      # channels-last x: gather dy's channels
+        dy = dy.contiguous(memory_format=torch.channels_last)         # from contiguous rows, not strided ones
+    N, C, H, W = x.shape
+    dx = conv_dx(dy, wt, tables.luts, C, H, W, stride, pads, dilation, x) if need_dx else None
+    dw = conv_dw(x, dy, tables.luts, wt.shape[1], wt.shape[2], stride, pads, dilation, w_dtype) if need_dw else None
+    return dx, dw
+
+
+@torch.library.custom_op("bstrain::bsconv2d", mutates_args=())
+def bsconv2d(x: Tensor, weight: Tensor, bias: Tensor | None, layout: str, K: int, P: int, Q: int,
+             stride: list[int], pads: list[int], dilation: list[int]) -> Tensor:
+    """y (N, K, P, Q) of the block-sparse 2-D convolution of x (N, C, H, W) by weight (nnz, bs, bs,
+    kh, kw) on the layout whose tables' key is ``layout``, plus bias (K,); pads = (top, left).
+    The Triton kernels: CUDA, or CPU with TRITON_INTERPRET=1."""
+    return _forward(x, _wt(weight), bias, lookup(layout).on(x.device), K, P, Q, stride, pads, dilation)
+
+
+def _like_out(shape, like: Tensor) -> Tensor:
+    """An empty (N, C, H, W) in the memory format the kernels' launchers give (x's)."""
+    N, C, H, W = shape
+    if like.is_contiguous(memory_format=torch.channels_last) and not like.is_contiguous():
+        return like.new_empty((N, H, W, C)).permute(0, 3, 1, 2)
+    return like.new_empty(shape)
+
+
+@bsconv2d.register_fake
+def _(x, weight, bias, layout, K, P, Q, stride, pads, dilation):
+    return _like_out((x.shape[0], K, P, Q), x)
+
+
+@torch.library.custom_op("bstrain::bsconv2d_bwd", mutates_args=())
+def bsconv2d_bwd(dy: Tensor, x: Tensor, weight: Tensor, layout: str, stride: list[int], pads: list[int],
+                 dilation: list[int], need_dx: bool, need_dw: bool) -> tuple[Tensor, Tensor]:
+    """(dx, dweight) of bsconv2d; an unneeded one is an empty tensor."""
+    dx, dw = _backward(dy, x, _wt(weight), lookup(layout).on(x.device), stride, pads, dilation, need_dx, need_dw,
+                       weight.dtype)
+    return dx if need_dx else x.new_empty(0), dw if need_dw else weight.new_empty(0)
+
+
+@bsconv2d_bwd.register_fake
+def _(dy, x, weight, layout, stride, pads, dilation, need_dx, need_dw):
+    return (_like_out(tuple(x.shape), x) if need_dx else x.new_empty(0),
+            weight.new_empty(weight.shape) if need_dw else weight.new_empty(0))
+
+
+def _bias_grad(dy: Tensor, dtype: torch.dtype) -> Tensor:
+    return dy.sum((0, 2, 3), dtype=dtype)                             # (K,)
+
+
+def _bsconv2d_setup(ctx, inputs, output):
+    x, weight, bias, layout, _, _, _, stride, pads, dilation = inputs
+    ctx.save_for_backward(x, weight)
+    ctx.layout, ctx.stride, ctx.pads, ctx.dilation = layout, stride, pads, dilation
+    ctx.bias_dtype = None if bias is None else bias.dtype
+
+
+def _bsconv2d_backward(ctx, dy):
+    x, weight = ctx.saved_tensors
+    need_dx, need_dw, need_db = ctx.needs_input_grad[:3]
+    dx, dw = bsconv2d_bwd(dy, x, weight, ctx.layout, ctx.stride, ctx.pads, ctx.dilation, need_dx, need_dw)
+    return (dx if need_dx else None, dw if need_dw else None, _bias_grad(dy, ctx.bias_dtype) if need_db else None,
+            None, None, None, None, None, None, None)
+
+
+bsconv2d.register_autograd(_bsconv2d_backward, setup_context=_bsconv2d_setup)
+
+
+# --- eager autograd -----------------------------------------------------------------------------------
+class _SparseConv2dFn(torch.autograd.Function):
+    """bsconv2d and its backward for eager calls: no dispatcher round trip, no key lookup, and
+    the filters permuted once per step (dX reuses the forward's)."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, tables, K, P, Q, stride, pads, dilation):
+        wt = _wt(weight)                                  # (nnz, kh, kw, in, out)
+        ctx.save_for_backward(x, wt)
+        ctx.tables, ctx.stride, ctx.pads, ctx.dilation = tables, stride, pads, dilation
+        ctx.w_dtype, ctx.bias_dtype = weight.dtype, None if bias is None else bias.dtype
+        return _forward(x, wt, bias, tables, K, P, Q, stride, pads, dilation)
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, wt = ctx.saved_tensors
+        need_dx, need_dw, need_db = ctx.needs_input_grad[:3]
+        dx, dw = _backward(dy, x, wt, ctx.tables, ctx.stride, ctx.pads, ctx.dilation, need_dx, need_dw, ctx.w_dtype)
+        db = _bias_grad(dy, ctx.bias_dtype) if need_db else None
+        return dx, dw, db, None, None, None, None, None, None, None
+
+
+def sparse_conv2d(x: Tensor, weight: Tensor, bias: Tensor | None, tables: LayoutTables, K: int, P: int, Q: int,
+                  stride, pads, dilation) -> Tensor:
+    """bsconv2d with autograd: the custom op when traced (or on meta tensors), the lighter
+    autograd.Function eagerly. tables: the layout's ``layout_tables("conv", ...)``."""
+    if eager(x) and not x.is_meta:
+        return _SparseConv2dFn.apply(x, weight, bias, tables.on(x.device), K, P, Q, stride, pads, dilation)
+    return bsconv2d(x, weight, bias, tables.key, K, P, Q, list(stride), list(pads), list(dilation))
+
+
+# --- the seed's API -----------------------------------------------------------------------------------
 class _Checked(list):
     """Checked per-block filters; ``stacked``: the (blocks, ...) tensor they came from, if any."""
 
@@ -167,6 +401,10 @@ class BlocksparseConv:
         self.edge_bias = bool(edge_bias)
         self._edge_map = self._edge_patterns() if edge_bias else None
         self.flops = 2 * self.sizeF * math.prod(self.DHW if self._transposed else self.MPQ)
+        # index tensors (dense filter, gather, scatter, edge bias), shared by equal ops, built now
+        self._tables = layout_tables("conv_blocks", np.concatenate(self._c), np.concatenate(self._k),
+                                     np.array([(len(c), len(k)) for c, k in blocks], dtype=np.int64),
+                                     self._transposed, self._edge_map)
 
     # --- geometry -------------------------------------------------------------------------------
     def _geometry(self, MPQ):
@@ -266,16 +504,8 @@ class BlocksparseConv:
 
     def _dense_index(self, device):
         """(row, col) of every filter element of every block in the dense filter, block by block."""
-        hit = self.__dict__.setdefault("_dense_idx", {}).get(device)
-        if hit is None:
-            rows, cols = [], []
-            for c, k in zip(self._c, self._k):
-                a, b = (c, k) if self._transposed else (k, c)
-                rows.append(np.repeat(a, len(b)))
-                cols.append(np.tile(b, len(a)))
-            hit = self._dense_idx[device] = (torch.as_tensor(np.concatenate(rows), device=device),
-                                             torch.as_tensor(np.concatenate(cols), device=device))
-        return hit
+        t = tables_on(self._tables, device)
+        return t.rows, t.cols
 
     # --- call -----------------------------------------------------------------------------------
     def _check_input(self, I: Tensor, C: int, size: list[int]) -> Tensor:
@@ -314,19 +544,9 @@ class BlocksparseConv:
         return self._conv(I, self.dense_filter(fs))
 
     def _gather_plan(self, device):
-        """(input channel gather or None, output scatter or None), cached per device."""
-        plan = getattr(self, "_plans", {}).get(device)
-        if plan is None:
-            cin = np.concatenate(self._c)
-            kout = np.concatenate(self._k)
-            gather = None if np.array_equal(cin, np.arange(self.C)) else torch.as_tensor(cin, device=device)
-            if np.array_equal(kout, np.arange(self.K)):
-                scatter = None
-            else:
-                scatter = torch.as_tensor(kout, device=device)
-            plan = (gather, scatter)
-            self.__dict__.setdefault("_plans", {})[device] = plan
-        return plan
+        """(input channel gather or None, output scatter or None) on ``device``."""
+        t = tables_on(self._tables, device)
+        return t.gather, t.scatter
 
     def _grouped(self, fs: list[Tensor], I: Tensor) -> Tensor:
         gather, scatter = self._gather_plan(I.device)
@@ -348,9 +568,7 @@ class BlocksparseConv:
                              f"{tuple(eb.shape) if isinstance(eb, Tensor) else type(eb).__name__}")
         if eb.device != y.device:
             raise ValueError(f"edge_bias: expected a tensor on {y.device} (as I), got one on {eb.device}")
-        idx = self.__dict__.setdefault("_edge_idx", {}).get(y.device)
-        if idx is None:                                                   # once per device, not per call
-            idx = self._edge_idx[y.device] = torch.as_tensor(self._edge_map, device=y.device)
+        idx = tables_on(self._tables, y.device).edge                       # (prod MPQ,)
         table = torch.cat([eb.to(y.dtype), eb.new_zeros(eb.shape[0], 1).to(y.dtype)], 1)    # column -1: no edge
         add = table[:, idx].view([1, self.K] + list(y.shape[2:]))
         return y + add
@@ -492,116 +710,3 @@ def cwise_linear(x: Tensor, a: Tensor | None = None, b: Tensor | None = None, re
         y = x if a is None else x * a
         y = y if b is None else y + b
     return torch.relu(y) if relu else y
-
-
-
-# --- torch.ops.bstrain.bsconv2d: the Triton kernels as custom ops ----------------------------------
-# The layout travels as its index tables (int32 tensors: col_ptr, col_blk, col_in, row_ptr, row_blk,
-# row_out, blk_in, blk_out of bstrain.kernels.conv.ConvLuts), so the ops need no registry.
-# Traced calls (torch.compile, export) go through the custom ops; eager calls run the same bodies
-# through an autograd.Function (sparse_conv2d below): the dispatcher's boxed calls into Python cost
-# about 0.4 ms per op on the H200, more than the kernels of a ResNet layer.
-def _wt(weight: Tensor) -> Tensor:
-    """(nnz, out, in, kh, kw) -> the kernels' (nnz, kh, kw, in, out), contiguous."""
-    return weight.permute(0, 3, 4, 2, 1).contiguous()
-
-
-def _luts(weight: Tensor, tables: list[Tensor]):
-    from bstrain.kernels.conv import ConvLuts
-    return ConvLuts(weight.shape[1], *tables)
-
-
-@torch.library.custom_op("bstrain::bsconv2d", mutates_args=())
-def bsconv2d(x: Tensor, weight: Tensor, tables: list[Tensor], K: int, P: int, Q: int, stride: list[int],
-             pads: list[int], dilation: list[int]) -> Tensor:
-    """y (N, K, P, Q) of a block-sparse 2-D convolution (weight (nnz, bs, bs, kh, kw)); pads =
-    (top, left). CUDA (or TRITON_INTERPRET=1): the Triton kernels."""
-    return _forward(x, weight, tables, K, P, Q, stride, pads, dilation)
-
-
-def _forward(x, weight, tables, K, P, Q, stride, pads, dilation, wt=None) -> Tensor:
-    from bstrain.kernels.conv import conv_forward
-    return conv_forward(x, _wt(weight) if wt is None else wt, _luts(weight, tables), K, P, Q, stride, pads, dilation)
-
-
-@bsconv2d.register_fake
-def _(x, weight, tables, K, P, Q, stride, pads, dilation):
-    return _like_out((x.shape[0], K, P, Q), x)
-
-
-@torch.library.custom_op("bstrain::bsconv2d_bwd", mutates_args=())
-def bsconv2d_bwd(dy: Tensor, x: Tensor, weight: Tensor, tables: list[Tensor], stride: list[int], pads: list[int],
-                 dilation: list[int], need_dx: bool, need_dw: bool) -> tuple[Tensor, Tensor]:
-    """(dx, dweight) of bsconv2d; an unneeded one is an empty tensor."""
-    return _backward(dy, x, weight, tables, stride, pads, dilation, need_dx, need_dw)
-
-
-def _backward(dy, x, weight, tables, stride, pads, dilation, need_dx, need_dw, wt=None) -> tuple[Tensor, Tensor]:
-    from bstrain.kernels.conv import conv_dw, conv_dx
-    luts = _luts(weight, tables)
-    if dy.stride(1) != 1 and x.stride(1) == 1 and dy.dim() == 4:      # channels-last x: gather dy's channels
-        dy = dy.contiguous(memory_format=torch.channels_last)         # from contiguous rows, not strided ones
-    kh, kw = weight.shape[3], weight.shape[4]
-    dx = conv_dx(dy, _wt(weight) if wt is None else wt, luts, x.shape[1], x.shape[2], x.shape[3], stride, pads, dilation, x) if need_dx \
-        else x.new_empty(0)
-    dw = conv_dw(x, dy, luts, kh, kw, stride, pads, dilation).to(weight.dtype).contiguous() if need_dw \
-        else weight.new_empty(0)
-    return dx, dw
-
-
-def _like_out(shape, like: Tensor) -> Tensor:
-    """An empty (N, C, H, W) in the memory format the kernels' launchers give (bstrain.kernels.conv._out)."""
-    N, C, H, W = shape
-    if like.is_contiguous(memory_format=torch.channels_last) and not like.is_contiguous():
-        return like.new_empty((N, H, W, C)).permute(0, 3, 1, 2)
-    return like.new_empty(shape)
-
-
-@bsconv2d_bwd.register_fake
-def _(dy, x, weight, tables, stride, pads, dilation, need_dx, need_dw):
-    return (_like_out(tuple(x.shape), x) if need_dx else x.new_empty(0),
-            weight.new_empty(weight.shape) if need_dw else weight.new_empty(0))
-
-
-def _bsconv2d_setup(ctx, inputs, output):
-    x, weight, tables, _, _, _, stride, pads, dilation = inputs
-    ctx.save_for_backward(x, weight)
-    ctx.tables, ctx.stride, ctx.pads, ctx.dilation = tables, stride, pads, dilation
-
-
-def _bsconv2d_backward(ctx, dy):
-    x, weight = ctx.saved_tensors
-    need_dx, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-    dx, dw = bsconv2d_bwd(dy, x, weight, ctx.tables, ctx.stride, ctx.pads, ctx.dilation, need_dx, need_dw)
-    return (dx if need_dx else None, dw if need_dw else None, [None] * len(ctx.tables), None, None, None, None,
-            None, None)
-
-
-bsconv2d.register_autograd(_bsconv2d_backward, setup_context=_bsconv2d_setup)
-
-
-class _SparseConv2dFn(torch.autograd.Function):
-    """bsconv2d and its backward for eager calls (no dispatcher round trip)."""
-
-    @staticmethod
-    def forward(ctx, x, weight, tables, K, P, Q, stride, pads, dilation):
-        wt = _wt(weight)                                  # the kernels' filter layout, reused by dX
-        ctx.save_for_backward(x, weight, wt)
-        ctx.tables, ctx.stride, ctx.pads, ctx.dilation = tables, stride, pads, dilation
-        return _forward(x, weight, tables, K, P, Q, stride, pads, dilation, wt)
-
-    @staticmethod
-    def backward(ctx, dy):
-        x, weight, wt = ctx.saved_tensors
-        need_dx, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        dx, dw = _backward(dy, x, weight, ctx.tables, ctx.stride, ctx.pads, ctx.dilation, need_dx, need_dw, wt)
-        return dx if need_dx else None, dw if need_dw else None, None, None, None, None, None, None, None
-
-
-def sparse_conv2d(x: Tensor, weight: Tensor, tables: list[Tensor], K: int, P: int, Q: int, stride: list[int],
-                  pads: list[int], dilation: list[int]) -> Tensor:
-    """bsconv2d with autograd: the custom op when traced, the lighter autograd.Function eagerly."""
-    from bstrain.ops.library import eager
-    if eager(x):
-        return _SparseConv2dFn.apply(x, weight, tables, K, P, Q, stride, pads, dilation)
-    return bsconv2d(x, weight, tables, K, P, Q, stride, pads, dilation)

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 
 from bstrain.nn import BlockSparseConv2d
 from tests.conftest import DTYPE_IDS, assert_close, fresh_seed, kernel_device, kernel_dtypes
-from tests.models.test_convnet import masked_dense
+from tests.nn.test_conv import masked_dense
 
 
 @pytest.fixture(autouse=True)
@@ -68,7 +68,7 @@ def test_empty_rows_and_columns_of_the_layout():
     the bias alone (both written, not left unset: outputs are poisoned under test)."""
     lay = np.zeros((3, 3), bool)
     lay[0, 0] = lay[2, 1] = lay[2, 0] = True                 # input block 1 feeds nothing; output block 2 is empty
-    conv = BlockSparseConv2d(48, 48, 3, layout=lay, block_size=16, backend="triton").to(kernel_device())
+    conv = BlockSparseConv2d(48, 48, 3, padding=1, layout=lay, block_size=16, backend="triton").to(kernel_device())
     x = torch.randn(1, 48, 5, 5, device=kernel_device(), requires_grad=True)
     y = conv(x)
     torch.testing.assert_close(y[:, 32:], conv.bias[32:].view(1, -1, 1, 1).expand(1, 16, 5, 5))
@@ -78,30 +78,71 @@ def test_empty_rows_and_columns_of_the_layout():
 
 @pytest.mark.parametrize("layout", ["contiguous", "channels_last", "transposed"])
 def test_opcheck_backward_strides(layout):
-    conv = BlockSparseConv2d(32, 32, 3, block_size=16, density=0.5, backend="triton").to(kernel_device())
-    x = torch.randn(2, 32, 5, 5, device=kernel_device())
+    """The backward op's fake strides match the kernels' (every need on one layout, both on the others)."""
+    conv = BlockSparseConv2d(32, 32, 3, padding=1, block_size=16, density=0.5, backend="triton").to(kernel_device())
+    x = torch.randn(1, 32, 4, 4, device=kernel_device())
     x = {"contiguous": x, "channels_last": x.to(memory_format=torch.channels_last),
          "transposed": x.transpose(2, 3)}[layout]
-    tables = [getattr(conv, f"_t_{n}") for n in ("col_ptr", "col_blk", "col_in", "row_ptr", "row_blk", "row_out",
-                                                 "blk_in", "blk_out")]
-    dy = torch.randn(2, 32, 5, 5, device=kernel_device())
-    for need in ((True, True), (True, False), (False, True)):
+    dy = torch.randn(1, 32, 4, 4, device=kernel_device())
+    needs = ((True, True), (True, False), (False, True)) if layout == "channels_last" else ((True, True),)
+    for need in needs:
         torch.library.opcheck(torch.ops.bstrain.bsconv2d_bwd.default,
-                              (dy, x, conv.weight.detach(), tables, [1, 1], [1, 1], [1, 1], *need),
+                              (dy, x, conv.weight.detach(), conv._tables.key, [1, 1], [1, 1], [1, 1], *need),
                               test_utils=("test_schema", "test_faketensor"))
 
 
 def test_opcheck_and_compile():
-    conv = BlockSparseConv2d(32, 32, 3, block_size=16, density=0.5, backend="triton").to(kernel_device())
-    x = torch.randn(2, 32, 5, 5, device=kernel_device())
-    tables = [getattr(conv, f"_t_{n}") for n in ("col_ptr", "col_blk", "col_in", "row_ptr", "row_blk", "row_out",
-                                                 "blk_in", "blk_out")]
-    torch.library.opcheck(torch.ops.bstrain.bsconv2d.default, (x, conv.weight.detach(), tables, 32, 5, 5, [1, 1],
-                                                                [1, 1], [1, 1]), test_utils=("test_schema",
-                                                                                            "test_faketensor"))
+    conv = BlockSparseConv2d(32, 32, 3, padding=1, block_size=16, density=0.5, backend="triton").to(kernel_device())
+    x = torch.randn(1, 32, 4, 4, device=kernel_device())
+    for bias in (conv.bias.detach(), None):
+        torch.library.opcheck(torch.ops.bstrain.bsconv2d.default,
+                              (x, conv.weight.detach(), bias, conv._tables.key, 32, 4, 4, [1, 1], [1, 1], [1, 1]),
+                              test_utils=("test_schema", "test_faketensor"))
     torch._dynamo.reset()
     explained = torch._dynamo.explain(conv)(x)
     assert explained.graph_break_count == 0 and "bstrain.bsconv2d" in "".join(g.code for g in explained.graphs)
+
+
+def test_the_custom_ops_name_an_unknown_layout():
+    x = torch.randn(1, 16, 3, 3)
+    w = torch.randn(1, 16, 16, 1, 1)
+    with pytest.raises(RuntimeError, match="no block-sparse layout is registered under 'conv-nope'"):
+        torch.ops.bstrain.bsconv2d(x, w, None, "conv-nope", 16, 3, 3, [1, 1], [0, 0], [1, 1])
+
+
+@pytest.mark.parametrize("dtype", kernel_dtypes(), ids=DTYPE_IDS.get)
+def test_dw_split_or_not_lands_in_the_weight_layout(dtype):
+    """conv_dw writes (nnz, out, in, kh, kw) in the asked dtype: unsplit straight from the kernel,
+    split through fp32 partials; both against the float64 dW of the masked dense conv."""
+    from bstrain.kernels.conv import conv_dw
+    dev = kernel_device()
+    conv = BlockSparseConv2d(32, 48, 3, padding=1, block_size=16, density=0.5)
+    x, dy = torch.randn(2, 32, 5, 3), torch.randn(2, 48, 5, 3)
+    w = masked_dense(conv).requires_grad_()
+    rw, = torch.autograd.grad(F.conv2d(x.double(), w, padding=1), [w], dy.double())
+    luts = conv._tables.on(torch.device(dev)).luts
+    bs = 16
+    for splits in (1, 3):
+        dw = conv_dw(x.to(dev, dtype), dy.to(dev, dtype), luts, 3, 3, (1, 1), (1, 1), (1, 1), dtype, splits=splits)
+        assert dw.dtype == dtype and dw.shape == conv.weight.shape and dw.is_contiguous()
+        for n, (i, j) in enumerate(zip(*np.nonzero(conv.block_layout()))):
+            assert_close(dw[n], rw[j * bs:(j + 1) * bs, i * bs:(i + 1) * bs], None, dtype, f"dW[{n}] splits={splits}")
+
+
+def test_launches_are_planned_once_per_shape():
+    """The launchers keep one plan per call shape on the layout's tables: a second fwd+bwd at a
+    seen shape makes none, a new shape makes its three (fwd, dx, dW)."""
+    dev = kernel_device()
+    conv = BlockSparseConv2d(32, 32, 3, padding=1, block_size=16, density=0.5, backend="triton").to(dev)
+    plans = conv._tables.on(torch.device(dev)).luts.plans
+    plans.clear()
+    x = torch.randn(1, 32, 3, 4, device=dev, requires_grad=True)
+    conv(x).sum().backward()
+    assert len(plans) == 3
+    conv(x).sum().backward()
+    assert len(plans) == 3
+    conv(torch.randn(1, 32, 4, 3, device=dev, requires_grad=True)).sum().backward()
+    assert len(plans) == 6
 
 
 def test_triton_backend_input_errors(monkeypatch):
@@ -111,8 +152,10 @@ def test_triton_backend_input_errors(monkeypatch):
         with pytest.raises(ValueError, match="needs a CUDA tensor"):
             conv(torch.randn(1, 32, 4, 4))
     monkeypatch.setenv("TRITON_INTERPRET", "1")
-    with pytest.raises(TypeError, match="backend='triton' takes float16/bfloat16/float32 like the weight"):
+    with pytest.raises(TypeError, match=r"x: expected torch.float32 \(the weight's dtype\), got torch.float64"):
         conv.to(kernel_device())(torch.randn(1, 32, 4, 4, dtype=torch.float64, device=kernel_device()))
+    with pytest.raises(TypeError, match="backend='triton' takes float16, bfloat16 or float32, got torch.float64"):
+        conv.to(kernel_device(), torch.float64)(torch.randn(1, 32, 4, 4, dtype=torch.float64, device=kernel_device()))
     with pytest.raises(ValueError, match="the Triton kernels take 16, 32, 64 or 128"):
         BlockSparseConv2d(24, 24, 3, block_size=8, density=0.5, backend="triton")
 
@@ -178,7 +221,7 @@ def test_autocast_runs_in_the_autocast_dtype(backend):
     torch.manual_seed(fresh_seed())
     dev = kernel_device()
     dt = torch.float16 if backend == "triton" else torch.bfloat16   # bf16 tl.dot is wrong in the interpreter
-    conv = BlockSparseConv2d(32, 32, 3, block_size=16, density=0.5, backend=backend).to(dev)
+    conv = BlockSparseConv2d(32, 32, 3, padding=1, block_size=16, density=0.5, backend=backend).to(dev)
     x = torch.randn(2, 32, 6, 5, device=dev)
     with torch.autocast(dev, dtype=dt):
         y = conv(x)

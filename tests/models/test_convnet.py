@@ -1,5 +1,5 @@
-"""BlockSparseConv2d (against a masked dense conv) and the sparse ResNet (shapes, layouts, errors,
-torch.compile, training through the trainer with an exact resume)."""
+"""The sparse ResNet: shapes, layouts, errors, torch.compile, training through the trainer with an
+exact resume. BlockSparseConv2d's own tests are in tests/nn/test_conv.py."""
 from __future__ import annotations
 
 import numpy as np
@@ -14,79 +14,7 @@ from bstrain.models.convnet import SparseResNet
 from bstrain.nn import block_sparse_layouts
 from bstrain.train.trainer import train
 from tests.conftest import assert_close, fresh_seed, killed_then_resumed
-
-
-def masked_dense(conv: BlockSparseConv2d) -> torch.Tensor:
-    """(K, C, kh, kw) float64 weight: every live block at its place, zeros elsewhere."""
-    bs = conv.block_size
-    w = torch.zeros(conv.out_channels, conv.in_channels, *conv.kernel_size, dtype=torch.float64)
-    for n, (i, j) in enumerate(zip(*np.nonzero(conv.block_layout()))):
-        w[j * bs:(j + 1) * bs, i * bs:(i + 1) * bs] = conv.weight[n].detach().double()
-    return w
-
-
-@pytest.mark.parametrize("backend", ["grouped", "dense"])
-@pytest.mark.parametrize("kernel,stride,padding", [(3, 1, "same"), (3, 2, "same"), (1, 1, "valid"), (3, 1, 2)])
-def test_conv2d_matches_the_masked_dense_conv(backend, kernel, stride, padding):
-    torch.manual_seed(fresh_seed())
-    conv = BlockSparseConv2d(16, 24, kernel, stride, padding, block_size=4, density=0.4, backend=backend).double()
-    x = torch.randn(2, 16, 9, 8, dtype=torch.float64, requires_grad=True)
-    y = conv(x)
-    w = masked_dense(conv).requires_grad_()
-    xr = x.detach().requires_grad_()
-    if padding == "same":                    # TensorFlow's SAME: output ceil(size / stride), extra pad after
-        pads = []
-        for n in (8, 9):
-            out = -(-n // stride)
-            total = max((out - 1) * stride + kernel - n, 0)
-            pads += [total // 2, total - total // 2]
-        ref = F.conv2d(F.pad(xr, pads), w, stride=stride)
-    else:
-        ref = F.conv2d(xr, w, stride=stride, padding=0 if padding == "valid" else padding)
-    ref = ref + conv.bias.detach().double().view(1, -1, 1, 1)
-    assert_close(y, ref, None, torch.float64, "out")
-    g = torch.randn_like(ref)
-    dx, dw = torch.autograd.grad(y, [x, conv.weight], g)
-    rx, rw = torch.autograd.grad(ref, [xr, w], g)
-    assert_close(dx, rx, None, torch.float64, "dx")
-    bs = conv.block_size
-    for n, (i, j) in enumerate(zip(*np.nonzero(conv.block_layout()))):
-        assert_close(dw[n], rw[j * bs:(j + 1) * bs, i * bs:(i + 1) * bs], None, torch.float64, f"dW[{n}]")
-
-
-def test_conv2d_state_dict_meta_init_and_layouts():
-    a = BlockSparseConv2d(16, 16, 3, block_size=4, density=0.5, seed=1)
-    b = BlockSparseConv2d(16, 16, 3, block_size=4, density=0.5, seed=2)
-    assert (a.block_layout() != b.block_layout()).any()
-    b.load_state_dict(a.state_dict())                     # same block count: b adopts a's layout
-    x = torch.randn(2, 16, 6, 6)
-    torch.testing.assert_close(b(x), a(x))
-    c = BlockSparseConv2d(16, 16, 3, block_size=4, density=0.25, seed=1)
-    with pytest.raises(RuntimeError, match="the checkpoint's layout has shape"):
-        c.load_state_dict(a.state_dict())
-    m = BlockSparseConv2d(16, 16, 3, block_size=4, density=0.5, seed=1, device="meta")
-    assert m._rows.is_meta and m._gather.is_meta                  # every table where the layer was built
-    m.to_empty(device="cpu")
-    m.reset_parameters()                                          # tables and layout rebuilt, not garbage
-    bound = 1 / (m.fan_in()[0] ** 0.5)
-    assert m.weight.abs().max() <= bound and m.weight.std() > bound / 4
-    assert (m.layout.numpy() == m.block_layout()).all()
-    m.load_state_dict(a.state_dict())
-    torch.testing.assert_close(m(x), a(x))
-    loaded = BlockSparseConv2d(16, 16, 3, block_size=4, density=0.5, seed=1, device="meta")
-    loaded.to_empty(device="cpu")                                 # garbage tables, then a load without reset
-    loaded.load_state_dict(a.state_dict())
-    torch.testing.assert_close(loaded(x), a(x))
-    assigned = BlockSparseConv2d(16, 16, 3, block_size=4, density=0.5, seed=1, device="meta")
-    assigned.load_state_dict(a.state_dict(), assign=True)
-    torch.testing.assert_close(assigned(x), a(x))
-    assert dict(block_sparse_layouts(torch.nn.Sequential(a)))["0"] is a.block_layout()
-    with pytest.raises(ValueError, match="multiple of block_size"):
-        BlockSparseConv2d(15, 16, 3, block_size=4, density=0.5)
-    with pytest.raises(ValueError, match="padding: expected 'same'"):
-        BlockSparseConv2d(16, 16, 3, padding="full", block_size=4, density=0.5)
-    with pytest.raises(ValueError, match=r"x: expected \(N, 16, H, W\)"):
-        a(torch.randn(2, 8, 6, 6))
+from tests.nn.test_conv import masked_dense
 
 
 def test_compile_fullgraph_through_a_sparse_resnet():
