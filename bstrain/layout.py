@@ -216,10 +216,12 @@ def z_order_rank(c_idx: np.ndarray, k_idx: np.ndarray) -> np.ndarray:
 # --- attention layouts ------------------------------------------------------------------------------
 # An attention layout is (q_blocks, k_blocks), shared by all heads, or (heads, q_blocks, k_blocks):
 # layout[h, i, j] says whether query block i of head h attends to key block j. Element-level
-# patterns are mask functions ``mask(b, h, q_idx, k_idx) -> bool`` on broadcast index arrays (numpy
-# or torch: the same function serves FlexAttention's ``mask_mod``); :func:`attention_layout`
-# evaluates one at block granularity, keeps the blocks it touches, and returns the seed's
-# ``mask_callback`` for the partial ones.
+# patterns are mask functions ``mask(b, h, q_idx, k_idx) -> bool`` on broadcast index tensors: the
+# same function serves as FlexAttention's ``mask_mod`` (``create_block_mask``, ``flex_attention``,
+# where the indices are batched by vmap and the function is traced). The built-in ones use tensor
+# operators only, so they also take numpy arrays. :func:`attention_layout` evaluates one at
+# block granularity, keeps the blocks it touches, and returns the seed's ``mask_callback`` for
+# the partial ones.
 
 def causal_mask(b, h, q_idx, k_idx):
     """Each position attends to itself and the past."""
@@ -262,12 +264,13 @@ def fixed_mask(stride: int, summary: int = 1):
 
 def longformer_mask(window: int, global_tokens, causal: bool = False):
     """Longformer-style: a sliding window of ``window`` positions each side, plus global positions
-    (an int: the first n; or a sequence of indices) that attend to all and are attended by all."""
+    (an int: the first n; or a sequence of indices) that attend to all and are attended by all.
+    Each run of consecutive global positions costs the mask two comparisons."""
     local = local_mask(window, causal)
-    glob = _global_set(global_tokens)
+    runs = _runs(_global_set(global_tokens))
 
     def mask(b, h, q_idx, k_idx):
-        g = _isin(q_idx, glob) | _isin(k_idx, glob)
+        g = _in_runs(q_idx, runs) | _in_runs(k_idx, runs)
         if causal:
             g = g & (q_idx >= k_idx)
         return local(b, h, q_idx, k_idx) | g
@@ -290,24 +293,30 @@ def bigbird_mask(block_size: int, window_blocks: int, global_blocks: int, random
     for i in range(q_blocks):
         pool = np.arange(min(i + 1, k_blocks) if causal else k_blocks)
         table[i, rng.choice(pool, size=min(random_blocks, pool.size), replace=False)] = True
+    lookup = _BlockTable(table)
 
     def mask(b, h, q_idx, k_idx):
         qb, kb = q_idx // block_size, k_idx // block_size
         near = (qb - kb <= window_blocks) & (kb - qb <= window_blocks)
         glob = (qb < global_blocks) | (kb < global_blocks)
-        keep = near | glob | _lookup(table, qb, kb)
+        keep = near | glob | lookup(qb, kb)
         return keep & (q_idx >= k_idx) if causal else keep
     return mask
+
+
+_CHUNK = 1 << 22         # mask elements evaluated at once by attention_layout
 
 
 def attention_layout(mask, q_len: int, k_len: int, block_size: int, heads: int | None = None):
     """The block layout of an element-level ``mask(b, h, q_idx, k_idx)``, and its mask_callback.
 
-    A block is live when the mask keeps any of its elements. Returns ``(layout, mask_callback)``:
-    layout is (q_len/bs, k_len/bs) bool, or (heads, ...) when ``heads`` is given (the mask is then
-    evaluated per head); mask_callback has the seed's signature ``(blk_shape, head_idx, qry_idx,
-    key_idx, blk_idx) -> (bs, bs) bool`` and is None when every live block is full. The mask must
-    not depend on the batch index (it is evaluated at b = 0).
+    The mask is called as FlexAttention calls a ``mask_mod``, with int64 CPU tensors: b and h 0-d,
+    q_idx (rows, 1) and k_idx (1, k_len); it returns a bool tensor broadcastable to (rows, k_len).
+    A block is live when the mask keeps any of its elements. Returns ``(layout,
+    mask_callback)``: layout is (q_len/bs, k_len/bs) bool, or (heads, ...) when ``heads`` is given
+    (the mask is then evaluated per head); mask_callback has the seed's signature ``(blk_shape,
+    head_idx, qry_idx, key_idx, blk_idx) -> (bs, bs) bool`` and is None when every live block is
+    full. The mask must not depend on the batch index (it is evaluated at b = 0).
     """
     if not callable(mask):
         raise TypeError(f"mask: expected a function (b, h, q_idx, k_idx) -> bool, got {type(mask).__name__}")
@@ -318,18 +327,23 @@ def attention_layout(mask, q_len: int, k_len: int, block_size: int, heads: int |
     if heads is not None:
         _positive("heads", heads)
     nq, nk, bs = q_len // block_size, k_len // block_size, block_size
-    k_idx = np.arange(k_len)[None, :]
     layout = np.zeros((heads or 1, nq, nk), dtype=bool)
     partial: dict[tuple[int, int, int], np.ndarray] = {}
-    for h in range(heads or 1):
-        for i in range(nq):
-            q_idx = np.arange(i * bs, (i + 1) * bs)[:, None]
-            m = np.broadcast_to(np.asarray(mask(0, h, q_idx, k_idx), dtype=bool), (bs, k_len))
-            tiles = m.reshape(bs, nk, bs).transpose(1, 0, 2)                 # (nk, bs, bs)
-            live, full = tiles.any(axis=(1, 2)), tiles.all(axis=(1, 2))
-            layout[h, i] = live
-            for j in np.nonzero(live & ~full)[0]:
-                partial[(h, i, int(j))] = tiles[j].copy()
+    rows = max(1, _CHUNK // (bs * k_len))                                  # query blocks per call
+    from bstrain.ops.tables import real_tensors          # here: bstrain.ops imports this module
+    with real_tensors(torch.device("cpu")), torch.no_grad():              # also under a meta default device
+        b, k_idx = torch.zeros((), dtype=torch.int64), torch.arange(k_len)[None, :]
+        for h in range(heads or 1):
+            hh = torch.tensor(h)
+            for i0 in range(0, nq, rows):
+                n = min(rows, nq - i0)
+                q_idx = torch.arange(i0 * bs, (i0 + n) * bs)[:, None]
+                m = torch.as_tensor(mask(b, hh, q_idx, k_idx)).to(torch.bool).broadcast_to(n * bs, k_len)
+                tiles = m.numpy().reshape(n, bs, nk, bs).transpose(0, 2, 1, 3)       # (n, nk, bs, bs)
+                live, full = tiles.any(axis=(2, 3)), tiles.all(axis=(2, 3))
+                layout[h, i0:i0 + n] = live
+                for i, j in zip(*np.nonzero(live & ~full)):
+                    partial[(h, i0 + int(i), int(j))] = tiles[i, j].copy()
     shared = heads is None
 
     def mask_callback(blk_shape, head_idx, qry_idx, key_idx, blk_idx):
@@ -373,23 +387,42 @@ def _global_set(tokens) -> np.ndarray:
     return arr.astype(np.int64)
 
 
-def _isin(idx, values: np.ndarray):
-    """``idx ∈ values`` elementwise, for numpy arrays or torch tensors, by a table lookup (which
-    torch.vmap, as FlexAttention's create_block_mask uses, can batch)."""
-    table = np.zeros(int(values.max(initial=-1)) + 2, dtype=bool)     # the last entry: out of range
-    table[values] = True
-    last = table.size - 1
-    if isinstance(idx, torch.Tensor):
-        return torch.as_tensor(table, device=idx.device)[idx.clamp(0, last)] & (idx < last)
-    return table[np.clip(idx, 0, last)] & (idx < last)
+def _runs(values: np.ndarray) -> list[tuple[int, int]]:
+    """Sorted distinct positions as [start, end) runs of consecutive ones."""
+    v = np.unique(values)
+    if not v.size:
+        return []
+    breaks = np.nonzero(np.diff(v) != 1)[0]
+    starts = np.concatenate([v[:1], v[breaks + 1]])
+    ends = np.concatenate([v[breaks], v[-1:]]) + 1
+    return [(int(s), int(e)) for s, e in zip(starts, ends)]
 
 
-def _lookup(table: np.ndarray, qb, kb):
-    """table[qb, kb] for numpy arrays or torch tensors of block indices (out of range: False)."""
-    if isinstance(qb, torch.Tensor):
-        t = torch.as_tensor(table, device=qb.device)
-        ok = (qb < t.shape[0]) & (kb < t.shape[1])
-        return t[qb.clamp(max=t.shape[0] - 1), kb.clamp(max=t.shape[1] - 1)] & ok
-    qb, kb = np.broadcast_arrays(qb, kb)
-    ok = (qb < table.shape[0]) & (kb < table.shape[1])
-    return table[np.minimum(qb, table.shape[0] - 1), np.minimum(kb, table.shape[1] - 1)] & ok
+def _in_runs(idx, runs: list[tuple[int, int]]):
+    """``idx`` in any run, elementwise: comparisons with Python ints only, so the expression is
+    the same for numpy arrays and torch tensors on any device, batched by vmap or traced."""
+    out = idx < 0                                       # False for every position
+    for start, end in runs:
+        out = out | ((idx >= start) & (idx < end))
+    return out
+
+
+class _BlockTable:
+    """``table[qb, kb]`` for tensors (or numpy arrays) of block indices; out of range: False.
+    Tensors index a copy of the table on their device, made once per device."""
+
+    def __init__(self, table: np.ndarray):
+        self.table = table
+        self.shape = table.shape
+        self.on: dict = {}
+
+    def __call__(self, qb, kb):
+        nq, nk = self.shape
+        ok = (qb >= 0) & (qb < nq) & (kb >= 0) & (kb < nk)
+        if not isinstance(qb, torch.Tensor):
+            qb, kb = np.broadcast_arrays(qb, kb)
+            return self.table[np.clip(qb, 0, nq - 1), np.clip(kb, 0, nk - 1)] & ok
+        flat = self.on.get(qb.device)
+        if flat is None:
+            flat = self.on[qb.device] = torch.as_tensor(self.table.ravel(), device=qb.device)
+        return flat[qb.clamp(0, nq - 1) * nk + kb.clamp(0, nk - 1)] & ok

@@ -34,6 +34,7 @@ import triton
 import triton.language as tl
 
 from bstrain.kernels.alloc import empty
+from bstrain.kernels.launch import Launch, aligned, plan
 from bstrain.kernels.matmul import _precision
 
 LOG2E = 1.4426950408889634
@@ -124,12 +125,12 @@ def _fwd_loop(acc, l_i, m_i, q, K, V, kv_base, s_kt, INNER, CODE, e0, e1, PMASK,
 
 @triton.jit
 def _attn_fwd(Q, K, V, O, LSE, ORDER, PTR, MID, TAB, INNER, CODE, PMASK, PAD,
-              s_qb, s_qt, s_kb, s_kt, s_ob, s_ot, B, H, n_outer, Tq, Tk, head_dim, qk_scale,
+              s_qb, s_qt, s_kb, s_kt, s_ob, s_ot, B, H, G, n_outer, Tq, Tk, head_dim, qk_scale,
               BO: tl.constexpr, BI: tl.constexpr, BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr,
               HAS_PAD: tl.constexpr, PRECISION: tl.constexpr, NUM_STAGES: tl.constexpr):
     b, h, start, e0, e1, e2, e3 = _program_row(ORDER, PTR, MID, TAB, B, n_outer, BO)
     q = _rows(Q, b.to(tl.int64) * s_qb + h * head_dim, s_qt, start, BO, BLOCK_D, head_dim, EVEN_D)
-    kv_base = b.to(tl.int64) * s_kb + h * head_dim
+    kv_base = b.to(tl.int64) * s_kb + (h // G) * head_dim          # G query heads share a k/v head
     pad_base = b.to(tl.int64) * Tk
     m_i = tl.full((BO,), float("-inf"), tl.float32)
     l_i = tl.zeros((BO,), tl.float32)
@@ -171,7 +172,7 @@ def _dq_loop(dq, q, do, lse, delta, K, V, kv_base, s_kt, INNER, CODE, e0, e1, PM
 
 @triton.jit
 def _attn_bwd_dq(Q, K, V, O, DO, LSE, DELTA, DQ, ORDER, PTR, MID, TAB, INNER, CODE, PMASK, PAD,
-                 s_qb, s_qt, s_kb, s_kt, B, H, n_outer, Tq, Tk, head_dim, qk_scale, scale,
+                 s_qb, s_qt, s_kb, s_kt, B, H, G, n_outer, Tq, Tk, head_dim, qk_scale, scale,
                  BO: tl.constexpr, BI: tl.constexpr, BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr,
                  HAS_PAD: tl.constexpr, PRECISION: tl.constexpr, NUM_STAGES: tl.constexpr):
     """Also writes Δ = rowsum(dO ∘ O) for :func:`_attn_bwd_dkdv` (q, o, do, dq share strides)."""
@@ -184,7 +185,7 @@ def _attn_bwd_dq(Q, K, V, O, DO, LSE, DELTA, DQ, ORDER, PTR, MID, TAB, INNER, CO
     stat = (b.to(tl.int64) * H + h) * Tq + start + tl.arange(0, BO)
     tl.store(DELTA + stat, delta)
     lse = tl.load(LSE + stat)
-    kv_base = b.to(tl.int64) * s_kb + h * head_dim
+    kv_base = b.to(tl.int64) * s_kb + (h // G) * head_dim
     pad_base = b.to(tl.int64) * Tk
     dq = tl.zeros((BO, BLOCK_D), tl.float32)
     dq = _dq_loop(dq, q, do, lse, delta, K, V, kv_base, s_kt, INNER, CODE, e0, e1, PMASK, PAD, pad_base, qk_scale,
@@ -220,11 +221,13 @@ def _dkdv_loop(dk, dv, k, v, Q, DO, LSE, DELTA, q_base, s_qt, stat_base, INNER, 
 
 @triton.jit
 def _attn_bwd_dkdv(Q, K, V, DO, LSE, DELTA, DK, DV, ORDER, PTR, MID, TAB, INNER, CODE, PMASK, PAD,
-                   s_qb, s_qt, s_kb, s_kt, B, H, n_outer, Tq, Tk, head_dim, qk_scale, scale,
+                   s_qb, s_qt, s_kb, s_kt, s_db, s_dt, B, H, G, n_outer, Tq, Tk, head_dim, qk_scale, scale,
                    BO: tl.constexpr, BI: tl.constexpr, BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr,
                    HAS_PAD: tl.constexpr, PRECISION: tl.constexpr, NUM_STAGES: tl.constexpr):
+    """dK, dV of query head h's use of its k/v head h // G, into (B, Tk, H·D) by (s_db, s_dt): the
+    caller sums the G heads of a group (G == 1: dK, dV themselves)."""
     b, h, start, e0, e1, e2, e3 = _program_row(ORDER, PTR, MID, TAB, B, n_outer, BO)
-    kv_base = b.to(tl.int64) * s_kb + h * head_dim
+    kv_base = b.to(tl.int64) * s_kb + (h // G) * head_dim
     k = _rows(K, kv_base, s_kt, start, BO, BLOCK_D, head_dim, EVEN_D)
     v = _rows(V, kv_base, s_kt, start, BO, BLOCK_D, head_dim, EVEN_D)
     q_base = b.to(tl.int64) * s_qb + h * head_dim
@@ -241,14 +244,46 @@ def _attn_bwd_dkdv(Q, K, V, DO, LSE, DELTA, DK, DV, ORDER, PTR, MID, TAB, INNER,
         kept = tl.load(PAD + b.to(tl.int64) * Tk + start + tl.arange(0, BO)) == 0
         dk = tl.where(kept[:, None], dk, 0.0)
         dv = tl.where(kept[:, None], dv, 0.0)
-    _store_rows(DK, dk * scale, kv_base, s_kt, start, BO, BLOCK_D, head_dim, EVEN_D)
-    _store_rows(DV, dv, kv_base, s_kt, start, BO, BLOCK_D, head_dim, EVEN_D)
+    d_base = b.to(tl.int64) * s_db + h * head_dim
+    _store_rows(DK, dk * scale, d_base, s_dt, start, BO, BLOCK_D, head_dim, EVEN_D)
+    _store_rows(DV, dv, d_base, s_dt, start, BO, BLOCK_D, head_dim, EVEN_D)
 
 
 # ---------------------------------------------------------------------------------------------
 # Tile shapes: (BO, BI, num_warps, num_stages) per kernel. Keys of TILES: (kernel, block size,
 # padded head dim, element size); a hit overrides tiles()'s rule.
-TILES: dict[tuple[str, int, int, int], tuple[int, int, int, int]] = {}
+class _TileTable(dict):
+    """A dict whose every change bumps ``version``: launch plans are keyed by it, so a plan made
+    before a change of tile shapes is not reused after it."""
+    version = 0
+
+    def _changed(self, result=None):
+        self.version += 1
+        return result
+
+    def __setitem__(self, key, value):
+        self._changed(super().__setitem__(key, value))
+
+    def __delitem__(self, key):
+        self._changed(super().__delitem__(key))
+
+    def pop(self, *args):
+        return self._changed(super().pop(*args))
+
+    def popitem(self):
+        return self._changed(super().popitem())
+
+    def clear(self):
+        self._changed(super().clear())
+
+    def update(self, *args, **kwargs):
+        self._changed(super().update(*args, **kwargs))
+
+    def setdefault(self, key, default=None):
+        return self._changed(super().setdefault(key, default))
+
+
+TILES: dict[tuple[str, int, int, int], tuple[int, int, int, int]] = _TileTable()
 
 
 def tiles(kernel: str, bs: int, block_d: int, itemsize: int) -> tuple[int, int, int, int]:
@@ -313,13 +348,15 @@ class AttnLuts:
     partial_masks: np.ndarray  # (n_partial, bs, bs) bool
     device: torch.device
     _cache: dict = field(default_factory=dict, repr=False)
+    plans: dict = field(default_factory=dict, repr=False)    # launch plans by argument shapes (launch.plan)
 
     def tiles(self, by_key: bool, bo: int, bi: int) -> TileLuts:
         """Tile lists with queries (by_key False) or keys (True) as the outer operand."""
         key = (by_key, bo, bi)
         hit = self._cache.get(key)
         if hit is None:
-            hit = self._cache[key] = self._cut(by_key, bo, bi)
+            with torch.inference_mode(False):        # tables outlive the call: never inference tensors
+                hit = self._cache[key] = self._cut(by_key, bo, bi)
         return hit
 
     def _cut(self, by_key: bool, bo: int, bi: int) -> TileLuts:
@@ -390,56 +427,80 @@ def make_luts(h_idx: np.ndarray, q_idx: np.ndarray, k_idx: np.ndarray, partial_i
 _KERNELS = {"fwd": (_attn_fwd, False), "dq": (_attn_bwd_dq, False), "dkdv": (_attn_bwd_dkdv, True)}
 
 
-def launch(kernel: str, luts: AttnLuts, D: int, dtype: torch.dtype, pad, B: int, tensors: tuple,
-           strides: tuple, Tq: int, Tk: int, scales: tuple):
-    """One kernel over ``luts`` cut to its tiles (:func:`tiles`); ``pad`` is None or the int8 (B, Tk)
-    padding mask (:func:`_pad_i8`). Returns Triton's compiled kernel
-    (None when the grid is empty)."""
-    fn, by_key = _KERNELS[kernel]
-    block_d = max(16, triton.next_power_of_2(D))
-    bo, bi, warps, stages = tiles(kernel, luts.block_size, block_d, dtype.itemsize)
-    t = luts.tiles(by_key, bo, bi)
+def _plan(kind: str, luts: AttnLuts, q: torch.Tensor, k: torch.Tensor, has_pad: bool):
+    """How to launch ``kind`` on tensors shaped and laid out like q (B, Tq, H·D) and k (B, Tk,
+    Hk·D): (Launch, tile tables, integer arguments), or None for an empty grid."""
+    fn, by_key = _KERNELS[kind]
+    B, Tq, HD = q.shape
+    Tk = k.shape[1]
     H = luts.heads
+    D = HD // H
+    block_d = max(16, triton.next_power_of_2(D))
+    bo, bi, warps, stages = tiles(kind, luts.block_size, block_d, q.element_size())
+    t = luts.tiles(by_key, bo, bi)
     if not B * H * t.n_outer:
         return None
-    pad_t = pad if pad is not None else tensors[0]           # int8 (B, Tk); never read without HAS_PAD
-    return fn[(H * t.n_outer * B,)](
-        *tensors, t.order, t.ptr, t.mid, t.tab, t.inner, t.code, t.pmask, pad_t, *strides,
-        B, H, t.n_outer, Tq, Tk, D, *scales,
-        BO=bo, BI=bi, BLOCK_D=block_d, EVEN_D=block_d == D, HAS_PAD=pad is not None,
-        PRECISION=_precision(dtype), NUM_STAGES=stages, num_warps=warps, num_stages=stages)
+    launch = Launch(fn, (H * t.n_outer * B,), q.device, dict(
+        BO=bo, BI=bi, BLOCK_D=block_d, EVEN_D=block_d == D, HAS_PAD=has_pad, PRECISION=_precision(q.dtype),
+        NUM_STAGES=stages), num_warps=warps, num_stages=stages)
+    strides = (q.stride(0), q.stride(1), k.stride(0), k.stride(1))
+    if kind == "fwd":
+        strides += (q.stride(0), q.stride(1))                  # O: like q
+    elif kind == "dkdv":
+        strides += (Tk * HD, HD)                               # dK, dV of every query head: (B, Tk, H·D)
+    ints = strides + (B, H, HD // k.shape[2], t.n_outer, Tq, Tk, D)
+    return launch, (t.order, t.ptr, t.mid, t.tab, t.inner, t.code, t.pmask), ints
 
 
-def _pad_i8(pad):
-    """The kernels' form of a (B, Tk) bool padding mask, made once per forward or backward."""
-    return None if pad is None else pad.to(torch.int8).contiguous()
+def launch(kind: str, luts: AttnLuts, tensors: tuple, pad: torch.Tensor | None, scales: tuple) -> None:
+    """One kernel, ``kind`` in {"fwd", "dq", "dkdv"}, over ``luts`` cut to its tiles
+    (:func:`tiles`): ``tensors`` are its tensor arguments in signature order (q and k first),
+    ``pad`` None or the int8 (B, Tk) padding mask (:func:`_pad_i8`), ``scales`` its float
+    arguments. Launches through a plan cached on ``luts`` (:mod:`bstrain.kernels.launch`), keyed
+    by everything the JIT specialises on."""
+    q, k = tensors[0], tensors[1]
+    key = (kind, q.shape, k.shape, q.stride(), k.stride(), q.dtype, q.device, pad is not None,
+           aligned(*tensors) if pad is None else aligned(pad, *tensors), TILES.version,
+           q.dtype is torch.float32 and torch.backends.cuda.matmul.allow_tf32)
+    p = plan(luts.plans, key, lambda: _plan(kind, luts, q, k, pad is not None))
+    if p is not None:
+        run, tabs, ints = p
+        run(*tensors, *tabs, q if pad is None else pad, *ints, *scales)   # PAD is never read without HAS_PAD
+
+
+def _pad_i8(pad: torch.Tensor | None) -> torch.Tensor | None:
+    """The kernels' form of a (B, Tk) bool padding mask: its bytes as int8, a view (no copy, no
+    host sync, so CUDA-graph capture is safe)."""
+    return None if pad is None else pad.contiguous().view(torch.int8)
 
 
 def attention_forward(q, k, v, luts: AttnLuts, scale: float, pad=None):
-    """q (B, Tq, H·D), k, v (B, Tk, H·D) contiguous, one dtype; pad (B, Tk) bool (True = padding)
-    or None. Returns (O like q, LSE (B, H·Tq) fp32, base 2)."""
-    B, Tq, HD = q.shape
-    o = empty(q.shape, q.dtype, q.device)
-    lse = empty((B, luts.heads * Tq), torch.float32, q.device)
-    launch("fwd", luts, HD // luts.heads, q.dtype, _pad_i8(pad), B, (q, k, v, o, lse),
-           (q.stride(0), q.stride(1), k.stride(0), k.stride(1), o.stride(0), o.stride(1)), Tq, k.shape[1],
-           (scale * LOG2E,))
+    """q (B, Tq, H·D), k, v (B, Tk, Hk·D) contiguous, one dtype; Hk divides H (grouped-query
+    attention: query head h reads k/v head h // (H/Hk)); pad (B, Tk) bool (True = padding) or
+    None. Returns (O like q, LSE (B, H·Tq) fp32, base 2)."""
+    B, Tq, _ = q.shape
+    o = empty(q.shape, q.dtype, q.device)                       # (B, Tq, H·D)
+    lse = empty((B, luts.heads * Tq), torch.float32, q.device)  # (B, H·Tq)
+    launch("fwd", luts, (q, k, v, o, lse), _pad_i8(pad), (scale * LOG2E,))
     return o, lse
 
 
 def attention_backward(do, q, k, v, o, lse, luts: AttnLuts, scale: float, pad=None):
     """(dq, dk, dv) of :func:`attention_forward` (q, o and do share strides)."""
     B, Tq, HD = q.shape
-    D = HD // luts.heads
+    Tk, HDk = k.shape[1], k.shape[2]
     do = do.contiguous()
-    delta = empty((B, luts.heads * Tq), torch.float32, q.device)
+    delta = empty(lse.shape, torch.float32, q.device)           # (B, H·Tq)
     dq = empty(q.shape, q.dtype, q.device)
-    dk = empty(k.shape, k.dtype, k.device)
-    dv = empty(v.shape, v.dtype, v.device)
-    strides = (q.stride(0), q.stride(1), k.stride(0), k.stride(1))
+    if HDk == HD:
+        dk, dv = empty(k.shape, k.dtype, k.device), empty(v.shape, v.dtype, v.device)
+    else:                                                       # per query head, summed per group below
+        dk, dv = (empty((B, Tk, HD), torch.float32, k.device) for _ in range(2))
     pad = _pad_i8(pad)
-    launch("dq", luts, D, q.dtype, pad, B, (q, k, v, o, do, lse, delta, dq), strides, Tq, k.shape[1],
-           (scale * LOG2E, scale))
-    launch("dkdv", luts, D, q.dtype, pad, B, (q, k, v, do, lse, delta, dk, dv), strides, Tq, k.shape[1],
-           (scale * LOG2E, scale))
+    scales = (scale * LOG2E, scale)
+    launch("dq", luts, (q, k, v, o, do, lse, delta, dq), pad, scales)
+    launch("dkdv", luts, (q, k, v, do, lse, delta, dk, dv), pad, scales)
+    if HDk != HD:
+        D = HD // luts.heads
+        dk, dv = (t.view(B, Tk, HDk // D, HD // HDk, D).sum(3).view(B, Tk, HDk).to(k.dtype) for t in (dk, dv))
     return dq, dk, dv

@@ -1,9 +1,8 @@
 """A byte-level transformer language model with block-sparse attention.
 
 Pre-LayerNorm blocks: ``h = h + attn(LN(h))``, ``h = h + ffn(LN(h))``. The attention of each layer
-is a :class:`bstrain.ops.transformer.BlocksparseTransformer` on a causal pattern from
-:mod:`bstrain.layout` (causal, local, Sparse Transformer strided or fixed), chosen per layer
-and, optionally, per head;
+is a :class:`bstrain.nn.BlockSparseAttention` on a causal pattern from :mod:`bstrain.layout`
+(causal, local, Sparse Transformer strided or fixed), chosen per layer and, optionally, per head;
 the FFN weights may be block-sparse (:class:`BlockSparseLinear`). Positions are learned or
 rotary. A stateless model in the trainer's sense: ``forward(x (B, T) int64) -> (B, T, 256)``.
 """
@@ -20,8 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from bstrain import layout as layouts
-from bstrain.nn import BlockSparseLinear, block_sparse_layouts
-from bstrain.ops.transformer import BlocksparseTransformer
+from bstrain.nn import BlockSparseAttention, BlockSparseLinear, block_sparse_layouts
 
 VOCAB = 256
 PATTERNS = ("causal", "local", "strided", "fixed", "dense")
@@ -62,7 +60,21 @@ class TransformerConfig:
 
 
 def pattern_mask(name: str, window: int, summary: int):
-    """The element mask function of a causal attention pattern."""
+    """The element mask function of a causal attention pattern; ``"a+b"``: head h takes pattern
+    h mod 2 (any number of patterns), a FlexAttention ``mask_mod`` too."""
+    fns = [_one_pattern(p, window, summary) for p in name.split("+")]
+    if len(fns) == 1:
+        return fns[0]
+
+    def per_head(b, h, q_idx, k_idx):
+        out = fns[0](b, h, q_idx, k_idx)
+        for n, fn in enumerate(fns[1:], 1):
+            out = torch.where(h % len(fns) == n, fn(b, h, q_idx, k_idx), out)
+        return out
+    return per_head
+
+
+def _one_pattern(name: str, window: int, summary: int):
     if name == "causal":
         return layouts.causal_mask
     if name == "local":
@@ -86,8 +98,9 @@ def rotary(x: torch.Tensor, heads: int) -> torch.Tensor:
 
 
 class SparseSelfAttention(nn.Module):
-    """Causal block-sparse self-attention on one pattern, over the full context (the model pads
-    shorter inputs; causality makes that exact). The op is built once, with the module."""
+    """Causal block-sparse self-attention on one pattern (``attention``, a
+    :class:`BlockSparseAttention` over the full context, built once with the module), or dense
+    causal attention through SDPA for the pattern "dense"."""
 
     def __init__(self, cfg: TransformerConfig, pattern: str):
         super().__init__()
@@ -95,32 +108,25 @@ class SparseSelfAttention(nn.Module):
         self.cfg, self.pattern = cfg, pattern
         self.qkv = nn.Linear(d, 3 * d)
         self.proj = nn.Linear(d, d)
-        self.op = None
+        self.attention = None
         if pattern == "dense":
             return
         if "dense" in pattern.split("+"):
             raise ValueError(f"model.attention: 'dense' takes a whole layer, got {pattern!r}")
-        fns = [pattern_mask(p, cfg.window, cfg.summary) for p in pattern.split("+")]
-        if len(fns) == 1:                                    # one layout for all heads
-            lay, cb = layouts.attention_layout(fns[0], cfg.context, cfg.context, cfg.block_size)
-            heads = cfg.n_head
-        else:                                                # head h takes pattern h mod len(fns)
-            lay, cb = layouts.attention_layout(lambda b, h, q, k: fns[h % len(fns)](b, h, q, k), cfg.context,
-                                               cfg.context, cfg.block_size, heads=cfg.n_head)
-            heads = None
-        self.op = BlocksparseTransformer(lay, cfg.block_size, heads=heads, mask_callback=cb,
-                                         backend=_value(cfg.backend))
+        self.attention = BlockSparseAttention.from_mask(
+            pattern_mask(pattern, cfg.window, cfg.summary), cfg.context, cfg.block_size, cfg.n_head,
+            per_head="+" in pattern, backend=_value(cfg.backend))
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
         q, k, v = self.qkv(h).chunk(3, dim=-1)
         if _value(self.cfg.positions) == "rotary":
             q, k = rotary(q, self.cfg.n_head), rotary(k, self.cfg.n_head)
-        if self.op is None:
+        if self.attention is None:
             B, T, _ = q.shape
             qh, kh, vh = (t.view(B, T, self.cfg.n_head, -1).transpose(1, 2) for t in (q, k, v))
             out = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True)
             return self.proj(out.transpose(1, 2).reshape(B, T, -1))
-        return self.proj(self.op.attention(q, k, v))
+        return self.proj(self.attention(q, k, v))
 
 
 class Block(nn.Module):
@@ -202,26 +208,24 @@ class SparseTransformer(nn.Module):
 
     def block_sparse_layouts(self) -> dict[str, np.ndarray]:
         """{name: layout}: each layer's attention layout at the full context, and sparse FFN weights."""
-        out = {f"blocks.{i}.attn": np.concatenate(list(blk.attn.op.layout), axis=1)       # heads side by side
-               if "+" in blk.attn.pattern else blk.attn.op.layout[0]
-               for i, blk in enumerate(self.blocks) if blk.attn.op is not None}
+        out = {f"blocks.{i}.attn": np.concatenate(list(blk.attn.attention.op.layout), axis=1)   # heads side by side
+               if "+" in blk.attn.pattern else blk.attn.attention.op.layout[0]
+               for i, blk in enumerate(self.blocks) if blk.attn.attention is not None}
         out.update(block_sparse_layouts(self))
         return out
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x: (B, T) byte ids, T <= context. Shorter inputs are padded on the right to the context
-        (causal attention: the padding changes nothing before it)."""
+        """x: (B, T) byte ids, T <= context. The attention layers take shorter inputs as the first
+        T positions of the context (causal: exact)."""
         B, T = x.shape
         if T > self.cfg.context or T == 0:
             raise ValueError(f"x: expected 1 to context={self.cfg.context} positions, got {T}")
-        Tp = self.cfg.context
-        xp = F.pad(x, (0, Tp - T)) if Tp != T else x
-        h = self.embed(xp)
+        h = self.embed(x)
         if self.pos is not None:
-            h = h + self.pos[:Tp]
+            h = h + self.pos[:T]
         for blk in self.blocks:
             h = blk(h)
-        return self.head(self.norm(h))[:, :T]
+        return self.head(self.norm(h))
 
     def num_params(self) -> int:
         return sum(p.numel() for p in self.parameters())

@@ -88,7 +88,7 @@ def test_trains_and_resumes_exactly(tmp_path, monkeypatch):
 
 def test_patterns_per_head():
     m = SparseTransformer(**SMALL, attention="strided+local,causal")
-    lay = m.blocks[0].attn.op.layout
+    lay = m.blocks[0].attn.attention.op.layout
     assert lay.shape == (2, 4, 4) and not (lay[0] == lay[1]).all()       # head 0 strided, head 1 local
     assert m.block_sparse_layouts()["blocks.0.attn"].shape == (4, 8)
     x = torch.randint(0, 256, (1, 64))

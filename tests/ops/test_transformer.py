@@ -12,11 +12,12 @@ from tests.conftest import DTYPE_IDS, assert_close, fresh_seed
 
 def element_mask(op: BlocksparseTransformer) -> torch.Tensor:
     """(heads, q_ctx, k_ctx) bool: the layout with each live block's element mask."""
-    bs = op.block_size
-    m = torch.zeros(op.heads, op.q_ctx, op.k_ctx, dtype=torch.bool)
-    for n, (h, i, j) in enumerate(op._idx.t().tolist()):
-        m[h, i * bs:(i + 1) * bs, j * bs:(j + 1) * bs] = op._masks[n]
-    return m
+    return op.dense_mask()
+
+
+def block_coords(op: BlocksparseTransformer) -> list[tuple[int, int, int]]:
+    """(head, query block, key block) of every live block, in the score tensor's order."""
+    return [tuple(c) for c in np.argwhere(op.layout).tolist()]
 
 
 def random_layout(heads, nq, nk, seed, empty_row=True):
@@ -83,7 +84,7 @@ def test_unfused_methods_and_the_score_tensor():
     q, k, v = qkv(2, 48, 32, 2, 8, torch.float64, grad=False)
     w = op.query_key_op(q, k)
     assert w.shape == op.w_shape(2) == (2, int(lay.sum()), 16, 16)
-    for n, (h, i, j) in enumerate(op._idx.t().tolist()):       # head-major, row-major blocks
+    for n, (h, i, j) in enumerate(block_coords(op)):       # head-major, row-major blocks
         qb = q[:, i * 16:(i + 1) * 16, h * 8:(h + 1) * 8]
         kb = k[:, j * 16:(j + 1) * 16, h * 8:(h + 1) * 8]
         torch.testing.assert_close(w[:, n], qb @ kb.transpose(1, 2))
@@ -93,7 +94,7 @@ def test_unfused_methods_and_the_score_tensor():
     # autoregress_at_key=20 (the seed's rule): keys before 20 are seen by every query, keys from 20
     # on only by queries at or after them
     p = op.masked_softmax(w, scale=0.5, autoregress_at_key=20)
-    for n, (h, i, j) in enumerate(op._idx.t().tolist()):
+    for n, (h, i, j) in enumerate(block_coords(op)):
         for qq in range(16):
             for kk in range(16):
                 qpos, kpos = i * 16 + qq, j * 16 + kk
@@ -104,7 +105,7 @@ def test_unfused_methods_and_the_score_tensor():
     with pytest.raises(ValueError, match="autoregress_at_key: expected an int key position in"):
         op.masked_softmax(w, autoregress_at_key=32)
     rows = torch.zeros(2, 2, 3, 16, dtype=torch.float64)
-    for n, (h, i, j) in enumerate(op._idx.t().tolist()):
+    for n, (h, i, j) in enumerate(block_coords(op)):
         rows[:, h, i] += p[:, n].sum(-1)
     torch.testing.assert_close(rows, torch.ones_like(rows))          # each row sums to one
 
@@ -136,7 +137,7 @@ def test_bad_calls():
         op.attention(q[:, :16], k, v)
     with pytest.raises(ValueError, match="k: expected batch 1, torch.float32"):
         op.attention(q, k.double(), v)
-    with pytest.raises(TypeError, match="v: expected float16"):
+    with pytest.raises(TypeError, match="v: expected a float16"):
         op.attention(q, k, v.int())
     with pytest.raises(ValueError, match="key_padding_mask: expected a bool \\(1, 32\\)"):
         op.attention(q, k, v, key_padding_mask=torch.zeros(1, 32))
