@@ -120,7 +120,7 @@ class SparseResNet(nn.Module):
                 lay = layouts.balanced((nb_in, nb_out), cfg.density, seed=cfg.layout_seed * 1000 + next(counter))
             # padding k // 2 as the dense convs: "same" would pad a stride-2 3x3 asymmetrically and
             # misalign it with the 1x1 shortcut
-            return BlockSparseConv2d(c_in, c_out, k, stride, k // 2, bias=False, block_size=cfg.block_size,
+            return BlockSparseConv2d(c_in, c_out, k, stride, padding=k // 2, bias=False, block_size=cfg.block_size,
                                      layout=lay)
 
         self.stem = nn.Sequential(nn.Conv2d(cfg.in_channels, widths[0], 3, padding=1, bias=False),

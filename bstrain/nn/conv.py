@@ -206,16 +206,16 @@ class BlockSparseConv2d(BlockLayoutModule):
         dev = x.device.type
         if x.dtype in _AUTOCAST_DTYPES and dev in ("cuda", "cpu") and torch.is_autocast_enabled(dev):
             dt = compute_dtype(x)                      # autocast: run (and pick the path) in its dtype
-            x, w = x.to(dt), w.to(dt)
-        if x.dtype != w.dtype:
+            x = x if x.dtype == dt else x.to(dt)
+        elif x.dtype != w.dtype:
             raise TypeError(f"x: expected {w.dtype} (the weight's dtype), got {x.dtype}; cast the input or the layer "
                             f"(or run under torch.autocast)")
         path = self._path(x)
-        if path == "triton":
+        if path == "triton":                           # the kernels cast the weight with its permutation
             y = self._kernels(x, w, P, Q, top_left)
         else:
-            y = bsconv2d_ref(x, w, tables_on(self._tables, x.device), self.out_channels, self.stride, pads,
-                             self.dilation, grouped=path == "grouped")
+            y = bsconv2d_ref(x, w if w.dtype == x.dtype else w.to(x.dtype), tables_on(self._tables, x.device),
+                             self.out_channels, self.stride, pads, self.dilation, grouped=path == "grouped")
             if self.bias is not None:
                 y = y + self.bias.to(y.dtype).view(1, -1, 1, 1)
         return y.squeeze(0) if unbatched else y

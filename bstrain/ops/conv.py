@@ -54,24 +54,6 @@ _CONV = {1: F.conv1d, 2: F.conv2d, 3: F.conv3d}
 _CONV_T = {1: F.conv_transpose1d, 2: F.conv_transpose2d, 3: F.conv_transpose3d}
 
 
-def _dims(name: str, value, n: int, low: int) -> list[int]:
-    """An int or a 1..3-sequence, broadcast/checked to n dims."""
-    if isinstance(value, (int, np.integer)) and not isinstance(value, bool):
-        value = [int(value)] * n
-    if not isinstance(value, (list, tuple)) or not 1 <= len(value) <= 3 or \
-            not all(isinstance(v, (int, np.integer)) and not isinstance(v, bool) for v in value):
-        raise ValueError(f"{name}: expected an int or a sequence of 1-3 ints, got {value!r}")
-    value = [int(v) for v in value]
-    if len(value) != n:
-        if len(value) == 3 and all(v == 1 for v in value[:3 - n]):      # the seed's (1, 1, x) defaults
-            value = value[3 - n:]
-        else:
-            raise ValueError(f"{name}: expected {n} value(s) (one per spatial dim of TRS), got {value!r}")
-    if any(v < low for v in value):
-        raise ValueError(f"{name}: expected values >= {low}, got {value!r}")
-    return value
-
-
 def conv_geometry(TRS, DHW, strides, dilates, padding) -> tuple[list[int], list[tuple[int, int]]]:
     """(output size per dim, (pad before, pad after) per dim) of a convolution of DHW."""
     out, pads = [], []
@@ -98,25 +80,6 @@ def conv_nd(x: Tensor, w: Tensor, strides, dilates, pads, groups: int = 1) -> Te
         return _CONV[n](x, w, None, list(strides), [a for a, _ in pads], list(dilates), groups)
     flat = [p for pair in reversed(pads) for p in pair]                      # F.pad: last dim first
     return _CONV[n](F.pad(x, flat), w, None, list(strides), 0, list(dilates), groups)
-
-
-def _padding(padding, n: int):
-    if isinstance(padding, str):
-        if padding.upper() not in ("SAME", "VALID"):
-            raise ValueError(f"padding: expected 'SAME', 'VALID' or ints, got {padding!r}")
-        return ["SAME"] * n if padding.upper() == "SAME" else [0] * n
-    return _dims("padding", padding, n, 0)
-
-
-def _index_list(name: str, idx) -> np.ndarray:
-    arr = np.asarray(idx)
-    if arr.ndim != 1 or arr.size == 0 or not np.issubdtype(arr.dtype, np.integer):
-        raise ValueError(f"BCK: {name} must be a non-empty sequence of channel indices, got {idx!r}")
-    if arr.min() < 0:
-        raise ValueError(f"BCK: {name} has a negative channel index, {int(arr.min())}")
-    if len(np.unique(arr)) != arr.size:
-        raise ValueError(f"BCK: {name} repeats a channel index")
-    return arr.astype(np.int64)
 
 
 # --- layout tables ----------------------------------------------------------------------------------
@@ -227,9 +190,11 @@ def bsconv2d_ref(x: Tensor, weight: Tensor, tables: ConvTables, K: int, stride, 
 # tables' key; eager calls run the same launchers through an autograd.Function (sparse_conv2d
 # below): the dispatcher's boxed calls into Python cost about 0.4 ms per op on the H200, more
 # than the kernels of a ResNet layer.
-def _wt(weight: Tensor) -> Tensor:
-    """(nnz, out, in, kh, kw) -> the kernels' (nnz, kh, kw, in, out), contiguous."""
-    return weight.permute(0, 3, 4, 2, 1).contiguous()
+def _wt(weight: Tensor, dtype: torch.dtype) -> Tensor:
+    """(nnz, out, in, kh, kw) -> the kernels' (nnz, kh, kw, in, out) in ``dtype``, contiguous: one
+    copy kernel, which also casts fp32 master weights to a 16-bit compute dtype (autocast)."""
+    w = weight.permute(0, 3, 4, 2, 1)
+    return w.contiguous() if weight.dtype == dtype else w.to(dtype, memory_format=torch.contiguous_format)
 
 
 def _forward(x, wt, bias, tables: ConvTables, K, P, Q, stride, pads, dilation) -> Tensor:
@@ -252,9 +217,9 @@ def _backward(dy, x, wt, tables: ConvTables, stride, pads, dilation, need_dx, ne
 def bsconv2d(x: Tensor, weight: Tensor, bias: Tensor | None, layout: str, K: int, P: int, Q: int,
              stride: list[int], pads: list[int], dilation: list[int]) -> Tensor:
     """y (N, K, P, Q) of the block-sparse 2-D convolution of x (N, C, H, W) by weight (nnz, bs, bs,
-    kh, kw) on the layout whose tables' key is ``layout``, plus bias (K,); pads = (top, left).
-    The Triton kernels: CUDA, or CPU with TRITON_INTERPRET=1."""
-    return _forward(x, _wt(weight), bias, lookup(layout).on(x.device), K, P, Q, stride, pads, dilation)
+    kh, kw; x's dtype, or float32 master weights) on the layout whose tables' key is ``layout``,
+    plus bias (K,); pads = (top, left). The Triton kernels: CUDA, or CPU with TRITON_INTERPRET=1."""
+    return _forward(x, _wt(weight, x.dtype), bias, lookup(layout).on(x.device), K, P, Q, stride, pads, dilation)
 
 
 def _like_out(shape, like: Tensor) -> Tensor:
@@ -273,9 +238,9 @@ def _(x, weight, bias, layout, K, P, Q, stride, pads, dilation):
 @torch.library.custom_op("bstrain::bsconv2d_bwd", mutates_args=())
 def bsconv2d_bwd(dy: Tensor, x: Tensor, weight: Tensor, layout: str, stride: list[int], pads: list[int],
                  dilation: list[int], need_dx: bool, need_dw: bool) -> tuple[Tensor, Tensor]:
-    """(dx, dweight) of bsconv2d; an unneeded one is an empty tensor."""
-    dx, dw = _backward(dy, x, _wt(weight), lookup(layout).on(x.device), stride, pads, dilation, need_dx, need_dw,
-                       weight.dtype)
+    """(dx, dweight) of bsconv2d, dweight in weight's dtype; an unneeded one is an empty tensor."""
+    wt = _wt(weight, x.dtype) if need_dx else weight.permute(0, 3, 4, 2, 1)     # dW reads only its (kh, kw)
+    dx, dw = _backward(dy, x, wt, lookup(layout).on(x.device), stride, pads, dilation, need_dx, need_dw, weight.dtype)
     return dx if need_dx else x.new_empty(0), dw if need_dw else weight.new_empty(0)
 
 
@@ -314,7 +279,7 @@ class _SparseConv2dFn(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, weight, bias, tables, K, P, Q, stride, pads, dilation):
-        wt = _wt(weight)                                  # (nnz, kh, kw, in, out)
+        wt = _wt(weight, x.dtype)                         # (nnz, kh, kw, in, out)
         ctx.save_for_backward(x, wt)
         ctx.tables, ctx.stride, ctx.pads, ctx.dilation = tables, stride, pads, dilation
         ctx.w_dtype, ctx.bias_dtype = weight.dtype, None if bias is None else bias.dtype
@@ -332,13 +297,55 @@ class _SparseConv2dFn(torch.autograd.Function):
 def sparse_conv2d(x: Tensor, weight: Tensor, bias: Tensor | None, tables: LayoutTables, K: int, P: int, Q: int,
                   stride, pads, dilation) -> Tensor:
     """bsconv2d with autograd: the custom op when traced (or on meta tensors), the lighter
-    autograd.Function eagerly. tables: the layout's ``layout_tables("conv", ...)``."""
-    if eager(x) and not x.is_meta:
+    autograd.Function eagerly, the bare launcher when nothing needs a gradient. weight: in x's
+    dtype or float32 (cast with the filters' permutation, and dW returned in float32);
+    tables: the layout's ``layout_tables("conv", ...)``."""
+    if not eager(x) or x.is_meta:
+        return bsconv2d(x, weight, bias, tables.key, K, P, Q, list(stride), list(pads), list(dilation))
+    if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad or
+                                    (bias is not None and bias.requires_grad)):
         return _SparseConv2dFn.apply(x, weight, bias, tables.on(x.device), K, P, Q, stride, pads, dilation)
-    return bsconv2d(x, weight, bias, tables.key, K, P, Q, list(stride), list(pads), list(dilation))
+    return _forward(x, _wt(weight, x.dtype), bias, tables.on(x.device), K, P, Q, stride, pads, dilation)
 
 
 # --- the seed's API -----------------------------------------------------------------------------------
+def _dims(name: str, value, n: int, low: int) -> list[int]:
+    """An int or a 1..3-sequence, broadcast/checked to n dims."""
+    if isinstance(value, (int, np.integer)) and not isinstance(value, bool):
+        value = [int(value)] * n
+    if not isinstance(value, (list, tuple)) or not 1 <= len(value) <= 3 or \
+            not all(isinstance(v, (int, np.integer)) and not isinstance(v, bool) for v in value):
+        raise ValueError(f"{name}: expected an int or a sequence of 1-3 ints, got {value!r}")
+    value = [int(v) for v in value]
+    if len(value) != n:
+        if len(value) == 3 and all(v == 1 for v in value[:3 - n]):      # the seed's (1, 1, x) defaults
+            value = value[3 - n:]
+        else:
+            raise ValueError(f"{name}: expected {n} value(s) (one per spatial dim of TRS), got {value!r}")
+    if any(v < low for v in value):
+        raise ValueError(f"{name}: expected values >= {low}, got {value!r}")
+    return value
+
+
+def _padding(padding, n: int):
+    if isinstance(padding, str):
+        if padding.upper() not in ("SAME", "VALID"):
+            raise ValueError(f"padding: expected 'SAME', 'VALID' or ints, got {padding!r}")
+        return ["SAME"] * n if padding.upper() == "SAME" else [0] * n
+    return _dims("padding", padding, n, 0)
+
+
+def _index_list(name: str, idx) -> np.ndarray:
+    arr = np.asarray(idx)
+    if arr.ndim != 1 or arr.size == 0 or not np.issubdtype(arr.dtype, np.integer):
+        raise ValueError(f"BCK: {name} must be a non-empty sequence of channel indices, got {idx!r}")
+    if arr.min() < 0:
+        raise ValueError(f"BCK: {name} has a negative channel index, {int(arr.min())}")
+    if len(np.unique(arr)) != arr.size:
+        raise ValueError(f"BCK: {name} repeats a channel index")
+    return arr.astype(np.int64)
+
+
 class _Checked(list):
     """Checked per-block filters; ``stacked``: the (blocks, ...) tensor they came from, if any."""
 

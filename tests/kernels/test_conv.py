@@ -36,7 +36,7 @@ def test_kernels_match_the_masked_dense_conv(dtype, kernel, stride, dilation, pa
                              backend="triton")
     lay = conv.block_layout()
     w64, b64 = masked_dense(conv), conv.bias.detach().double()
-    x = torch.randn(2, 32, 7, 6)
+    x = torch.randn(2, 32, 5, 4)                                       # ragged: 5 x 4 images
     conv = conv.to(device=dev, dtype=dtype)
     xd = x.to(dev, dtype)
     if channels_last:
@@ -45,7 +45,7 @@ def test_kernels_match_the_masked_dense_conv(dtype, kernel, stride, dilation, pa
     y = conv(xd)
     xr = x.double().requires_grad_()
     if padding == "same":
-        pads = _same_pads(6, kernel, stride, dilation) + _same_pads(7, kernel, stride, dilation)
+        pads = _same_pads(4, kernel, stride, dilation) + _same_pads(5, kernel, stride, dilation)
         ref = F.conv2d(F.pad(xr, pads), w64, stride=stride, dilation=dilation)
     else:
         ref = F.conv2d(xr, w64, stride=stride, dilation=dilation, padding=0 if padding == "valid" else padding)
@@ -80,10 +80,10 @@ def test_empty_rows_and_columns_of_the_layout():
 def test_opcheck_backward_strides(layout):
     """The backward op's fake strides match the kernels' (every need on one layout, both on the others)."""
     conv = BlockSparseConv2d(32, 32, 3, padding=1, block_size=16, density=0.5, backend="triton").to(kernel_device())
-    x = torch.randn(1, 32, 4, 4, device=kernel_device())
+    x = torch.randn(1, 32, 3, 3, device=kernel_device())
     x = {"contiguous": x, "channels_last": x.to(memory_format=torch.channels_last),
          "transposed": x.transpose(2, 3)}[layout]
-    dy = torch.randn(1, 32, 4, 4, device=kernel_device())
+    dy = torch.randn(1, 32, 3, 3, device=kernel_device())
     needs = ((True, True), (True, False), (False, True)) if layout == "channels_last" else ((True, True),)
     for need in needs:
         torch.library.opcheck(torch.ops.bstrain.bsconv2d_bwd.default,
@@ -111,19 +111,22 @@ def test_the_custom_ops_name_an_unknown_layout():
 
 
 @pytest.mark.parametrize("dtype", kernel_dtypes(), ids=DTYPE_IDS.get)
-def test_dw_split_or_not_lands_in_the_weight_layout(dtype):
+def test_dw_split_or_not_lands_in_the_weight_layout(dtype, monkeypatch):
     """conv_dw writes (nnz, out, in, kh, kw) in the asked dtype: unsplit straight from the kernel,
-    split through fp32 partials; both against the float64 dW of the masked dense conv."""
+    split (3 ways) through fp32 partials; both against the float64 dW of the masked dense conv."""
+    from bstrain.kernels import conv as K
     from bstrain.kernels.conv import conv_dw
     dev = kernel_device()
-    conv = BlockSparseConv2d(32, 48, 3, padding=1, block_size=16, density=0.5)
-    x, dy = torch.randn(2, 32, 5, 3), torch.randn(2, 48, 5, 3)
+    monkeypatch.setitem(K.CONFIGS, ("dw", 16, dtype.itemsize), (16, 4, 1))     # 16-pixel steps: 3 splits of 40
+    conv = BlockSparseConv2d(32, 48, (1, 3), padding=(0, 1), block_size=16, density=0.5)     # taps: 1 x 3
+    assert K._dw_split(40, 16, 1, 3) == (3, 16)
+    x, dy = torch.randn(2, 32, 4, 5), torch.randn(2, 48, 4, 5)
     w = masked_dense(conv).requires_grad_()
-    rw, = torch.autograd.grad(F.conv2d(x.double(), w, padding=1), [w], dy.double())
+    rw, = torch.autograd.grad(F.conv2d(x.double(), w, padding=(0, 1)), [w], dy.double())
     luts = conv._tables.on(torch.device(dev)).luts
     bs = 16
     for splits in (1, 3):
-        dw = conv_dw(x.to(dev, dtype), dy.to(dev, dtype), luts, 3, 3, (1, 1), (1, 1), (1, 1), dtype, splits=splits)
+        dw = conv_dw(x.to(dev, dtype), dy.to(dev, dtype), luts, 1, 3, (1, 1), (0, 1), (1, 1), dtype, splits=splits)
         assert dw.dtype == dtype and dw.shape == conv.weight.shape and dw.is_contiguous()
         for n, (i, j) in enumerate(zip(*np.nonzero(conv.block_layout()))):
             assert_close(dw[n], rw[j * bs:(j + 1) * bs, i * bs:(i + 1) * bs], None, dtype, f"dW[{n}] splits={splits}")
@@ -133,15 +136,15 @@ def test_launches_are_planned_once_per_shape():
     """The launchers keep one plan per call shape on the layout's tables: a second fwd+bwd at a
     seen shape makes none, a new shape makes its three (fwd, dx, dW)."""
     dev = kernel_device()
-    conv = BlockSparseConv2d(32, 32, 3, padding=1, block_size=16, density=0.5, backend="triton").to(dev)
+    conv = BlockSparseConv2d(16, 16, 3, padding=1, block_size=16, layout=[[1]], backend="triton").to(dev)
     plans = conv._tables.on(torch.device(dev)).luts.plans
     plans.clear()
-    x = torch.randn(1, 32, 3, 4, device=dev, requires_grad=True)
+    x = torch.randn(1, 16, 2, 3, device=dev, requires_grad=True)
     conv(x).sum().backward()
     assert len(plans) == 3
     conv(x).sum().backward()
     assert len(plans) == 3
-    conv(torch.randn(1, 32, 4, 3, device=dev, requires_grad=True)).sum().backward()
+    conv(torch.randn(1, 16, 3, 2, device=dev, requires_grad=True)).sum().backward()
     assert len(plans) == 6
 
 

@@ -223,8 +223,9 @@ def test_inference_mode_first_then_training(backend):
 
 @pytest.mark.parametrize("backend", ["dense", "triton"])
 def test_export_then_eager_and_copies(backend):
-    conv = BlockSparseConv2d(32, 32, 3, padding=1, block_size=16, density=0.5, backend=backend)
-    x = torch.randn(2, 32, 4, 4)
+    dev = kernel_device() if backend == "triton" else "cpu"
+    conv = BlockSparseConv2d(32, 32, 3, padding=1, block_size=16, density=0.5, backend=backend).to(dev)
+    x = torch.randn(2, 32, 4, 4, device=dev)
     want = conv(x)
     ep = torch.export.export(conv, (x,), strict=False)
     torch.testing.assert_close(ep.module()(x), want)
