@@ -178,7 +178,7 @@ def _host_row(name, sparse_step, dense_step, device, gpu: bool) -> dict:
     if gpu:
         for key, step in (("sparse_gpu_us", sparse_step), ("dense_gpu_us", dense_step)):
             try:
-                row[key] = round(gpu_us(graphed(step, device)), 1)
+                row[key] = round(gpu_us(step), 1)
             except Exception as exc:
                 row[key] = None
                 row[key + "_error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
