@@ -28,6 +28,7 @@ arguments, so an eager call after the first costs a dict lookup and one direct l
 """
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -276,6 +277,25 @@ def _knobs(dtype: torch.dtype) -> tuple:
             tuple(CONFIGS.items()) if CONFIGS else None)
 
 
+_THREAD = threading.local()
+
+
+def _context(device: torch.device) -> None:
+    """Makes ``device``'s CUDA context current in this thread (once per thread and device).
+
+    Triton encodes a call's TMA descriptors before its launcher makes the context current, so a
+    direct launch from a thread that has made no CUDA runtime call yet failed with 'invalid
+    device context': autograd's backward thread, when a conv backward whose kernels were loaded
+    on another thread is the first work it does. Any runtime call binds the primary context.
+    """
+    if device.type != "cuda":
+        return
+    seen = _THREAD.__dict__.setdefault("devices", set())
+    if device.index not in seen:
+        torch.cuda.current_stream(device).query()
+        seen.add(device.index)
+
+
 def _channels_last(t: torch.Tensor) -> bool:
     return t.dim() == 4 and t.is_contiguous(memory_format=torch.channels_last) and not t.is_contiguous()
 
@@ -341,7 +361,9 @@ def conv_forward(x, wt, luts: ConvLuts, K: int, P: int, Q: int, stride, pads, di
     right padding follow from P and Q.
     """
     stride, pads, dilation = tuple(stride), tuple(pads), tuple(dilation)
-    key = ("fwd", x.shape, x.stride(), x.dtype, x.device, wt.shape, K, P, Q, stride, pads, dilation,
+    dev = x.device
+    _context(dev)
+    key = ("fwd", x.shape, x.stride(), x.dtype, dev, wt.shape, K, P, Q, stride, pads, dilation,
            None if bias is None else bias.dtype, aligned(x, wt) if bias is None else aligned(x, wt, bias),
            _knobs(x.dtype))
     run = plan(luts.plans, key, lambda: _fwd_plan(x, wt, bias, luts, K, P, Q, stride, pads, dilation))
@@ -383,7 +405,9 @@ def _fwd_plan(x, wt, bias, luts: ConvLuts, K, P, Q, stride, pads, dilation):
 def conv_dx(dy, wt, luts: ConvLuts, C: int, H: int, W: int, stride, pads, dilation, like):
     """dx (N, C, H, W) in dy's dtype and ``like``'s memory format (x's)."""
     stride, pads, dilation = tuple(stride), tuple(pads), tuple(dilation)
-    key = ("dx", dy.shape, dy.stride(), dy.dtype, dy.device, wt.shape, C, H, W, stride, pads, dilation,
+    dev = dy.device
+    _context(dev)
+    key = ("dx", dy.shape, dy.stride(), dy.dtype, dev, wt.shape, C, H, W, stride, pads, dilation,
            like.stride(), aligned(dy, wt), _knobs(dy.dtype))
     run = plan(luts.plans, key, lambda: _dx_plan(dy, wt, luts, C, H, W, stride, pads, dilation, like))
     return run(dy, wt)
@@ -430,9 +454,11 @@ def conv_dw(x, dy, luts: ConvLuts, KH: int, KW: int, stride, pads, dilation, dty
     call over few pixels (host-bound) runs unsplit: one launch, no workspace.
     """
     stride, pads, dilation = tuple(stride), tuple(pads), tuple(dilation)
+    dev = x.device
+    _context(dev)
     if splits is None and host_bound(dy.shape[0] * dy.shape[2] * dy.shape[3], DW_SMALL_M, x):
         splits = 1
-    key = ("dw", x.shape, x.stride(), dy.shape, dy.stride(), x.dtype, dtype, x.device, KH, KW, stride, pads,
+    key = ("dw", x.shape, x.stride(), dy.shape, dy.stride(), x.dtype, dtype, dev, KH, KW, stride, pads,
            dilation, splits, aligned(x, dy), _knobs(x.dtype))
     run = plan(luts.plans, key, lambda: _dw_plan(x, dy, luts, KH, KW, stride, pads, dilation, dtype, splits))
     return run(x, dy)

@@ -275,3 +275,32 @@ def test_second_eager_call_launches_directly():
         torch.cuda.synchronize()
         assert len(plans) == count
         assert launch.stats["direct"] >= direct + 3, "fwd, dx and dw launched directly"
+
+
+@pytest.mark.gpu
+def test_direct_launches_from_a_fresh_thread():
+    """A thread that has made no CUDA call yet (autograd's backward thread can be one) launches the
+    planned TMA kernels directly: the launchers make the context current first."""
+    import threading
+    from bstrain.kernels.conv import conv_dx
+    from bstrain.ops.conv import _wt
+    conv = BlockSparseConv2d(128, 128, 3, padding=1, block_size=64, density=0.5, backend="triton").cuda().half()
+    x = torch.randn(2, 128, 8, 8, device="cuda", dtype=torch.half).to(memory_format=torch.channels_last)
+    luts, wt = conv._tables.on(x.device).luts, _wt(conv.weight.detach(), x.dtype)
+    with torch.no_grad():
+        want = conv(x)
+    want_dx = conv_dx(x, wt, luts, 128, 8, 8, (1, 1), (1, 1), (1, 1), x)       # plans made on this thread
+    got, errors = [], []
+
+    def work():
+        try:
+            with torch.no_grad():
+                got.extend([conv(x), conv_dx(x, wt, luts, 128, 8, 8, (1, 1), (1, 1), (1, 1), x)])
+        except Exception as exc:                                   # reported below, not lost in the thread
+            errors.append(exc)
+    thread = threading.Thread(target=work)
+    thread.start()
+    thread.join()
+    assert not errors, errors
+    torch.testing.assert_close(got[0], want, rtol=0, atol=0)
+    torch.testing.assert_close(got[1], want_dx, rtol=0, atol=0)
