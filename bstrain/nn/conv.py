@@ -173,6 +173,8 @@ class BlockSparseConv2d(BlockLayoutModule):
                                  f"{self.dilation}, padding {self.padding!r})") from None
             hit = (P, Q, tuple(pads), (pads[0][0], pads[1][0]))
             if cacheable:
+                if len(self._geometries) >= 256:            # ragged sizes past this: start over
+                    self._geometries.clear()
                 self._geometries[(H, W)] = hit
         return hit
 

@@ -296,3 +296,18 @@ def test_bad_calls():
     with pytest.raises(ValueError, match="edge_bias: expected shape"):
         BlocksparseConv([([0], [0])], (3,), (5,), edge_bias=True)([torch.ones(1, 1, 3)], torch.ones(1, 1, 5),
                                                                   edge_bias=torch.zeros(3, 3))
+
+
+def test_seed_ops_share_their_index_tables():
+    """The seed ops' index tensors come from bstrain.ops.tables (family "conv_blocks"): built with
+    the op, shared by equal ops, one copy per device, and uncached meta copies for shape runs."""
+    bck = [([0, 1], [2, 3]), ([2, 3], [0, 1])]
+    a = BlocksparseConv(bck, (3, 3), (6, 6), edge_bias=True)
+    b = BlocksparseConv(bck, (3, 3), (6, 6), edge_bias=True)
+    assert a._tables is b._tables and a._tables.family == "conv_blocks"
+    cpu = torch.device("cpu")
+    assert a._dense_index(cpu)[0] is b._dense_index(cpu)[0]           # no per-call rebuild
+    assert BlocksparseDeconv(bck, (3, 3), (6, 6))._tables is not a._tables
+    fs = torch.randn(a.f_shape(), device="meta")
+    assert a.dense_filter(fs).shape == (4, 4, 3, 3)
+    assert a(fs, torch.empty(2, 4, 6, 6, device="meta")).shape == (2, 4, 6, 6)
