@@ -28,7 +28,6 @@ arguments, so an eager call after the first costs a dict lookup and one direct l
 """
 from __future__ import annotations
 
-import threading
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -277,25 +276,6 @@ def _knobs(dtype: torch.dtype) -> tuple:
             tuple(CONFIGS.items()) if CONFIGS else None)
 
 
-_THREAD = threading.local()
-
-
-def _context(device: torch.device) -> None:
-    """Makes ``device``'s CUDA context current in this thread (once per thread and device).
-
-    Triton encodes a call's TMA descriptors before its launcher makes the context current, so a
-    direct launch from a thread that has made no CUDA runtime call yet failed with 'invalid
-    device context': autograd's backward thread, when a conv backward whose kernels were loaded
-    on another thread is the first work it does. Any runtime call binds the primary context.
-    """
-    if device.type != "cuda":
-        return
-    seen = _THREAD.__dict__.setdefault("devices", set())
-    if device.index not in seen:
-        torch.cuda.current_stream(device).query()
-        seen.add(device.index)
-
-
 def _channels_last(t: torch.Tensor) -> bool:
     return t.dim() == 4 and t.is_contiguous(memory_format=torch.channels_last) and not t.is_contiguous()
 
@@ -362,7 +342,6 @@ def conv_forward(x, wt, luts: ConvLuts, K: int, P: int, Q: int, stride, pads, di
     """
     stride, pads, dilation = tuple(stride), tuple(pads), tuple(dilation)
     dev = x.device
-    _context(dev)
     key = ("fwd", x.shape, x.stride(), x.dtype, dev, wt.shape, K, P, Q, stride, pads, dilation,
            None if bias is None else bias.dtype, aligned(x, wt) if bias is None else aligned(x, wt, bias),
            _knobs(x.dtype))
@@ -406,7 +385,6 @@ def conv_dx(dy, wt, luts: ConvLuts, C: int, H: int, W: int, stride, pads, dilati
     """dx (N, C, H, W) in dy's dtype and ``like``'s memory format (x's)."""
     stride, pads, dilation = tuple(stride), tuple(pads), tuple(dilation)
     dev = dy.device
-    _context(dev)
     key = ("dx", dy.shape, dy.stride(), dy.dtype, dev, wt.shape, C, H, W, stride, pads, dilation,
            like.stride(), aligned(dy, wt), _knobs(dy.dtype))
     run = plan(luts.plans, key, lambda: _dx_plan(dy, wt, luts, C, H, W, stride, pads, dilation, like))
@@ -455,7 +433,6 @@ def conv_dw(x, dy, luts: ConvLuts, KH: int, KW: int, stride, pads, dilation, dty
     """
     stride, pads, dilation = tuple(stride), tuple(pads), tuple(dilation)
     dev = x.device
-    _context(dev)
     if splits is None and host_bound(dy.shape[0] * dy.shape[2] * dy.shape[3], DW_SMALL_M, x):
         splits = 1
     key = ("dw", x.shape, x.stride(), dy.shape, dy.stride(), x.dtype, dtype, dev, KH, KW, stride, pads,

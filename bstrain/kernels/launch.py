@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import threading
 
 import torch
 
@@ -70,6 +71,8 @@ class Launch:
         self._run = None
 
     def __call__(self, *args) -> None:
+        if self.device.type == "cuda" and self.device.index not in _THREAD.__dict__.setdefault("devices", set()):
+            _bind_context(self.device)
         run = self._run
         if run is not None and torch._C._cuda_getDevice() == self.device.index and not _hooks():
             g = self.grid
@@ -85,6 +88,21 @@ class Launch:
         compiled = self.kernel[self.grid](*args, **self.consts, **self.options)
         if self._run is None and _ENABLED and not _INTERPRET and self.device.type == "cuda":
             self._run, self._fn, self._meta = compiled.run, compiled.function, compiled.packed_metadata
+
+
+_THREAD = threading.local()
+
+
+def _bind_context(device: torch.device) -> None:
+    """Makes ``device``'s CUDA context current in this thread, once per thread and device.
+
+    Triton encodes a call's TMA descriptors before its launcher makes the context current, so the
+    first launch from a thread that has made no CUDA runtime call yet fails with 'invalid device
+    context': autograd's backward thread, when a backward whose kernels were loaded on another
+    thread is the first work it does. Any runtime call binds the primary context.
+    """
+    torch.cuda.current_stream(device).query()
+    _THREAD.devices.add(device.index)
 
 
 def aligned(*tensors: torch.Tensor) -> int:

@@ -226,35 +226,45 @@ def set_grad_group(module: nn.Module, group_size: int) -> int:
     return len(layers)
 
 
-def sparsify(model: nn.Module, include: str | Callable[[str, nn.Linear], bool], *, block_size: int = 32,
+def sparsify(model: nn.Module, include: str | Callable[[str, nn.Module], bool], *, block_size: int = 32,
              density: float, keep_weights: bool = True, balanced: bool = True) -> list[str]:
-    """Replaces, in place, the nn.Linear layers of ``model`` chosen by ``include`` with BlockSparseLinear.
+    """Replaces, in place, the ``nn.Linear`` and ``nn.Conv2d`` layers of ``model`` chosen by ``include``
+    with :class:`BlockSparseLinear` and :class:`bstrain.nn.BlockSparseConv2d`.
 
     Args:
         include: a glob on qualified module names (``"blocks.*.mlp.*"``, ``"*"``), or a function
-            ``(name, linear) -> bool``.
+            ``(name, layer) -> bool``.
         density: fraction of live blocks of each new layer.
         keep_weights: True keeps the largest-norm blocks of the dense weights and the biases
-            (:meth:`BlockSparseLinear.from_dense`); False draws a fresh (balanced) layout and
-            initialises it (:meth:`BlockSparseLinear.reset_parameters`).
-    Returns the names replaced. A chosen layer whose features are not multiples of block_size is
-    a ValueError naming it, raised before any layer is replaced.
+            (``from_dense``); False draws a fresh layout and initialises it.
+        balanced: for linear layers without keep_weights, draw a balanced layout (the default) or
+            an independent one; conv layouts are always balanced.
+    Returns the names replaced. A chosen layer that cannot be converted (features or channels not
+    multiples of block_size, a grouped conv) is a ValueError naming it, raised before any layer
+    is replaced.
     """
+    from bstrain.nn.conv import BlockSparseConv2d, sparsify_conv2d_candidates
     match = include if callable(include) else (lambda name, _m: fnmatch.fnmatchcase(name, include))
-    chosen = [(name, m) for name, m in model.named_modules()
-              if name and type(m) is nn.Linear and match(name, m)]
-    for name, m in chosen:
+    linears = [(name, m) for name, m in model.named_modules()
+               if name and type(m) is nn.Linear and match(name, m)]
+    for name, m in linears:
         if m.in_features % block_size or m.out_features % block_size:
             raise ValueError(f"{name}: expected in/out features that are multiples of block_size={block_size}, "
                              f"got {m.in_features} and {m.out_features}")
-    for name, m in chosen:
+    convs = sparsify_conv2d_candidates(model, match, block_size)
+    order = {name: i for i, (name, _) in enumerate(model.named_modules())}
+    replaced = []
+    for name, m in linears:
         if keep_weights:
             new = BlockSparseLinear.from_dense(m, block_size=block_size, density=density)
         else:
             new = BlockSparseLinear(m.in_features, m.out_features, m.bias is not None, block_size=block_size,
                                     density=density, balanced=balanced, device=m.weight.device,
                                     dtype=m.weight.dtype)
+        replaced.append((name, new))
+    replaced += [(name, BlockSparseConv2d.sparsified(m, block_size=block_size, density=density,
+                                                     keep_weights=keep_weights)) for name, m in convs]
+    for name, new in replaced:
         parent, _, child = name.rpartition(".")
         setattr(model.get_submodule(parent) if parent else model, child, new)
-    return [name for name, _ in chosen]
-
+    return sorted((name for name, _ in replaced), key=order.__getitem__)

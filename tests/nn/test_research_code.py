@@ -167,3 +167,25 @@ def test_the_package_has_no_import_cycle():
     for m in graph:
         if m not in state:
             visit(m, [])
+
+
+def test_sparsify_swaps_linear_and_conv_layers_keeping_the_largest_blocks():
+    from bstrain.nn import BlockSparseConv2d, sparsify
+    model = nn.Sequential(nn.Conv2d(16, 32, 3, padding=1), nn.ReLU(), nn.Conv2d(32, 32, 1, groups=2),
+                          nn.Flatten(), nn.Linear(32 * 4 * 4, 64))
+    with pytest.raises(ValueError, match="^2: expected groups=1"):
+        sparsify(model, "*", block_size=16, density=1.0)
+    assert isinstance(model[0], nn.Conv2d), "nothing is replaced when a chosen layer cannot be"
+    x = torch.randn(2, 16, 4, 4)
+    before = model(x)
+    names = sparsify(model, lambda name, m: name != "2", block_size=16, density=1.0)
+    assert names == ["0", "4"]
+    assert isinstance(model[0], BlockSparseConv2d) and isinstance(model[4], BlockSparseLinear)
+    torch.testing.assert_close(model(x), before, rtol=1e-5, atol=1e-5)   # density 1 keeps every block
+    half = nn.Conv2d(16, 32, 3, padding=1)
+    with torch.no_grad():
+        half.weight.zero_()
+        half.weight[16:, :] = torch.randn(16, 16, 3, 3)                 # only output block 1 is non-zero
+    m = nn.Sequential(half)
+    sparsify(m, "*", block_size=16, density=0.5)
+    assert m[0].block_layout()[:, 1].all() and not m[0].block_layout()[:, 0].any()
