@@ -89,7 +89,7 @@ def measure(args) -> list[dict]:
         for density in args.densities:
             for bs in args.block_sizes:
                 for backend in ("grouped", "dense", "triton"):
-                    conv = BlockSparseConv2d(C, C, 3, bias=False, block_size=bs, density=density, seed=0,
+                    conv = BlockSparseConv2d(C, C, 3, padding=1, bias=False, block_size=bs, density=density, seed=0,
                                              backend=backend).to(device=dev, dtype=dt)
                     live = conv.density
                     try:
@@ -113,7 +113,7 @@ def compiled(args) -> list[dict]:
     mods = {"dense": nn.Conv2d(C, C, 3, padding=1, bias=False), "cuDNN groups=4": nn.Conv2d(C, C, 3, padding=1,
                                                                                              bias=False, groups=4)}
     for backend in ("triton", "dense"):
-        mods[f"bstrain {backend}"] = BlockSparseConv2d(C, C, 3, bias=False, block_size=64, density=0.25, seed=0,
+        mods[f"bstrain {backend}"] = BlockSparseConv2d(C, C, 3, padding=1, bias=False, block_size=64, density=0.25, seed=0,
                                                        backend=backend)
     out = []
     for name, m in mods.items():

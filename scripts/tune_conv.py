@@ -46,10 +46,9 @@ def main() -> None:
     print(f"dense cuDNN fwd {dense:.4f} ms", flush=True)
     rows, best = [], {}
     for bs in [int(v) for v in args.block_sizes.split(",")]:
-        conv = BlockSparseConv2d(C, C, 3, block_size=bs, density=args.density, seed=0, backend="triton",
+        conv = BlockSparseConv2d(C, C, 3, padding=1, block_size=bs, density=args.density, seed=0, backend="triton",
                                  bias=False).to(device="cuda", dtype=torch.bfloat16)
-        luts = K.ConvLuts(bs, *[getattr(conv, f"_t_{n}") for n in ("col_ptr", "col_blk", "col_in", "row_ptr",
-                                                                    "row_blk", "row_out", "blk_in", "blk_out")])
+        luts = conv._layout_tables().on(x.device).luts
         wt = conv.weight.detach().permute(0, 3, 4, 2, 1).contiguous()
         dy = torch.randn_like(x)
         calls = {"fwd": lambda: K.conv_forward(x, wt, luts, C, S, S, (1, 1), (1, 1), (1, 1)),

@@ -37,14 +37,14 @@ point measured on the H200 (benchmarks/conv.md).
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from bstrain.ops.tables import LayoutTables, eager, family, layout_tables, lookup
+from bstrain.ops.tables import LayoutTables, eager, family, layout_tables, lookup, real_tensors, tracing
 
 __all__ = ["BlocksparseConv", "BlocksparseDeconv", "cwise_linear", "conv_geometry", "conv_nd", "ConvTables",
            "bsconv2d_ref", "dense_conv_filter", "sparse_conv2d", "tables_on"]
@@ -93,17 +93,29 @@ def _index(a: np.ndarray, device) -> Tensor:
 class ConvTables:
     """A (C/bs, K/bs) layout's tables on one device (family ``"conv"``)."""
     block_size: int
-    luts: object              # bstrain.kernels.conv.ConvLuts: the kernels' lists and launch plans
+    layout: np.ndarray
+    device: torch.device
     gather: Tensor | None     # (nnz·bs,) input channel of each grouped-conv input; None: the channels in order
     scatter: Tensor | None    # (nnz·bs,) output channel of each grouped-conv output; None: in order
     rows: Tensor              # (nnz·bs·bs,) dense filter row (output channel) of each weight element
     cols: Tensor              # (nnz·bs·bs,) its column (input channel)
+    _luts: object = field(default=None, repr=False)
+
+    @property
+    def luts(self):
+        """The kernels' lists and launch plans (:class:`bstrain.kernels.conv.ConvLuts`): made with
+        the tables on CUDA, on the CPU only when the interpreter runs the kernels (so the PyTorch
+        paths need no triton)."""
+        if self._luts is None:
+            from bstrain.kernels.conv import make_luts
+            with real_tensors(self.device):
+                self._luts = make_luts(self.layout, self.block_size, self.device)
+        return self._luts
 
 
 @family("conv")
 def conv_tables(layout: np.ndarray, block_size: int, *, device) -> ConvTables:
     """The tables of a validated (C/bs, K/bs) bool layout; live blocks numbered row-major."""
-    from bstrain.kernels.conv import make_luts
     bs = block_size
     ci, kj = np.nonzero(layout)
     chan = np.arange(bs)
@@ -112,10 +124,13 @@ def conv_tables(layout: np.ndarray, block_size: int, *, device) -> ConvTables:
     rows = np.repeat(kout.reshape(-1, bs), bs, axis=1).ravel()      # weight[e, o, i] -> (kout[e, o],
     cols = np.tile(cin.reshape(-1, bs), (1, bs)).ravel()            #                    cin[e, i])
     in_order = lambda idx, n: np.array_equal(idx, np.arange(n))    # noqa: E731
-    return ConvTables(bs, make_luts(layout, bs, device),
-                      None if in_order(cin, layout.shape[0] * bs) else _index(cin, device),
-                      None if in_order(kout, layout.shape[1] * bs) else _index(kout, device),
-                      _index(rows, device), _index(cols, device))
+    tables = ConvTables(bs, layout, torch.device(device),
+                        None if in_order(cin, layout.shape[0] * bs) else _index(cin, device),
+                        None if in_order(kout, layout.shape[1] * bs) else _index(kout, device),
+                        _index(rows, device), _index(cols, device))
+    if tables.device.type == "cuda" and not tracing():
+        tables.luts                                                 # the kernels' tables, made now
+    return tables
 
 
 @dataclass(eq=False)
