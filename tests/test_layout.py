@@ -224,3 +224,33 @@ def test_flex_attention_block_mask_agrees(kind):
         bm = create_block_mask(mask, B=None, H=None, Q_LEN=128, KV_LEN=128, BLOCK_SIZE=16, device="cpu")
     lay, _ = L.attention_layout(mask, 128, 128, 16)
     np.testing.assert_array_equal(bm.to_dense()[0, 0].numpy().astype(bool), lay)
+
+
+def test_attention_layout_calls_the_mask_on_torch_tensors():
+    """A mask written with torch functions (a FlexAttention mask_mod) works as it is, also under a
+    meta default device; the built-in masks take numpy arrays too (test_per_head_masks...)."""
+    def mask(b, h, q_idx, k_idx):                    # window 8 for head 0, 16 for the others
+        return torch.abs(q_idx - k_idx) < torch.where(h == 0, 8, 16)
+    with torch.device("meta"):
+        lay, cb = L.attention_layout(mask, 64, 64, 16, heads=2)
+    q, k = np.arange(64)[:, None], np.arange(64)[None, :]
+    want = np.stack([np.abs(q - k) < w for w in (8, 16)])
+    np.testing.assert_array_equal(_dense_from(lay, cb, 16), want)
+
+
+def test_every_mask_runs_in_flex_attention():
+    """flex_attention (which traces the mask_mod with dynamo even when not compiled) with each
+    built-in mask agrees with BlocksparseTransformer on the same mask (longformer's global
+    positions once failed there: numpy's max(initial=...) inside the mask)."""
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    from bstrain.ops.transformer import BlocksparseTransformer
+    q = torch.randn(1, 2, 64, 16, dtype=torch.float64)
+    x = q.transpose(1, 2).reshape(1, 64, 32)
+    for kind in ("longformer", "bigbird_causal", "fixed"):
+        mask = MASKS[kind]()
+        bm = create_block_mask(mask, None, None, 64, 64, device="cpu", BLOCK_SIZE=16)
+        lay, cb = L.attention_layout(mask, 64, 64, 16)
+        op = BlocksparseTransformer(lay, 16, heads=2, mask_callback=cb)
+        want = op.attention(x, x, x, scale=0.25).view(1, 64, 2, 16).transpose(1, 2)
+        torch.testing.assert_close(flex_attention(q, q, q, block_mask=bm, scale=0.25), want, msg=kind)

@@ -1,17 +1,20 @@
 """Triton kernels for block-sparse attention (flash-style: the scores are never stored).
 
-Notation: q is (B, Tq, H·D), k and v (B, Tk, H·D); bs the layout's block size. A live block is
-full, or partial with a (bs, bs) element mask.
+Notation: q is (B, Tq, H·D), k and v (B, Tk, Hk·D) with Hk dividing H (grouped-query attention:
+query head h reads k/v head h // G, G = H/Hk); bs the layout's block size. A live block is full,
+or partial with a (bs, bs) element mask. Rows of q, k, v may be strided (the chunks of a fused
+qkv projection); features are contiguous (:func:`kernel_inputs`).
 
 **Tiles.** The kernels do not work on layout blocks but on tiles of (BO, BI) elements that divide
 them: BO rows of the *outer* operand a program holds (queries in the forward and dQ kernels,
 keys in the dK/dV kernel) against BI rows of the *inner* one it streams. A layout is re-cut into
 tile lists once per tile shape (:class:`TileLuts`): a tile wholly outside its block's element
 mask is dropped, a wholly kept one becomes full, and a partial tile is either *triangular*
-(kept where ``q − k ≥ d`` in tile coordinates, as causal diagonals are; no memory read) or an
-bit mask read from a table. Each outer row lists its full tiles first, then the triangular ones, then those with a
-table, so the kernels run three loops (full, triangular, table) and only the last one reads masks. Rows are launched heaviest
-first (longest-processing-time order) to shorten the tail.
+(kept where ``q − k ≥ d`` in tile coordinates, as causal diagonals are; no memory read) or a
+bit mask read from a table. Each outer row lists its full tiles first, then the triangular ones,
+then those with a table, so the kernels run three loops (full, triangular, table) and only the
+last one reads masks. Rows are launched heaviest first (longest-processing-time order) to
+shorten the tail.
 
 * ``_attn_fwd``: one program per (head, query tile) row and batch element walks the row's key
   tiles with an online softmax (base 2), and writes O and the row's log-sum-exp (LSE, base 2;
@@ -19,10 +22,16 @@ first (longest-processing-time order) to shorten the tail.
 * ``_attn_bwd_dq``: one program per query tile, as the forward: Δ = rowsum(dO ∘ O) (stored for
   the next kernel), then dQ = dS·K·scale with dS = P ∘ (dP − Δ), dP = dO·Vᵀ, P from the LSE.
 * ``_attn_bwd_dkdv``: one program per (head, key tile) column walks the query tiles that attend
-  to it: dV = Pᵀ·dO, dK = dSᵀ·Q·scale. Padded keys get zero gradients.
+  to it: dV = Pᵀ·dO, dK = dSᵀ·Q·scale. Padded keys get zero gradients. With G > 1 each query
+  head writes its share to an fp32 (B, Tk, H·D) buffer that the launcher sums per group.
 
 Tile shapes, warps and pipeline stages per (kernel, block size, head dim, dtype) come from
 :func:`tiles`; ``TILES`` overrides them (scripts/tune_attention.py sweeps it).
+
+**Launches** go through :mod:`bstrain.kernels.launch`: :func:`launch` keeps one ``Launch`` per
+kernel and everything the JIT specialises on (:func:`_pass_key`) on the layout's
+:class:`AttnLuts`, so an eager call after the first hands its arguments straight to the compiled
+kernel. Nothing on this path syncs with the host (CUDA-graph capture is safe).
 """
 from __future__ import annotations
 
@@ -172,15 +181,16 @@ def _dq_loop(dq, q, do, lse, delta, K, V, kv_base, s_kt, INNER, CODE, e0, e1, PM
 
 @triton.jit
 def _attn_bwd_dq(Q, K, V, O, DO, LSE, DELTA, DQ, ORDER, PTR, MID, TAB, INNER, CODE, PMASK, PAD,
-                 s_qb, s_qt, s_kb, s_kt, B, H, G, n_outer, Tq, Tk, head_dim, qk_scale, scale,
+                 s_qb, s_qt, s_kb, s_kt, s_ob, s_ot, B, H, G, n_outer, Tq, Tk, head_dim, qk_scale, scale,
                  BO: tl.constexpr, BI: tl.constexpr, BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr,
                  HAS_PAD: tl.constexpr, PRECISION: tl.constexpr, NUM_STAGES: tl.constexpr):
-    """Also writes Δ = rowsum(dO ∘ O) for :func:`_attn_bwd_dkdv` (q, o, do, dq share strides)."""
+    """Also writes Δ = rowsum(dO ∘ O) for :func:`_attn_bwd_dkdv` (o, do and dq share strides)."""
     b, h, start, e0, e1, e2, e3 = _program_row(ORDER, PTR, MID, TAB, B, n_outer, BO)
     q_base = b.to(tl.int64) * s_qb + h * head_dim
+    o_base = b.to(tl.int64) * s_ob + h * head_dim
     q = _rows(Q, q_base, s_qt, start, BO, BLOCK_D, head_dim, EVEN_D)
-    do = _rows(DO, q_base, s_qt, start, BO, BLOCK_D, head_dim, EVEN_D)
-    o = _rows(O, q_base, s_qt, start, BO, BLOCK_D, head_dim, EVEN_D)
+    do = _rows(DO, o_base, s_ot, start, BO, BLOCK_D, head_dim, EVEN_D)
+    o = _rows(O, o_base, s_ot, start, BO, BLOCK_D, head_dim, EVEN_D)
     delta = tl.sum(do.to(tl.float32) * o.to(tl.float32), 1)
     stat = (b.to(tl.int64) * H + h) * Tq + start + tl.arange(0, BO)
     tl.store(DELTA + stat, delta)
@@ -194,17 +204,17 @@ def _attn_bwd_dq(Q, K, V, O, DO, LSE, DELTA, DQ, ORDER, PTR, MID, TAB, INNER, CO
                   head_dim, BO, BI, BLOCK_D, EVEN_D, 1, HAS_PAD, PRECISION, NUM_STAGES)
     dq = _dq_loop(dq, q, do, lse, delta, K, V, kv_base, s_kt, INNER, CODE, e2, e3, PMASK, PAD, pad_base, qk_scale,
                   head_dim, BO, BI, BLOCK_D, EVEN_D, 2, HAS_PAD, PRECISION, NUM_STAGES)
-    _store_rows(DQ, dq * scale, q_base, s_qt, start, BO, BLOCK_D, head_dim, EVEN_D)
+    _store_rows(DQ, dq * scale, o_base, s_ot, start, BO, BLOCK_D, head_dim, EVEN_D)
 
 
 @triton.jit
-def _dkdv_loop(dk, dv, k, v, Q, DO, LSE, DELTA, q_base, s_qt, stat_base, INNER, CODE, e0, e1, PMASK, qk_scale,
-               head_dim, BO: tl.constexpr, BI: tl.constexpr, BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr,
+def _dkdv_loop(dk, dv, k, v, Q, DO, LSE, DELTA, q_base, s_qt, o_base, s_ot, stat_base, INNER, CODE, e0, e1, PMASK,
+               qk_scale, head_dim, BO: tl.constexpr, BI: tl.constexpr, BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr,
                MODE: tl.constexpr, PRECISION: tl.constexpr, NUM_STAGES: tl.constexpr):
     for e in tl.range(e0, e1, num_stages=NUM_STAGES):
         n = tl.load(INNER + e)
         q = _rows(Q, q_base, s_qt, n * BI, BI, BLOCK_D, head_dim, EVEN_D)
-        do = _rows(DO, q_base, s_qt, n * BI, BI, BLOCK_D, head_dim, EVEN_D)
+        do = _rows(DO, o_base, s_ot, n * BI, BI, BLOCK_D, head_dim, EVEN_D)
         stat = stat_base + n * BI + tl.arange(0, BI)
         lse = tl.load(LSE + stat)
         delta = tl.load(DELTA + stat)
@@ -221,8 +231,8 @@ def _dkdv_loop(dk, dv, k, v, Q, DO, LSE, DELTA, q_base, s_qt, stat_base, INNER, 
 
 @triton.jit
 def _attn_bwd_dkdv(Q, K, V, DO, LSE, DELTA, DK, DV, ORDER, PTR, MID, TAB, INNER, CODE, PMASK, PAD,
-                   s_qb, s_qt, s_kb, s_kt, s_db, s_dt, B, H, G, n_outer, Tq, Tk, head_dim, qk_scale, scale,
-                   BO: tl.constexpr, BI: tl.constexpr, BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr,
+                   s_qb, s_qt, s_kb, s_kt, s_ob, s_ot, s_db, s_dt, B, H, G, n_outer, Tq, Tk, head_dim, qk_scale,
+                   scale, BO: tl.constexpr, BI: tl.constexpr, BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr,
                    HAS_PAD: tl.constexpr, PRECISION: tl.constexpr, NUM_STAGES: tl.constexpr):
     """dK, dV of query head h's use of its k/v head h // G, into (B, Tk, H·D) by (s_db, s_dt): the
     caller sums the G heads of a group (G == 1: dK, dV themselves)."""
@@ -231,15 +241,16 @@ def _attn_bwd_dkdv(Q, K, V, DO, LSE, DELTA, DK, DV, ORDER, PTR, MID, TAB, INNER,
     k = _rows(K, kv_base, s_kt, start, BO, BLOCK_D, head_dim, EVEN_D)
     v = _rows(V, kv_base, s_kt, start, BO, BLOCK_D, head_dim, EVEN_D)
     q_base = b.to(tl.int64) * s_qb + h * head_dim
+    o_base = b.to(tl.int64) * s_ob + h * head_dim            # dO
     stat_base = (b.to(tl.int64) * H + h) * Tq
     dk = tl.zeros((BO, BLOCK_D), tl.float32)
     dv = tl.zeros((BO, BLOCK_D), tl.float32)
-    dk, dv = _dkdv_loop(dk, dv, k, v, Q, DO, LSE, DELTA, q_base, s_qt, stat_base, INNER, CODE, e0, e1, PMASK,
-                        qk_scale, head_dim, BO, BI, BLOCK_D, EVEN_D, 0, PRECISION, NUM_STAGES)
-    dk, dv = _dkdv_loop(dk, dv, k, v, Q, DO, LSE, DELTA, q_base, s_qt, stat_base, INNER, CODE, e1, e2, PMASK,
-                        qk_scale, head_dim, BO, BI, BLOCK_D, EVEN_D, 1, PRECISION, NUM_STAGES)
-    dk, dv = _dkdv_loop(dk, dv, k, v, Q, DO, LSE, DELTA, q_base, s_qt, stat_base, INNER, CODE, e2, e3, PMASK,
-                        qk_scale, head_dim, BO, BI, BLOCK_D, EVEN_D, 2, PRECISION, NUM_STAGES)
+    dk, dv = _dkdv_loop(dk, dv, k, v, Q, DO, LSE, DELTA, q_base, s_qt, o_base, s_ot, stat_base, INNER, CODE,
+                        e0, e1, PMASK, qk_scale, head_dim, BO, BI, BLOCK_D, EVEN_D, 0, PRECISION, NUM_STAGES)
+    dk, dv = _dkdv_loop(dk, dv, k, v, Q, DO, LSE, DELTA, q_base, s_qt, o_base, s_ot, stat_base, INNER, CODE,
+                        e1, e2, PMASK, qk_scale, head_dim, BO, BI, BLOCK_D, EVEN_D, 1, PRECISION, NUM_STAGES)
+    dk, dv = _dkdv_loop(dk, dv, k, v, Q, DO, LSE, DELTA, q_base, s_qt, o_base, s_ot, stat_base, INNER, CODE,
+                        e2, e3, PMASK, qk_scale, head_dim, BO, BI, BLOCK_D, EVEN_D, 2, PRECISION, NUM_STAGES)
     if HAS_PAD:                                   # a padded key is in no softmax: zero gradients
         kept = tl.load(PAD + b.to(tl.int64) * Tk + start + tl.arange(0, BO)) == 0
         dk = tl.where(kept[:, None], dk, 0.0)
@@ -427,45 +438,67 @@ def make_luts(h_idx: np.ndarray, q_idx: np.ndarray, k_idx: np.ndarray, partial_i
 _KERNELS = {"fwd": (_attn_fwd, False), "dq": (_attn_bwd_dq, False), "dkdv": (_attn_bwd_dkdv, True)}
 
 
-def _plan(kind: str, luts: AttnLuts, q: torch.Tensor, k: torch.Tensor, has_pad: bool):
-    """How to launch ``kind`` on tensors shaped and laid out like q (B, Tq, H·D) and k (B, Tk,
-    Hk·D): (Launch, tile tables, integer arguments), or None for an empty grid."""
-    fn, by_key = _KERNELS[kind]
+def kernel_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple:
+    """q, k, v as the kernels take them: unit last stride, v laid out as k. Views such as the
+    chunks of a fused qkv projection are taken as they are; anything else is copied."""
+    if q.stride(2) != 1:
+        q = q.contiguous()
+    if k.stride(2) != 1 or v.stride() != k.stride():
+        k, v = k.contiguous(), v.contiguous()
+    return q, k, v
+
+
+def _pass_key(q: torch.Tensor, k: torch.Tensor, pad: torch.Tensor | None, *inputs: torch.Tensor) -> tuple:
+    """What the plans of one pass are keyed by, besides the kernel: everything the JIT specialises
+    on. The shapes and strides of q (B, Tq, H·D) and k, v (B, Tk, Hk·D) (:func:`kernel_inputs`;
+    outputs are contiguous), which fix every integer argument; the dtype; the padding mask's
+    presence; the 16-byte alignment of the inputs (outputs are fresh allocations, always
+    aligned); the tile table's version; TF32 for fp32."""
     B, Tq, HD = q.shape
-    Tk = k.shape[1]
+    Tk, HDk = k.shape[1], k.shape[2]
+    s_q, s_k = q.stride(), k.stride()
+    dtype = q.dtype
+    return (B, Tq, Tk, HD, HDk, s_q[0], s_q[1], s_k[0], s_k[1], dtype, pad is not None,
+            aligned(*inputs) if pad is None else aligned(pad, *inputs), TILES.version,
+            dtype is torch.float32 and torch.backends.cuda.matmul.allow_tf32)
+
+
+def _plan(kind: str, luts: AttnLuts, key: tuple):
+    """(Launch, tile tables, integer arguments) of ``kind`` for a :func:`_pass_key`, or None for
+    an empty grid."""
+    fn, by_key = _KERNELS[kind]
+    B, Tq, Tk, HD, HDk, s_qb, s_qt, s_kb, s_kt, dtype, has_pad = key[:11]
     H = luts.heads
     D = HD // H
     block_d = max(16, triton.next_power_of_2(D))
-    bo, bi, warps, stages = tiles(kind, luts.block_size, block_d, q.element_size())
+    bo, bi, warps, stages = tiles(kind, luts.block_size, block_d, dtype.itemsize)
     t = luts.tiles(by_key, bo, bi)
     if not B * H * t.n_outer:
         return None
-    launch = Launch(fn, (H * t.n_outer * B,), q.device, dict(
-        BO=bo, BI=bi, BLOCK_D=block_d, EVEN_D=block_d == D, HAS_PAD=has_pad, PRECISION=_precision(q.dtype),
+    launch = Launch(fn, (H * t.n_outer * B,), luts.device, dict(
+        BO=bo, BI=bi, BLOCK_D=block_d, EVEN_D=block_d == D, HAS_PAD=has_pad, PRECISION=_precision(dtype),
         NUM_STAGES=stages), num_warps=warps, num_stages=stages)
-    strides = (q.stride(0), q.stride(1), k.stride(0), k.stride(1))
-    if kind == "fwd":
-        strides += (q.stride(0), q.stride(1))                  # O: like q
-    elif kind == "dkdv":
-        strides += (Tk * HD, HD)                               # dK, dV of every query head: (B, Tk, H·D)
-    ints = strides + (B, H, HD // k.shape[2], t.n_outer, Tq, Tk, D)
+    strides = (s_qb, s_qt, s_kb, s_kt, Tq * HD, HD)            # q; k and v; o, do, dq (contiguous)
+    if kind == "dkdv":
+        strides += (Tk * HD, HD)                                # dK, dV of every query head: (B, Tk, H·D)
+    ints = strides + (B, H, HD // HDk, t.n_outer, Tq, Tk, D)
     return launch, (t.order, t.ptr, t.mid, t.tab, t.inner, t.code, t.pmask), ints
 
 
-def launch(kind: str, luts: AttnLuts, tensors: tuple, pad: torch.Tensor | None, scales: tuple) -> None:
+def launch(kind: str, luts: AttnLuts, tensors: tuple, pad: torch.Tensor | None, scales: tuple,
+           key: tuple | None = None) -> None:
     """One kernel, ``kind`` in {"fwd", "dq", "dkdv"}, over ``luts`` cut to its tiles
-    (:func:`tiles`): ``tensors`` are its tensor arguments in signature order (q and k first),
-    ``pad`` None or the int8 (B, Tk) padding mask (:func:`_pad_i8`), ``scales`` its float
-    arguments. Launches through a plan cached on ``luts`` (:mod:`bstrain.kernels.launch`), keyed
-    by everything the JIT specialises on."""
-    q, k = tensors[0], tensors[1]
-    key = (kind, q.shape, k.shape, q.stride(), k.stride(), q.dtype, q.device, pad is not None,
-           aligned(*tensors) if pad is None else aligned(pad, *tensors), TILES.version,
-           q.dtype is torch.float32 and torch.backends.cuda.matmul.allow_tf32)
-    p = plan(luts.plans, key, lambda: _plan(kind, luts, q, k, pad is not None))
+    (:func:`tiles`): ``tensors`` are its tensor arguments in signature order (q and k first, as
+    :func:`kernel_inputs` makes them; the others contiguous), ``pad`` None or the int8 (B, Tk)
+    padding mask (:func:`_pad_i8`), ``scales`` its float arguments; ``key`` the pass's
+    :func:`_pass_key` (made from the tensors if None). Launches through a plan cached on ``luts``
+    (:mod:`bstrain.kernels.launch`)."""
+    if key is None:
+        key = _pass_key(tensors[0], tensors[1], pad, *tensors)
+    p = plan(luts.plans, (kind, key), lambda: _plan(kind, luts, key))
     if p is not None:
         run, tabs, ints = p
-        run(*tensors, *tabs, q if pad is None else pad, *ints, *scales)   # PAD is never read without HAS_PAD
+        run(*tensors, *tabs, tensors[0] if pad is None else pad, *ints, *scales)   # PAD unread without HAS_PAD
 
 
 def _pad_i8(pad: torch.Tensor | None) -> torch.Tensor | None:
@@ -475,31 +508,35 @@ def _pad_i8(pad: torch.Tensor | None) -> torch.Tensor | None:
 
 
 def attention_forward(q, k, v, luts: AttnLuts, scale: float, pad=None):
-    """q (B, Tq, H·D), k, v (B, Tk, Hk·D) contiguous, one dtype; Hk divides H (grouped-query
+    """q (B, Tq, H·D), k, v (B, Tk, Hk·D) of one dtype, laid out by :func:`kernel_inputs`; Hk divides H (grouped-query
     attention: query head h reads k/v head h // (H/Hk)); pad (B, Tk) bool (True = padding) or
     None. Returns (O like q, LSE (B, H·Tq) fp32, base 2)."""
     B, Tq, _ = q.shape
+    pad = _pad_i8(pad)
+    key = _pass_key(q, k, pad, q, k, v)
     o = empty(q.shape, q.dtype, q.device)                       # (B, Tq, H·D)
     lse = empty((B, luts.heads * Tq), torch.float32, q.device)  # (B, H·Tq)
-    launch("fwd", luts, (q, k, v, o, lse), _pad_i8(pad), (scale * LOG2E,))
+    launch("fwd", luts, (q, k, v, o, lse), pad, (scale * LOG2E,), key)
     return o, lse
 
 
 def attention_backward(do, q, k, v, o, lse, luts: AttnLuts, scale: float, pad=None):
-    """(dq, dk, dv) of :func:`attention_forward` (q, o and do share strides)."""
+    """(dq, dk, dv), contiguous, of :func:`attention_forward` (its q, k, v, o and LSE)."""
     B, Tq, HD = q.shape
     Tk, HDk = k.shape[1], k.shape[2]
     do = do.contiguous()
-    delta = empty(lse.shape, torch.float32, q.device)           # (B, H·Tq)
-    dq = empty(q.shape, q.dtype, q.device)
-    if HDk == HD:
-        dk, dv = empty(k.shape, k.dtype, k.device), empty(v.shape, v.dtype, v.device)
-    else:                                                       # per query head, summed per group below
-        dk, dv = (empty((B, Tk, HD), torch.float32, k.device) for _ in range(2))
     pad = _pad_i8(pad)
+    key = _pass_key(q, k, pad, q, k, v, o, do, lse)
+    delta = empty(lse.shape, torch.float32, q.device)           # (B, H·Tq)
+    if HDk == HD:
+        dq, dk, dv = empty(q.shape, q.dtype, q.device), empty(k.shape, k.dtype, k.device), \
+            empty(v.shape, v.dtype, v.device)
+    else:                                                       # per query head, summed per group below
+        dq = empty(q.shape, q.dtype, q.device)
+        dk, dv = empty((2, B, Tk, HD), torch.float32, k.device).unbind(0)
     scales = (scale * LOG2E, scale)
-    launch("dq", luts, (q, k, v, o, do, lse, delta, dq), pad, scales)
-    launch("dkdv", luts, (q, k, v, do, lse, delta, dk, dv), pad, scales)
+    launch("dq", luts, (q, k, v, o, do, lse, delta, dq), pad, scales, key)
+    launch("dkdv", luts, (q, k, v, do, lse, delta, dk, dv), pad, scales, key)
     if HDk != HD:
         D = HD // luts.heads
         dk, dv = (t.view(B, Tk, HDk // D, HD // HDk, D).sum(3).view(B, Tk, HDk).to(k.dtype) for t in (dk, dv))

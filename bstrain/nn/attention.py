@@ -72,7 +72,10 @@ class BlockSparseAttention(nn.Module):
         """q (B, T, H·D) or (B, H, T, D); k, v (B, Tk, Hk·D) or (B, Hk, Tk, D). Returns q's shape."""
         four = q.dim() == 4
         if four:                                              # SDPA's (B, H, T, D) -> (B, T, H·D)
-            q, k, v = (_merge_heads(name, t, self.op.heads) for name, t in (("q", q), ("k", k), ("v", v)))
+            if q.shape[1] != self.op.heads:
+                raise ValueError(f"q: expected (batch, {self.op.heads}, T, head_dim) or (batch, T, "
+                                 f"{self.op.heads}·head_dim), got {tuple(q.shape)}")
+            q, k, v = (_merge_heads(name, t) for name, t in (("q", q), ("k", k), ("v", v)))
         B, T, HD = q.shape if q.dim() == 3 else (None, None, None)
         if T is None or not 0 < T <= self.op.q_ctx:
             raise ValueError(f"q: expected (batch, T, heads·head_dim) or (batch, heads, T, head_dim) with 1 <= T <= "
@@ -107,7 +110,7 @@ class BlockSparseAttention(nn.Module):
                 f"({density:.1%} live), scale={self.scale}, backend={op.backend!r}")
 
 
-def _merge_heads(name: str, t: torch.Tensor, heads: int) -> torch.Tensor:
+def _merge_heads(name: str, t: torch.Tensor) -> torch.Tensor:
     """(B, H, T, D) -> (B, T, H·D)."""
     if not isinstance(t, torch.Tensor) or t.dim() != 4:
         got = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__

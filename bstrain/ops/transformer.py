@@ -97,6 +97,24 @@ def _attention_tables(layout: np.ndarray, block_size: int, partial_idx: np.ndarr
                            (h, i, j, partial_idx, pmasks))
 
 
+@torch.compiler.assume_constant_result
+def _device_tensors(key: str, device: torch.device) -> tuple[Tensor, ...]:
+    """(h, i, j, row, tiles, tile_of) of the tables named ``key`` on ``device``. torch.compile runs
+    this rather than tracing it (a first device copy built in the trace would break the graph on
+    the builder's numpy) and takes the result as constants of the graph."""
+    t = lookup(key).on(device)
+    return t.h, t.i, t.j, t.row, t.tiles, t.tile_of
+
+
+def _tables_on(tables, device: torch.device) -> AttentionTables:
+    """``tables.on(device)``, also while torch.compile traces a call (see :func:`_device_tensors`)."""
+    if not torch.compiler.is_compiling():
+        return tables.on(device)
+    host = tables.host
+    return AttentionTables(host.heads, host.q_blocks, host.k_blocks, host.block_size,
+                           *_device_tensors(tables.key, device), host.host)
+
+
 # --- reference: dense attention (the tests' oracle) and the PyTorch path -----------------------------
 def attention_ref(q, k, v, mask: Tensor, scale: float) -> Tensor:
     """Dense masked attention, the tests' reference: mask (heads, q_ctx, k_ctx) or (batch, heads,
@@ -197,8 +215,8 @@ def bst_attention(q: Tensor, k: Tensor, v: Tensor, key_padding_mask: Tensor | No
     ``layout`` is the key of the op's layout tables (:func:`bstrain.ops.tables.lookup`)."""
     t = lookup(layout).on(q.device)
     if q.is_cuda:
-        return _kernels().attention_forward(q.contiguous(), k.contiguous(), v.contiguous(), t.kernel_luts(), scale,
-                                            key_padding_mask)
+        K = _kernels()
+        return K.attention_forward(*K.kernel_inputs(q, k, v), t.kernel_luts(), scale, key_padding_mask)
     o, lse = attention_torch(q, k, v, t, scale, key_padding_mask)
     return o.contiguous(), lse
 
@@ -216,8 +234,8 @@ def bst_attention_bwd(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, ls
     """(dq, dk, dv) of bst_attention."""
     t = lookup(layout).on(q.device)
     if q.is_cuda:
-        return _kernels().attention_backward(do, q.contiguous(), k.contiguous(), v.contiguous(), o, lse,
-                                             t.kernel_luts(), scale, key_padding_mask)
+        K = _kernels()
+        return K.attention_backward(do, *K.kernel_inputs(q, k, v), o, lse, t.kernel_luts(), scale, key_padding_mask)
     return attention_torch_backward(do, q, k, v, o, t, scale, key_padding_mask)
 
 
@@ -258,8 +276,9 @@ class _AttentionFn(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, pad, luts, scale):
-        q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
-        o, lse = _kernels().attention_forward(q, k, v, luts, scale, pad)
+        K = _kernels()
+        q, k, v = K.kernel_inputs(q, k, v)                  # views of a fused qkv projection stay views
+        o, lse = K.attention_forward(q, k, v, luts, scale, pad)
         ctx.save_for_backward(q, k, v, o, lse)
         ctx.pad, ctx.luts, ctx.scale = pad, luts, scale
         return o
@@ -305,6 +324,7 @@ class BlocksparseTransformer:
         self.backend = backend
         self.layout = np.ascontiguousarray(lay, dtype=bool)              # (H, nq, nk)
         self.heads, self.q_blocks, self.k_blocks = self.layout.shape
+        self.q_ctx, self.k_ctx = self.q_blocks * bs, self.k_blocks * bs   # positions
         self.blocks = int(self.layout.sum())
         self._partial_idx, self._pmasks = _element_masks(self.layout, bs, mask_callback)
         # shared by equal layouts; real CPU tensors now, one copy per device (bstrain.ops.tables)
@@ -312,14 +332,6 @@ class BlocksparseTransformer:
         self.key = self._tables.key                                     # names the layout in bst_attention calls
 
     # --- shapes -----------------------------------------------------------------------------------
-    @property
-    def q_ctx(self) -> int:
-        return self.q_blocks * self.block_size
-
-    @property
-    def k_ctx(self) -> int:
-        return self.k_blocks * self.block_size
-
     def w_shape(self, batch: int) -> tuple[int, int, int, int]:
         """The score tensor's shape: (batch, blocks, bs, bs)."""
         return (batch, self.blocks, self.block_size, self.block_size)
@@ -370,8 +382,25 @@ class BlocksparseTransformer:
                              f"batch {x.shape[0]}, {x.dtype} on {x.device}")
 
     def _check_qkv(self, q, k, v) -> int:
-        """q (batch, q_ctx, heads·D); k, v (batch, k_ctx, kv_heads·D), kv_heads dividing heads.
-        Returns D."""
+        """q (batch, q_ctx, heads·D); k, v (batch, k_ctx, kv_heads·D), kv_heads dividing heads; one
+        dtype and device. Returns D. Valid arguments cost a few integer comparisons (an eager call's
+        host time is the point); anything else goes through :meth:`_explain_qkv`, which names the
+        argument at fault."""
+        try:
+            B, T, HD = q.shape
+            Bk, Tk, HDk = k.shape
+            Bv, Tv, HDv = v.shape
+            D = HD // self.heads
+            if T == self.q_ctx and Tk == self.k_ctx and B == Bk == Bv and Tv == Tk and HDv == HDk \
+                    and HD == D * self.heads and HDk % D == 0 and self.heads % (HDk // D) == 0 \
+                    and q.dtype in _FLOATS and k.dtype is q.dtype and v.dtype is q.dtype \
+                    and q.get_device() == k.get_device() == v.get_device():
+                return D
+        except (AttributeError, TypeError, ValueError, ZeroDivisionError):
+            pass
+        return self._explain_qkv(q, k, v)
+
+    def _explain_qkv(self, q, k, v) -> int:
         D = self._check_act("q", q, self.q_ctx)
         for name, x in (("k", k), ("v", v)):
             if not isinstance(x, Tensor) or x.dtype not in _FLOATS:
@@ -407,7 +436,7 @@ class BlocksparseTransformer:
     def query_key_op(self, q: Tensor, k: Tensor) -> Tensor:
         """Scores q·kᵀ of the live blocks: (batch, blocks, bs, bs) (see the module docstring)."""
         D = self._check_qkv(q, k, k)
-        t = self._tables.on(q.device)
+        t = _tables_on(self._tables, q.device)
         return torch.einsum("bnid,bnjd->bnij", _blocks(q, t, D, "q"), _blocks(k, t, D, "k"))
 
     def masked_softmax(self, w: Tensor, scale: float = 1.0, autoregress_at_key: int | None = None,
@@ -418,7 +447,7 @@ class BlocksparseTransformer:
         one only by queries at or after it). A query with no live key gets zeros. Math in fp32
         (fp64 for fp64 w); returns w's dtype."""
         self._check_w(w)
-        t = self._tables.on(w.device)
+        t = _tables_on(self._tables, w.device)
         if key_padding_mask is not None:
             self._check_pad(key_padding_mask, w.shape[0], w.device)
         keep = _keep(t, key_padding_mask)
@@ -436,7 +465,7 @@ class BlocksparseTransformer:
         """Σ over live blocks of w·v: (batch, q_ctx, heads·head_dim) in v's dtype."""
         D = self._check_act("v", v, self.k_ctx)
         self._check_w(w, v.shape[0])
-        t = self._tables.on(v.device)
+        t = _tables_on(self._tables, v.device)
         part = torch.einsum("bnij,bnjd->bnid", w.to(v.dtype), _blocks(v, t, D, "k"))     # (B, nnz, bs, D)
         return _scatter_rows(part, t, self.heads, self.q_blocks, t.row)
 
@@ -456,7 +485,7 @@ class BlocksparseTransformer:
                 luts = self._tables.on(q.device).kernel_luts()
                 return _AttentionFn.apply(q, k, v, key_padding_mask, luts, scale)
             return torch.ops.bstrain.bst_attention(q, k, v, key_padding_mask, self.key, scale)[0]
-        return attention_torch(q, k, v, self._tables.on(q.device), scale, key_padding_mask)[0]
+        return attention_torch(q, k, v, _tables_on(self._tables, q.device), scale, key_padding_mask)[0]
 
     def __repr__(self) -> str:
         return (f"BlocksparseTransformer(heads={self.heads}, q_blocks={self.q_blocks}, k_blocks={self.k_blocks}, "

@@ -10,9 +10,22 @@ import torch
 
 from bstrain import layout as L
 from bstrain.kernels import attention as K
-from bstrain.ops.transformer import BlocksparseTransformer
-from tests.conftest import DTYPE_IDS, fresh_seed, kernel_device, kernel_dtypes
+from bstrain.ops.transformer import BlocksparseTransformer, attention_ref
+from tests.conftest import DTYPE_IDS, assert_close, fresh_seed, kernel_device, kernel_dtypes
 from tests.ops.test_transformer import checked, qkv, random_layout
+
+
+def cases(*combos):
+    """Parameter sets: every combination with every kernel dtype on the GPU; on CPU (the
+    interpreter, slow) only ``combos``, each with the dtype it names, so each case still runs once."""
+    if torch.cuda.is_available():
+        rest = sorted({c[1:] for c in combos}, key=str)
+        return [(dt, *r) for dt in kernel_dtypes() for r in rest]
+    return list(combos)
+
+
+def _id(value) -> str:
+    return DTYPE_IDS.get(value, str(value))
 
 
 def _on(dev, *ts):
@@ -25,8 +38,8 @@ def run(op, B, D, dtype, pad=None):
     return checked(op, q, k, v, dtype, pad=None if pad is None else pad.to(dev))
 
 
-@pytest.mark.parametrize("dtype", kernel_dtypes(), ids=DTYPE_IDS.get)
-@pytest.mark.parametrize("bs,D", [(16, 32), (32, 48), (16, 64)])
+@pytest.mark.parametrize("dtype,bs,D", cases((torch.float32, 16, 32), (torch.float16, 32, 48),
+                                              (torch.float16, 16, 64)), ids=_id)
 def test_per_head_layouts_empty_rows_and_columns(dtype, bs, D):
     lay = random_layout(2, 3, 4, fresh_seed())
     lay[1, :, 3] = False                                     # a key block no query of head 1 uses
@@ -81,19 +94,22 @@ def _mixed_callback(seed):
     return cb
 
 
-@pytest.mark.parametrize("dtype", kernel_dtypes(), ids=DTYPE_IDS.get)
-@pytest.mark.parametrize("tiles", [((32, 16), (16, 32), (64, 16)), ((64, 32), (64, 64), (16, 64)),
-                                   ((16, 16), (32, 32), (32, 16))], ids=["a", "b", "c"])
+TILE_SETS = {"a": ((32, 16), (16, 32), (64, 16)), "b": ((64, 32), (64, 64), (16, 64)),
+             "c": ((16, 16), (32, 32), (32, 16))}
+
+
+@pytest.mark.parametrize("dtype,tiles", cases((torch.float32, "a"), (torch.float16, "b"), (torch.float32, "c")),
+                         ids=_id)
 def test_tiles_smaller_than_blocks(dtype, tiles, tile_shapes):
     """Blocks of 64 cut into tiles of 16-64: triangular, table and dead tiles, padding, an empty row."""
     bs, D = 64, 16
-    tile_shapes(bs, D, dtype, *tiles)
-    lay = random_layout(2, 3, 3, fresh_seed())
+    tile_shapes(bs, D, dtype, *TILE_SETS[tiles])
+    lay = random_layout(1, 3, 3, fresh_seed())
     lay[:, np.arange(3), np.arange(3)] = True
     op = BlocksparseTransformer(lay, block_size=bs, mask_callback=_mixed_callback(fresh_seed()), backend="triton")
-    pad = torch.zeros(2, 3 * bs, dtype=torch.bool)
-    pad[1, 150:] = True
-    run(op, 2, D, dtype, pad=pad)
+    pad = torch.zeros(1, 3 * bs, dtype=torch.bool)
+    pad[0, 150:] = True
+    run(op, 1, D, dtype, pad=pad)
 
 
 def test_causal_tiles_are_triangular_and_dead_tiles_dropped():
@@ -170,3 +186,91 @@ def test_a_head_with_no_live_block(backend):
     op = BlocksparseTransformer(lay, block_size=16, backend=backend)
     out = run(op, 1, 16, torch.float32)
     assert (out[..., 16:] == 0).all()
+
+
+@pytest.mark.parametrize("dtype", kernel_dtypes(), ids=DTYPE_IDS.get)
+def test_grouped_query_kv_and_padding(dtype):
+    """k, v with half of q's heads: the kernels read k/v head h // 2 and sum dK, dV over the group."""
+    lay, cb = L.attention_layout(L.causal_mask, 32, 32, 16, heads=4)
+    lay[3, 1, 0] = False                                       # heads with their own layouts
+    op = BlocksparseTransformer(lay, block_size=16, mask_callback=cb, backend="triton")
+    dev = kernel_device()
+    q, = _on(dev, torch.randn(2, 32, 4 * 16, dtype=dtype))
+    k, v = _on(dev, *(torch.randn(2, 32, 2 * 16, dtype=dtype) for _ in range(2)))
+    pad = torch.zeros(2, 32, dtype=torch.bool, device=dev)
+    pad[1, 20:] = True
+    checked(op, q, k, v, dtype, pad=pad)
+
+
+def test_empty_batch():
+    op = BlocksparseTransformer(np.ones((2, 2)), 16, heads=1, backend="triton")
+    q = torch.randn(0, 32, 16, device=kernel_device(), requires_grad=True)
+    out = op.attention(q, q, q)
+    out.sum().backward()
+    assert out.shape == q.shape and q.grad.shape == q.shape
+
+
+@pytest.mark.gpu
+def test_gpu_launch_plans_direct_path_fresh_inputs():
+    """After a plan's first (JIT) launch, later calls launch directly; each call is checked with
+    fresh inputs, and a misaligned view after aligned calls gets a plan of its own."""
+    from bstrain.kernels import launch
+    lay, cb = L.attention_layout(L.strided_mask(32), 128, 128, 32, heads=2)
+    op = BlocksparseTransformer(lay, block_size=32, mask_callback=cb, backend="triton")
+    before = dict(launch.stats)
+    for step in range(4):
+        base = torch.randn(3 * 128 * 64 + 8, device="cuda", dtype=torch.float16)
+        q = base[1 if step == 3 else 0:][:3 * 128 * 64].view(3, 128, 64)       # the last: misaligned
+        k, v = (torch.randn(3, 128, 64, device="cuda", dtype=torch.float16) for _ in range(2))
+        pad = torch.zeros(3, 128, dtype=torch.bool, device="cuda")
+        pad[2, 100 + step:] = True
+        checked(op, *_on("cuda", q, k, v), torch.float16, pad=pad)
+    assert launch.stats["direct"] - before["direct"] >= 6, (before, launch.stats)
+
+
+@pytest.mark.gpu
+def test_gpu_cuda_graph_capture_with_padding():
+    """fwd+bwd with a padding mask captured in a CUDA graph (nothing syncs with the host) and
+    replayed on new data gives the eager results."""
+    lay, cb = L.attention_layout(L.causal_mask, 256, 256, 64)
+    op = BlocksparseTransformer(lay, block_size=64, heads=2, mask_callback=cb)
+    q, k, v = (torch.randn(2, 256, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
+    pad = torch.zeros(2, 256, dtype=torch.bool, device="cuda")
+    g = torch.randn(2, 256, 128, device="cuda", dtype=torch.bfloat16)
+
+    def step():
+        out = op.attention(q, k, v, key_padding_mask=pad)
+        return (out,) + torch.autograd.grad(out, (q, k, v), g)
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        step()                                                   # warm-up: plans and tables made
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = step()
+    with torch.no_grad():
+        for t in (q, k, v, g):
+            t.copy_(torch.randn_like(t))
+        pad[1, 200:] = True
+    graph.replay()
+    for a, b in zip(captured, step()):
+        torch.testing.assert_close(a, b)
+
+
+@pytest.mark.parametrize("dtype", kernel_dtypes(), ids=DTYPE_IDS.get)
+def test_fused_qkv_views_are_read_in_place(dtype):
+    """q, k, v as chunks of one (B, T, 3·H·D) projection: the kernels take their strides (no copy)."""
+    lay, cb = L.attention_layout(L.strided_mask(16), 48, 48, 16)
+    op = BlocksparseTransformer(lay, block_size=16, heads=2, mask_callback=cb, backend="triton")
+    x, = _on(kernel_device(), torch.randn(2, 48, 3 * 32, dtype=dtype))
+    q, k, v = x.chunk(3, -1)
+    assert all(a is b for a, b in zip(K.kernel_inputs(q, k, v), (q, k, v)))
+    out = op.attention(q, k, v, scale=0.3)
+    x64 = x.detach().double().cpu().requires_grad_()
+    ref = attention_ref(*x64.chunk(3, -1), op.dense_mask(), 0.3)
+    assert_close(out, ref, None, dtype)
+    g = torch.randn_like(ref)
+    got, = torch.autograd.grad(out, x, g.to(out.device, dtype))
+    want, = torch.autograd.grad(ref, x64, g)
+    assert_close(got, want, None, dtype, "dx")

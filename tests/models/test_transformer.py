@@ -115,3 +115,34 @@ def test_dense_layers_match_the_causal_pattern():
     assert "blocks.0.attn" not in b.block_sparse_layouts()
     with pytest.raises(ValueError, match="'dense' takes a whole layer"):
         SparseTransformer(**SMALL, attention="dense+strided")
+
+
+def test_meta_construction_to_empty_and_load():
+    """Built under a meta default device, moved with to_empty and loaded: the reference's outputs
+    (the attention tables were made on the CPU when the model was built, not on the meta device)."""
+    torch.manual_seed(0)
+    ref = SparseTransformer(**SMALL, attention="strided+local,fixed")
+    with torch.device("meta"):
+        m = SparseTransformer(**SMALL, attention="strided+local,fixed")
+    assert m.head.weight.is_meta
+    m.to_empty(device="cpu")
+    m.load_state_dict(ref.state_dict())
+    x = torch.randint(0, 256, (2, 40))
+    torch.testing.assert_close(m(x), ref(x))
+
+
+def test_inference_mode_first_then_training_and_export():
+    """A first forward under inference_mode, then a training step; torch.export of a fresh model
+    (non-strict), after which the eager model still returns real tensors."""
+    torch.manual_seed(0)
+    m = SparseTransformer(**SMALL, attention="fixed,strided")
+    x = torch.randint(0, 256, (2, 64))
+    with torch.inference_mode():
+        m(x)
+    m(x).logsumexp(-1).mean().backward()
+    assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in m.parameters())
+    fresh = SparseTransformer(**SMALL, attention="strided+causal")
+    ep = torch.export.export(fresh, (x,), strict=False)
+    y = fresh(x)
+    assert type(y) is torch.Tensor
+    torch.testing.assert_close(ep.module()(x), y)

@@ -7,7 +7,7 @@ import torch
 
 from bstrain import layout as L
 from bstrain.ops.transformer import BlocksparseTransformer, attention_ref
-from tests.conftest import DTYPE_IDS, assert_close, fresh_seed
+from tests.conftest import DTYPE_IDS, assert_close, fresh_seed, kernel_device
 
 
 def element_mask(op: BlocksparseTransformer) -> torch.Tensor:
@@ -114,7 +114,7 @@ def test_gradcheck_float64():
     lay, cb = L.attention_layout(L.local_mask(20), 32, 32, 16)
     op = BlocksparseTransformer(lay, block_size=16, heads=1, mask_callback=cb)
     q, k, v = qkv(1, 32, 32, 1, 4, torch.float64)
-    torch.autograd.gradcheck(lambda a, b, c: op.attention(a, b, c), (q, k, v))
+    torch.autograd.gradcheck(lambda a, b, c: op.attention(a, b, c), (q, k, v), fast_mode=True)
 
 
 @pytest.mark.parametrize("call,err,match", [
@@ -176,31 +176,33 @@ def test_copies_keep_their_attention_layout_registered():
                                twin.attention(q, k, v, scale=0.5))
 
 
-def test_compile_sparse_transformer_through_the_attention_op(monkeypatch):
+def test_compile_fullgraph_through_the_attention_op(monkeypatch):
     """backend='triton' under torch.compile(fullgraph=True): the graph holds bstrain.bst_attention
-    (on CPU it runs PyTorch inside), no graph break, gradients as in eager."""
-    from bstrain.models.transformer import SparseTransformer
-    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    (on CPU it runs PyTorch inside), no graph break; outputs and gradients as in eager, with a
+    padding mask and grouped-query k/v going through the op too."""
+    dev = kernel_device()
     if dev == "cpu":
         monkeypatch.setenv("TRITON_INTERPRET", "1")
     torch._dynamo.reset()
-    torch.manual_seed(0)
-    m = SparseTransformer(d_model=32, n_layer=2, n_head=2, context=64, block_size=16, window=16, summary=4,
-                          attention="strided,fixed", backend="triton").to(dev)
-    x = torch.randint(0, 256, (2, 64), device=dev)
-    out = torch._dynamo.explain(m)(x)
-    code = "".join(g.code for g in out.graphs)
-    assert out.graph_break_count == 0 and "bstrain.bst_attention" in code
-    compiled = torch.compile(m, fullgraph=True, backend="aot_eager")
-    params = list(m.parameters())
-    for _ in range(2):
-        x = torch.randint(0, 256, (2, 64), device=dev)
-        a, b = compiled(x), m(x)
-        ga = torch.autograd.grad(a.square().mean(), params)
-        gb = torch.autograd.grad(b.square().mean(), params)
-        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
-        for p, r in zip(ga, gb):
-            torch.testing.assert_close(p, r, rtol=1e-3, atol=1e-6)
+    lay, cb = L.attention_layout(L.strided_mask(16), 64, 64, 16)
+    op = BlocksparseTransformer(lay, 16, heads=4, mask_callback=cb, backend="triton")
+
+    def f(q, k, v, pad):
+        return op.attention(q, k, v, key_padding_mask=pad)
+    q = torch.randn(2, 64, 4 * 8, device=dev, requires_grad=True)
+    k, v = (torch.randn(2, 64, 2 * 8, device=dev, requires_grad=True) for _ in range(2))
+    pad = _pad_mask(2, 64).to(dev)
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append(gm.code)
+        return torch._dynamo.backends.debugging.aot_eager(gm, example_inputs)
+    a, b = torch.compile(f, fullgraph=True, backend=backend)(q, k, v, pad), f(q, k, v, pad)
+    assert len(graphs) == 1 and "bstrain.bst_attention" in graphs[0]
+    torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+    g = torch.randn_like(a)
+    for x, y in zip(torch.autograd.grad(a, (q, k, v), g), torch.autograd.grad(b, (q, k, v), g)):
+        torch.testing.assert_close(x, y, rtol=1e-4, atol=1e-5)
 
 
 def test_partial_masks_are_stored_once_per_distinct_tile():
@@ -209,3 +211,44 @@ def test_partial_masks_are_stored_once_per_distinct_tile():
     assert (op._partial_idx >= 0).sum() > 4 * 16 and len(op._pmasks) <= 4     # many partial blocks, few tiles
     q, k, v = qkv(1, 256, 256, 4, 8, torch.float64)
     checked(op, q, k, v, torch.float64)
+
+
+def test_first_call_in_inference_mode_then_training():
+    """The op's tables exist before the first call, so an inference-mode call leaves nothing an
+    autograd graph later saves (no "Inference tensors cannot be saved for backward")."""
+    lay, cb = L.attention_layout(L.fixed_mask(16, 4), 64, 64, 16)
+    op = BlocksparseTransformer(lay, 16, heads=2, mask_callback=cb)
+    with torch.inference_mode():
+        op.attention(*qkv(1, 64, 64, 2, 8, torch.float32, grad=False))
+    checked(op, *qkv(2, 64, 64, 2, 8, torch.float64), torch.float64)
+
+
+@pytest.mark.parametrize("kv_heads", [1, 2])
+def test_grouped_query_kv(kv_heads):
+    """k, v with fewer heads than q (SDPA's enable_gqa): query head h reads k/v head h // (4 / kv_heads)."""
+    lay = random_layout(4, 3, 2, fresh_seed())
+    op = BlocksparseTransformer(lay, 16, mask_callback=None)
+    q = torch.randn(2, 48, 4 * 8, dtype=torch.float64, requires_grad=True)
+    k, v = (torch.randn(2, 32, kv_heads * 8, dtype=torch.float64, requires_grad=True) for _ in range(2))
+    checked(op, q, k, v, torch.float64)
+    do, o = torch.randn(2, 48, 32, dtype=torch.float64), op.attention(q, k, v, scale=0.3)
+    want = torch.autograd.grad(o, (q, k, v), do)
+    o2, lse = torch.ops.bstrain.bst_attention(q.detach(), k.detach(), v.detach(), None, op.key, 0.3)
+    got = torch.ops.bstrain.bst_attention_bwd(do, q.detach(), k.detach(), v.detach(), o2, lse, None, op.key, 0.3)
+    for a, b in zip(got, want):                                 # the custom op's formula backward
+        torch.testing.assert_close(a, b)
+    with pytest.raises(ValueError, match=r"^k: expected \(batch, 32, kv_heads·8\) with kv_heads dividing heads=4"):
+        op.attention(q, *(torch.randn(2, 32, 3 * 8, dtype=torch.float64) for _ in range(2)))   # 3 heads
+    with pytest.raises(ValueError, match=r"^v: expected"):
+        op.attention(q, k, v[..., :4])
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_empty_batch(backend):
+    op = BlocksparseTransformer(random_layout(2, 2, 2, fresh_seed()), 16, backend=backend)
+    dev = kernel_device() if backend == "triton" else "cpu"
+    q = torch.randn(0, 32, 16, device=dev, requires_grad=True)
+    out = op.attention(q, q, q, key_padding_mask=torch.zeros(0, 32, dtype=torch.bool, device=dev))
+    out.sum().backward()
+    assert out.shape == q.shape and q.grad.shape == q.shape
+    assert op.query_key_op(q, q).shape == (0, op.blocks, 16, 16)
