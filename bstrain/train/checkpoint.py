@@ -93,10 +93,13 @@ def prune_checkpoints(directory: str | Path, keep: int) -> None:
 
 
 # --- what a checkpoint holds: written and read here only ---------------------------------------------
-KEYS = ("step", "model", "optimizer", "scaler", "ema", "task", "rng", "state", "metrics", "config")
+KEYS = ("step", "model", "optimizer", "scaler", "ema", "task", "rng", "state", "metrics", "config", "schedule")
 """Every entry of a training checkpoint. ``state``: each rank's carried model state (stateful
 models), in rank order; ``task``: the data position; ``metrics``: the last train loss and
-validation results, so resuming a finished run can report them."""
+validation results, so resuming a finished run can report them; ``schedule``: the learning-rate
+schedule's horizon and restart (:class:`bstrain.train.schedule.LRSchedule`)."""
+_LATER_KEYS = ("schedule",)
+"""Entries that checkpoints of earlier versions lack and a resume does without."""
 
 
 def capture(run) -> dict | None:
@@ -122,6 +125,7 @@ def capture(run) -> dict | None:
         "state": states if any(s is not None for s in states) else None,
         "metrics": {"train_loss": run.train_loss, "valid": dict(run.valid)},
         "config": OmegaConf.to_container(run.cfg, resolve=True, enum_to_str=True),
+        "schedule": run.schedule.state_dict(),
     }
     assert tuple(out) == KEYS
     return out
@@ -153,7 +157,7 @@ def check_model_entries(model: torch.nn.Module, saved: dict, path, adopt_layouts
 def restore(run, ckpt: dict) -> None:
     """Loads a checkpoint into a freshly built run, checking the model's entries first. The
     carried state waits in ``run.pending_state`` until the first batch shows this rank's batch size."""
-    if missing := [k for k in KEYS if k not in ckpt]:
+    if missing := [k for k in KEYS if k not in ckpt and k not in _LATER_KEYS]:
         raise CheckpointError(f"checkpoint {ckpt['path']}: no {', '.join(missing)} entries (written by an older "
                               f"bstrain?); it can be evaluated and sampled, not resumed")
     check_model_entries(run.model, ckpt["model"], ckpt["path"])
@@ -176,6 +180,11 @@ def restore(run, ckpt: dict) -> None:
         torch.cuda.set_rng_state(ckpt["rng"]["cuda"], run.device)
     run.pending_state = ckpt.get("state") if run.task.state_continues else None
     run.step = int(ckpt["step"])
+    saved = ckpt.get("schedule") or {"max_steps": ckpt["config"].get("trainer", {}).get("max_steps", run.step)}
+    change = run.schedule.resume(saved, run.step)
+    if change:
+        from bstrain.train.progress import log
+        log.info("%s", change)
     metrics = ckpt.get("metrics") or {}
     run.train_loss = metrics.get("train_loss", float("nan"))
     run.valid = dict(metrics.get("valid") or {})

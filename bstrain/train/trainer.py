@@ -42,6 +42,7 @@ from bstrain.train.distributed import (World, barrier, broadcast, check_same_lay
                                        init_world)
 from bstrain.train.graphs import CapturedStep, check_graph_config
 from bstrain.train.progress import Board, Progress, log, remove_logging, setup_logging
+from bstrain.train.schedule import LRSchedule, set_lr
 from bstrain.train.step import Forward, is_stateful, train_step, unwrap
 
 PRECISIONS = {"fp32": None, "fp16": torch.float16, "bf16": torch.bfloat16}
@@ -120,27 +121,6 @@ def _match_graph_mode(optimizer: torch.optim.Optimizer, capturable: bool, device
             if isinstance(st.get("step"), torch.Tensor):
                 on_device = capturable or flags["fused"]
                 st["step"] = st["step"].to(device=p.device if on_device else "cpu", dtype=torch.float32)
-
-
-def lr_factor(step: int, cfg, max_steps: int) -> float:
-    """Linear warmup, then cosine or linear decay to min_lr_ratio (or constant)."""
-    if step < cfg.warmup_steps:
-        return (step + 1) / cfg.warmup_steps
-    schedule = _value(cfg.schedule)
-    if schedule == "constant":
-        return 1.0
-    frac = min(1.0, (step - cfg.warmup_steps) / max(1, max_steps - cfg.warmup_steps))
-    shape = 0.5 * (1 + math.cos(math.pi * frac)) if schedule == "cosine" else 1.0 - frac
-    return cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * shape
-
-
-def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
-    """The schedule is a function of the step: no scheduler object, nothing to checkpoint."""
-    for g in optimizer.param_groups:
-        if isinstance(g["lr"], torch.Tensor):
-            g["lr"].fill_(lr)                            # a device tensor a captured graph reads
-        else:
-            g["lr"] = lr
 
 
 _CHECKS = (  # (section, key, test, expectation): ranges the types alone do not fix
@@ -244,6 +224,7 @@ class Run:
     forward: Forward
     optimizer: torch.optim.Optimizer
     scaler: torch.amp.GradScaler
+    schedule: LRSchedule
     ema: Any = None
     params: list = field(default_factory=list)    # the model's parameters, listed once for clipping
     captured: CapturedStep | None = None
@@ -294,8 +275,8 @@ def build(cfg: DictConfig, run_dir: Path, device: torch.device, world: World) ->
         from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
         ema = AveragedModel(model, multi_avg_fn=get_ema_multi_avg_fn(cfg.optim.ema))
     forward = Forward(net, amp_dtype, device)
-    run = Run(cfg, world, device, run_dir, task, model, net, forward, optimizer, scaler, ema,
-              params=list(model.parameters()))
+    run = Run(cfg, world, device, run_dir, task, model, net, forward, optimizer, scaler,
+              LRSchedule(cfg.optim, t_cfg.max_steps), ema, params=list(model.parameters()))
     if graphed:
         run.captured = CapturedStep(forward, task.loss, optimizer, cfg.optim.grad_clip)
     if resume is not None:
@@ -332,7 +313,7 @@ def _like(template, tensors):
 
 def one_step(run: Run, x: torch.Tensor, y: torch.Tensor, fresh: bool):
     """One optimizer step at this step's learning rate; returns (loss, grad norm) on the device."""
-    set_lr(run.optimizer, run.cfg.optim.lr * lr_factor(run.step, run.cfg.optim, run.cfg.trainer.max_steps))
+    set_lr(run.optimizer, run.schedule.lr(run.step))
     if run.pending_state is not None:
         _place_state(run, x)
     if fresh:
@@ -393,7 +374,7 @@ def log_window(run: Run, window: Window, progress: Progress, board: Board) -> No
     mean_loss = sum(losses) / n
     run.train_loss = losses[-1]
     metrics = {"loss": mean_loss, **run.task.train_metrics(mean_loss),
-               "lr": run.cfg.optim.lr * lr_factor(run.step - 1, run.cfg.optim, run.cfg.trainer.max_steps),
+               "lr": run.schedule.lr(run.step - 1),
                "grad_norm": sum(finite) / len(finite) if finite else float("nan"),
                "tokens_per_s": run.task.tokens_per_batch() * run.world.size * n / max(elapsed, 1e-9)}
     if run.scaler.is_enabled():

@@ -455,3 +455,26 @@ def test_compiled_model_on_cuda_follows_the_eager_trajectory(make_cfg):
     for step in want:
         assert got[step] == pytest.approx(want[step], rel=2e-4), f"step {step}: {got[step]} != {want[step]}"
     assert compiled["valid_bpb"] == pytest.approx(eager["valid_bpb"], rel=2e-4)
+
+
+def test_resume_with_more_steps_keeps_the_learning_rate_continuous(make_cfg, monkeypatch):
+    """Resuming at step 8 of 12 with trainer.max_steps=24: the lr of step 8 is the one the run had
+    (a new horizon would jump it up), then it decays to min_lr at step 24; the checkpoint keeps
+    this, so a later resume follows the same curve."""
+    lrs = []
+    real_set_lr = trainer_mod.set_lr
+    monkeypatch.setattr(trainer_mod, "set_lr", lambda opt, lr: (lrs.append(lr), real_set_lr(opt, lr)))
+
+    def lrs_of(*overrides, **shrink):
+        lrs.clear()
+        out = train(make_cfg(*overrides, trainer__ckpt_every=4, trainer__eval_every=0, **shrink))
+        return list(lrs), Path(out["run_dir"])
+    first, run_a = lrs_of(trainer__max_steps=12, run="a")
+    longer, run_b = lrs_of(f"trainer.resume={run_a / 'ckpt' / 'step_00000008.pt'}", trainer__max_steps=24, run="b")
+    assert len(longer) == 16 and longer[0] == pytest.approx(first[8], rel=1e-12)
+    assert all(b < a for a, b in zip(longer, longer[1:])), longer
+    floor = 3e-3 * 0.1                                          # optim.lr x min_lr_ratio
+    assert floor < longer[-1] < floor * 1.05                     # the last step, 23, is 1/16 of the way short
+    assert "trainer.max_steps: 12 -> 24 at step 8: the learning rate decays on from" in (run_b / "train.log").read_text()
+    again, _ = lrs_of(f"trainer.resume={run_b / 'ckpt' / 'step_00000016.pt'}", trainer__max_steps=24, run="c")
+    assert again == pytest.approx(longer[8:], rel=1e-12)
