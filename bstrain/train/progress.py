@@ -76,17 +76,19 @@ class Progress:
         if self.bar is not None:
             self.bar.update(1)
 
-    def show(self, step: int, metrics: dict, metric: str | None) -> None:
-        """The per-step line: to train.log always, to the console unless the bar shows it."""
+    def show(self, step: int, metrics: dict, metric: str | None, unit: str = "tokens") -> None:
+        """The per-step line: to train.log always, to the console unless the bar shows it.
+        ``metric`` is the task's metric (shown when the training metrics hold it); ``unit`` what
+        ``metrics[unit + "_per_s"]`` counts."""
         extra = f" {metric} {metrics[metric]:.4f}" if metric in metrics else ""
+        rate = metrics[f"{unit}_per_s"]
         if self.bar is not None:
-            post = {"loss": f"{metrics['loss']:.3f}", "lr": f"{metrics['lr']:.2e}",
-                    "tok/s": f"{metrics['tokens_per_s']:.0f}"}
+            post = {"loss": f"{metrics['loss']:.3f}", "lr": f"{metrics['lr']:.2e}", f"{unit}/s": f"{rate:.0f}"}
             if metric in metrics:
                 post[metric] = f"{metrics[metric]:.3f}"
             self.bar.set_postfix(post)
-        log.info("step %d loss %.4f%s lr %.2e grad_norm %.3f tokens/s %.0f", step, metrics["loss"], extra,
-                 metrics["lr"], metrics["grad_norm"], metrics["tokens_per_s"], extra={"step_line": True})
+        log.info("step %d loss %.4f%s lr %.2e grad_norm %.3f %s/s %.0f", step, metrics["loss"], extra,
+                 metrics["lr"], metrics["grad_norm"], unit, rate, extra={"step_line": True})
 
     def close(self) -> None:
         if self.bar is not None:

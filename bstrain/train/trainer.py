@@ -278,7 +278,7 @@ def build(cfg: DictConfig, run_dir: Path, device: torch.device, world: World) ->
     run = Run(cfg, world, device, run_dir, task, model, net, forward, optimizer, scaler,
               LRSchedule(cfg.optim, t_cfg.max_steps), ema, params=list(model.parameters()))
     if graphed:
-        run.captured = CapturedStep(forward, task.loss, optimizer, cfg.optim.grad_clip)
+        run.captured = CapturedStep(forward, task.loss, optimizer, cfg.optim.grad_clip, task.batch_metrics)
     if resume is not None:
         ckpt_io.restore(run, load_checkpoint(resume))
         _match_graph_mode(optimizer, graphed, device)
@@ -312,44 +312,56 @@ def _like(template, tensors):
 
 
 def one_step(run: Run, x: torch.Tensor, y: torch.Tensor, fresh: bool):
-    """One optimizer step at this step's learning rate; returns (loss, grad norm) on the device."""
+    """One optimizer step at this step's learning rate; returns (loss, grad norm, the task's batch
+    metrics), all on the device."""
     set_lr(run.optimizer, run.schedule.lr(run.step))
     if run.pending_state is not None:
         _place_state(run, x)
     if fresh:
         run.state = None                                # the data stream restarts: so does the state
     if run.captured is not None:                        # the whole step in one graph replay
-        loss, grad_norm = run.captured.step(x, y, reset_state=run.state is None)
-        loss, grad_norm = loss.clone(), grad_norm.clone()   # the graph's outputs are overwritten by the next replay
+        loss, grad_norm, metrics = run.captured.step(x, y, reset_state=run.state is None)
+        # the graph's outputs are overwritten by the next replay
+        loss, grad_norm, metrics = loss.clone(), grad_norm.clone(), {k: v.clone() for k, v in metrics.items()}
         run.state = run.captured.state
     else:
         scale = run.scaler._scale.clone() if run.scaler.is_enabled() and run.scaler._scale is not None else None
-        loss, grad_norm, run.state = train_step(run.forward, run.task.loss, x, y, run.state, run.optimizer,
-                                                run.params, run.cfg.optim.grad_clip, run.scaler)
+        loss, grad_norm, run.state, metrics = train_step(run.forward, run.task.loss, x, y, run.state, run.optimizer,
+                                                         run.params, run.cfg.optim.grad_clip, run.scaler,
+                                                         metrics_fn=run.task.batch_metrics)
         if scale is not None:                           # fp16: a lowered scale means a skipped step
             run.skipped = run.skipped + (run.scaler._scale < scale).int()
     if run.ema is not None:
         run.ema.update_parameters(run.model)
-    return loss, grad_norm
+    return loss, grad_norm, metrics
 
 
 # --- logging, validation, checkpoints ----------------------------------------------------------------
 class Window:
-    """The device-side losses and gradient norms of the steps since the last log line."""
+    """The device-side losses, gradient norms and task metrics of the steps since the last log line."""
 
     def __init__(self):
         self.reset()
 
     def reset(self) -> None:
-        self.losses, self.norms, self.t0, self.paused = [], [], time.perf_counter(), 0.0
+        self.losses, self.norms, self.metrics, self.t0, self.paused = [], [], [], time.perf_counter(), 0.0
 
-    def add(self, loss: torch.Tensor, grad_norm: torch.Tensor) -> None:
+    def add(self, loss: torch.Tensor, grad_norm: torch.Tensor, metrics: dict) -> None:
         self.losses.append(loss)
         self.norms.append(grad_norm)
+        self.metrics.append(metrics)
+
+    def stacked(self) -> tuple[torch.Tensor, list[str]]:
+        """(1 + metrics, steps) float64 on the device: each step's loss, then each task metric;
+        and the metrics' names."""
+        names = sorted(self.metrics[0]) if self.metrics else []
+        rows = [torch.stack(self.losses).double()] + [torch.stack([m[k] for m in self.metrics]).double()
+                                                      for k in names]
+        return torch.stack(rows), names
 
     @contextlib.contextmanager
     def pause(self):
-        """Time spent here (validation, checkpoints) does not count against tokens/s."""
+        """Time spent here (validation, checkpoints) does not count against the throughput."""
         t = time.perf_counter()
         try:
             yield
@@ -358,12 +370,15 @@ class Window:
 
 
 def log_window(run: Run, window: Window, progress: Progress, board: Board) -> None:
-    """The only host sync of the loop: the window's losses (averaged over ranks), norms and skips."""
+    """The only host sync of the loop: the window's losses and task metrics (averaged over ranks),
+    norms and skips."""
     from bstrain.train.distributed import all_mean
     n = len(window.losses)
     if n == 0:
         return
-    losses = all_mean(torch.stack(window.losses).double(), run.world).tolist()
+    rows, names = window.stacked()
+    losses, *rest = all_mean(rows, run.world).tolist()                   # one read: losses and task metrics
+    task_metrics = {k: sum(v) / n for k, v in zip(names, rest)}
     norms = torch.stack(window.norms).float().tolist()
     skipped = int(run.skipped) if isinstance(run.skipped, torch.Tensor) else run.skipped
     run.skipped = 0
@@ -373,10 +388,11 @@ def log_window(run: Run, window: Window, progress: Progress, board: Board) -> No
     elapsed = time.perf_counter() - window.t0 - window.paused
     mean_loss = sum(losses) / n
     run.train_loss = losses[-1]
-    metrics = {"loss": mean_loss, **run.task.train_metrics(mean_loss),
+    unit = run.task.unit
+    metrics = {"loss": mean_loss, **run.task.train_metrics(mean_loss), **task_metrics,
                "lr": run.schedule.lr(run.step - 1),
                "grad_norm": sum(finite) / len(finite) if finite else float("nan"),
-               "tokens_per_s": run.task.tokens_per_batch() * run.world.size * n / max(elapsed, 1e-9)}
+               f"{unit}_per_s": run.task.units_per_batch() * run.world.size * n / max(elapsed, 1e-9)}
     if run.scaler.is_enabled():
         metrics["loss_scale"] = run.scaler.get_scale()
         _check_same_scale(run, metrics["loss_scale"])
@@ -385,7 +401,7 @@ def log_window(run: Run, window: Window, progress: Progress, board: Board) -> No
                      "%g", run.step, skipped, n, metrics["loss_scale"])
     if run.device.type == "cuda":
         metrics["gpu_mem_gb"] = torch.cuda.max_memory_allocated(run.device) / 2**30
-    progress.show(run.step, metrics, run.task.metric)
+    progress.show(run.step, metrics, run.task.metric, unit)
     board.scalars(run.step, {f"train/{k}": v for k, v in metrics.items()})
     window.reset()
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -66,6 +67,21 @@ def test_classification_task_learns_the_synthetic_set(make_cfg, examples_on_path
     assert out["valid_acc"] > 0.6, out["valid"]                   # 10 classes: chance is 0.1; measured 0.93
     assert 0 <= out["valid_acc"] <= out["valid_top5"] <= 1 and math.isfinite(out["valid_loss"])
     assert "acc" in (Path(out["run_dir"]) / "train.log").read_text()
+
+
+def test_classification_logs_images_per_second_and_training_accuracy(make_cfg, examples_on_path):
+    cfg = _user_model(make_cfg("data=images", "task=classify", lm=False, trainer__max_steps=4, trainer__log_every=2,
+                               trainer__eval_every=0, data__batch_size=16, data__synthetic_size=200),
+                      "my_cnn.SmallCNN", width=4)
+    run = Path(train(cfg)["run_dir"])
+    log = (run / "train.log").read_text()
+    lines = re.findall(r" INFO (step \d+ loss .*)", log)
+    assert len(lines) == 2 and all(re.fullmatch(r"step \d+ loss \S+ acc [01]\.\d{4} lr \S+ grad_norm \S+ "
+                                                r"images/s \d+", line) for line in lines), lines
+    assert "tokens" not in log
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    tags = set(EventAccumulator(str(run / "tb")).Reload().Tags()["scalars"])
+    assert {"train/images_per_s", "train/acc", "valid/acc"} <= tags and "train/tokens_per_s" not in tags, tags
 
 
 def test_classification_resume_is_exact(make_cfg, examples_on_path):
