@@ -11,7 +11,6 @@ import sys
 from pathlib import Path
 
 import numpy as np
-import torch
 
 log = logging.getLogger("bstrain")
 
@@ -97,6 +96,14 @@ class Progress:
             _Console.bar_active = False
 
 
+def layout_picture(layout, long_side: int = 256) -> np.ndarray:
+    """A block layout as a uint8 image (live blocks white) of at least ``long_side`` pixels on its
+    long side: each block a square of whole pixels (nearest-neighbour), so blocks stay sharp."""
+    from bstrain.layout import layout_image
+    base = layout_image(layout).shape                 # one pixel per block
+    return layout_image(layout, scale=max(1, -(-long_side // max(base))))
+
+
 class Board:
     """One TensorBoard SummaryWriter in run_dir/tb (rank 0 only; a no-op elsewhere)."""
 
@@ -112,8 +119,7 @@ class Board:
         self.writer.add_text("config", "```\n" + config_yaml + "\n```", 0)
         self.writer.add_text("command", command, 0)
         for name, lay in layouts.items():
-            img = torch.as_tensor(np.asarray(lay, dtype=np.float32))[None]        # (1, Cb, Kb)
-            self.writer.add_image(f"layout/{name}", img, 0, dataformats="CHW")
+            self.writer.add_image(f"layout/{name}", layout_picture(lay), 0, dataformats="HW")
 
     def scalars(self, step: int, values: dict) -> None:
         if self.writer is not None:

@@ -37,6 +37,25 @@ def test_trains_and_writes_the_run_dir(make_cfg):
     assert len(re.findall(r" INFO step \d+ loss ", log)) == 15, "every log_every=2 steps a line in train.log"
     assert list((run / "tb").glob("events.out.tfevents.*")), "TensorBoard events missing"
     assert ckpt_mod.latest_checkpoint(run / "ckpt").name == "step_00000030.pt"
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    board = EventAccumulator(str(run / "tb"), size_guidance={"images": 0}).Reload()
+    layouts = board.Tags()["images"]
+    assert layouts and all(t.startswith("layout/") for t in layouts), layouts
+    for tag in layouts:                                  # 4 or 16 blocks on the long side: 64 or 16 pixels a block
+        image = board.Images(tag)[0]
+        assert max(image.width, image.height) == 256, (tag, image.width, image.height)
+
+
+def test_layout_pictures_are_scaled_up_block_by_block():
+    from bstrain.train.progress import layout_picture
+    lay = np.zeros((3, 5), dtype=bool)
+    lay[0, 0] = lay[2, 4] = True
+    img = layout_picture(lay)
+    assert img.shape == (3 * 52, 5 * 52) and img.dtype == np.uint8        # the long side >= 256 px
+    blocks = img.reshape(3, 52, 5, 52)
+    assert (blocks.min(axis=(1, 3)) == blocks.max(axis=(1, 3))).all(), "each block one flat square"
+    assert (blocks[:, 0, :, 0] == lay * 255).all()
+    assert layout_picture(np.ones((512, 300), dtype=bool)).shape == (512, 300), "large layouts stay 1 px a block"
 
 
 def test_dense_variant_and_layout_choices(make_cfg):
