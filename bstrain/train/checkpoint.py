@@ -36,10 +36,14 @@ def save_checkpoint(path: str | Path, state: dict) -> Path:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "wb") as f:
-        torch.save(state, f)
-        f.flush()
-        os.fsync(f.fileno())
+    try:
+        with open(tmp, "wb") as f:
+            torch.save(state, f)
+            f.flush()
+            os.fsync(f.fileno())
+    except BaseException:               # a full disk, or a second Ctrl-C mid-write: no half file left behind
+        tmp.unlink(missing_ok=True)
+        raise
     os.replace(tmp, path)
     try:  # make the rename itself durable
         dir_fd = os.open(path.parent, os.O_RDONLY)

@@ -33,7 +33,7 @@ from typing import Any
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from bstrain.errors import RunInterrupted, UserError
+from bstrain.errors import RunAborted, RunInterrupted, UserError
 from bstrain.models.layers import block_sparse_layouts, set_grad_group
 from bstrain.train import checkpoint as ckpt_io
 from bstrain.train.checkpoint import (checkpoint_path, latest_checkpoint, load_checkpoint, prune_checkpoints,
@@ -464,16 +464,24 @@ def save(run: Run) -> Path | None:
 @contextlib.contextmanager
 def stop_on_signals(run: Run):
     """SIGINT/SIGTERM ask the loop to stop after the current step (it then checkpoints); a second
-    signal acts as usual. Only in the main thread, where Python delivers signals."""
+    one stops the run where it is (:class:`RunAborted`: one line, no new checkpoint, the last
+    complete one intact), and a third acts as usual. Only in the main thread, where Python
+    delivers signals."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
     old = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
 
     def ask(signum, _frame):
-        run.stop = signal.Signals(signum).name
+        name = signal.Signals(signum).name
+        if run.stop is None:
+            run.stop = name
+            return
         for s, h in old.items():
             signal.signal(s, h)
+        last = latest_checkpoint(run.run_dir / "ckpt") if run.world.main else None
+        raise RunAborted(f"stopped by a second {name} at step {run.step}, without a new checkpoint; "
+                         + (f"the last one is {last}; {resume_hint(run.run_dir)}" if last else "none was written"))
     for s in old:
         signal.signal(s, ask)
     try:
@@ -481,6 +489,12 @@ def stop_on_signals(run: Run):
     finally:
         for s, h in old.items():
             signal.signal(s, h)
+
+
+def resume_hint(run_dir: Path) -> str:
+    """How to continue a run: the run dir is all it takes (resuming reads the checkpoint's config)."""
+    import shlex
+    return f"continue with python -m bstrain train trainer.resume=true {shlex.quote(f'hydra.run.dir={run_dir}')}"
 
 
 def _agree_to_stop(run: Run, log_step: bool, out_of_time: bool) -> str | None:
@@ -555,8 +569,8 @@ def fit(run: Run) -> dict:
                     if (t_cfg.ckpt_every and run.step % t_cfg.ckpt_every == 0) or run.step == stop_at:
                         path = save(run)
                 if reason not in (None, "time"):
-                    raise RunInterrupted(f"stopped by {reason} at step {run.step}; checkpoint {path}; continue "
-                                         f"with trainer.resume=true hydra.run.dir={run.run_dir}")
+                    raise RunInterrupted(f"stopped by {reason} at step {run.step}; checkpoint {path}; "
+                                         f"{resume_hint(run.run_dir)}")
     except BaseException:
         board.close()                                   # no writer thread left behind
         raise

@@ -497,3 +497,33 @@ def test_resume_with_more_steps_keeps_the_learning_rate_continuous(make_cfg, mon
     assert "trainer.max_steps: 12 -> 24 at step 8: the learning rate decays on from" in (run_b / "train.log").read_text()
     again, _ = lrs_of(f"trainer.resume={run_b / 'ckpt' / 'step_00000016.pt'}", trainer__max_steps=24, run="c")
     assert again == pytest.approx(longer[8:], rel=1e-12)
+
+
+def test_a_second_signal_stops_at_once_keeping_the_last_checkpoint(make_cfg, monkeypatch):
+    """A first SIGINT at step 6 asks for a stop and a checkpoint; a second one arrives while that
+    checkpoint is half written: the run stops there, and step 4's checkpoint is the last, whole."""
+    from bstrain.errors import RunAborted
+    real_step, real_save = trainer_mod.one_step, torch.save
+
+    def step(run, *args):
+        if run.step == 5:
+            os.kill(os.getpid(), signal.SIGINT)
+        return real_step(run, *args)
+
+    def save_then_signal(obj, f, *args, **kwargs):
+        if isinstance(obj, dict) and obj.get("step") == 6:
+            f.write(b"half a checkpoint")
+            os.kill(os.getpid(), signal.SIGINT)
+        return real_save(obj, f, *args, **kwargs)
+    monkeypatch.setattr(trainer_mod, "one_step", step)
+    monkeypatch.setattr(torch, "save", save_then_signal)
+    handler = signal.getsignal(signal.SIGINT)
+    cfg = make_cfg(trainer__max_steps=100, trainer__ckpt_every=4, trainer__eval_every=0)
+    with pytest.raises(RunAborted, match=r"^stopped by a second SIGINT at step 6, without a new checkpoint; the "
+                                         r"last one is \S+step_00000004\.pt; continue with python -m bstrain train "
+                                         r"trainer\.resume=true hydra\.run\.dir="):
+        train(cfg)
+    ckpt = Path(cfg.trainer.run_dir) / "ckpt"
+    assert sorted(p.name for p in ckpt.iterdir()) == ["step_00000004.pt"], "no half-written file left"
+    assert ckpt_mod.load_checkpoint(ckpt)["step"] == 4
+    assert signal.getsignal(signal.SIGINT) is handler
