@@ -42,6 +42,7 @@ from bstrain.train.distributed import (World, barrier, broadcast, check_same_lay
                                        init_world)
 from bstrain.train.graphs import CapturedStep, check_graph_config
 from bstrain.train.progress import Board, Progress, log, remove_logging, setup_logging
+from bstrain.train.rundir import missing_dirs, remove_failed_start
 from bstrain.train.schedule import LRSchedule, set_lr
 from bstrain.train.step import Forward, is_stateful, train_step, unwrap
 
@@ -605,11 +606,18 @@ def train(cfg: DictConfig) -> dict:
     handlers = []
     try:
         run_dir = Path(broadcast(str(_run_dir(cfg)), world))        # one run dir for every rank
+        created = missing_dirs(run_dir) if world.main else []
         if world.main:
             run_dir.mkdir(parents=True, exist_ok=True)
         barrier(world)
         handlers = setup_logging(run_dir if world.main else None, world.rank)
-        run = build(cfg, run_dir, device_for(world, device), world)
+        try:
+            run = build(cfg, run_dir, device_for(world, device), world)
+        except (UserError, KeyboardInterrupt):          # a start that fails leaves no run dir of its own behind
+            remove_logging(handlers)
+            handlers = []
+            remove_failed_start(run_dir, created)
+            raise
         result = fit(run)
         if world.active:
             # Release the DDP model (it holds the process group) while the interpreter is whole, and

@@ -476,6 +476,16 @@ def test_compiled_model_on_cuda_follows_the_eager_trajectory(make_cfg):
     assert compiled["valid_bpb"] == pytest.approx(eager["valid_bpb"], rel=2e-4)
 
 
+def test_a_failed_start_leaves_no_run_dir(make_cfg, tmp_path):
+    with pytest.raises(UserError, match="missing.txt"):
+        train(make_cfg(data__path="/definitely/missing.txt", run="new/run"))
+    assert not (tmp_path / "new").exists(), "neither the run dir nor the parent this start made"
+    (tmp_path / "mine").mkdir()
+    with pytest.raises(UserError, match="missing.txt"):
+        train(make_cfg(data__path="/definitely/missing.txt", run="mine"))
+    assert (tmp_path / "mine").is_dir(), "a directory that was there stays"
+
+
 def test_resume_with_more_steps_keeps_the_learning_rate_continuous(make_cfg, monkeypatch):
     """Resuming at step 8 of 12 with trainer.max_steps=24: the lr of step 8 is the one the run had
     (a new horizon would jump it up), then it decays to min_lr at step 24; the checkpoint keeps
