@@ -55,10 +55,15 @@ class Split(str, Enum):
     test = "test"
 
 
+def _target(path: str):
+    """A ``_target_`` field: the class that Hydra's instantiate() builds from the section."""
+    return field(default=path, metadata={"help": "the class instantiate() builds"})
+
+
 def _with_target(base: type, target: str, name: str) -> type:
     """``base``'s fields plus ``_target_`` (first), as a new dataclass for the ConfigStore."""
     hints = typing.get_type_hints(base)                # real types, not the strings of postponed annotations
-    fields = [("_target_", str, field(default=target, metadata={"help": "the class instantiate() builds"}))]
+    fields = [("_target_", str, _target(target))]
     fields += [(f.name, hints[f.name], field(default=f.default, metadata=f.metadata))
                if f.default is not dataclasses.MISSING
                else (f.name, hints[f.name], field(default_factory=f.default_factory, metadata=f.metadata))
@@ -75,7 +80,7 @@ ConvNetModel = _with_target(ConvNetConfig, "bstrain.models.convnet.SparseResNet"
 
 @dataclass
 class BytesData:
-    _target_: str = "bstrain.data.text.ByteCorpus"
+    _target_: str = _target("bstrain.data.text.ByteCorpus")
     path: Optional[str] = field(default=None, metadata={
         "help": "a file (text, binary, enwik8(.zip), text8(.zip)), a directory or a glob such as "
                 "'src/**/*.py' (whole files held out for valid/test); null: the embedded corpus"})
@@ -88,7 +93,7 @@ class BytesData:
 
 @dataclass
 class ImageData:
-    _target_: str = "bstrain.data.images.ImageData"
+    _target_: str = _target("bstrain.data.images.ImageData")
     path: Optional[str] = field(default=None, metadata={
         "help": "a CIFAR-10/100 python directory, a directory of class subfolders of images, or a .npz "
                 "(x_train, y_train, x_test, y_test); null: a synthetic set generated on the fly"})
@@ -101,13 +106,13 @@ class ImageData:
 
 @dataclass
 class LMTask:
-    _target_: str = "bstrain.train.tasks.lm.ByteLM"
+    _target_: str = _target("bstrain.train.tasks.lm.ByteLM")
     context: int = field(default=0, metadata={"help": "sample: bytes a stateless model sees; 0: data.seq_len"})
 
 
 @dataclass
 class ClassifyTask:
-    _target_: str = "bstrain.train.tasks.classify.Classification"
+    _target_: str = _target("bstrain.train.tasks.classify.Classification")
     label_smoothing: float = field(default=0.0, metadata={"help": "cross-entropy label smoothing"})
 
 
@@ -115,9 +120,10 @@ class ClassifyTask:
 class OptimConfig:
     lr: float = field(default=3e-3, metadata={"help": "peak learning rate (AdamW), > 0"})
     weight_decay: float = field(default=0.0, metadata={"help": "AdamW weight decay on matrices"})
-    beta1: float = 0.9
-    beta2: float = 0.999
-    eps: float = 1e-8
+    beta1: float = field(default=0.9, metadata={"help": "AdamW's decay of the gradient's running mean, in [0, 1)"})
+    beta2: float = field(default=0.999, metadata={"help": "AdamW's decay of the squared gradient's running mean, "
+                                                          "in [0, 1)"})
+    eps: float = field(default=1e-8, metadata={"help": "AdamW's term added to the denominator, > 0"})
     warmup_steps: int = field(default=20, metadata={"help": "linear warmup steps"})
     schedule: Schedule = field(default=Schedule.cosine, metadata={"help": "cosine | linear | constant decay "
                                                                            "after warmup"})
