@@ -200,8 +200,8 @@ GROUP_SCHEMAS = {("model", "lstm"): LSTMModel, ("model", "transformer"): Transfo
 
 
 def _unknown_keys(node, path: str):
-    """(dotted key, the schema's keys) of every key in a typed node that its dataclass lacks:
-    keys added with Hydra's ``+key=value``, which struct mode lets through."""
+    """(dotted key, its node) of every key in a typed node that its dataclass lacks: keys added
+    with Hydra's ``+key=value``, which struct mode lets through."""
     from omegaconf import DictConfig, OmegaConf
     if not isinstance(node, DictConfig):
         return
@@ -210,22 +210,53 @@ def _unknown_keys(node, path: str):
     for key in node.keys():
         child = f"{path}.{key}" if path else str(key)
         if known is not None and key not in known:
-            yield child, sorted(known)
+            yield child, node
         elif OmegaConf.is_dict(node._get_node(key)):
             yield from _unknown_keys(node[key], child)
 
 
-def check_config(cfg) -> None:
-    """UserError for a key no schema declares (``+trainer.max_stepz=10``) or a value still ``???``."""
-    import difflib
-
+def _dotted_keys(node, path: str = ""):
+    """Every leaf key of a config, dotted (``trainer.max_steps``), without resolving a value."""
     from omegaconf import OmegaConf
+    for key in node.keys():
+        child = f"{path}.{key}" if path else str(key)
+        if OmegaConf.is_dict(node._get_node(key)):
+            yield from _dotted_keys(node._get_node(key), child)
+        else:
+            yield child
+
+
+def did_you_mean(full_key: str, parent) -> str:
+    """The end of a no-such-key line: ``; did you mean trainer.max_steps?`` from the keys beside it
+    (``parent``, the config node it was looked up in), else from every key of the config, else the
+    keys ``parent`` has."""
+    import difflib
+    prefix, _, name = full_key.rpartition(".")
+    here = [str(k) for k in parent.keys() if str(k) != name]
+    close = difflib.get_close_matches(name, here, n=1)
+    if close:
+        return f"; did you mean {prefix + '.' if prefix else ''}{close[0]}?"
+    every = [k for k in _dotted_keys(parent._get_root()) if k.split(".")[0] != "hydra" and k != full_key]
+    close = [k for k in every if k.rpartition(".")[2] == name] or difflib.get_close_matches(full_key, every, n=1,
+                                                                                              cutoff=0.8)
+    if close:
+        return f"; did you mean {close[0]}?"
+    return f"; {prefix or 'the config'} has {', '.join(k for k in here if k != 'hydra')}"
+
+
+def check_config(cfg) -> None:
+    """UserError for a key no schema declares (``+trainer.max_stepz=10``), a value still ``???``
+    or an interpolation (``${...}``) that does not resolve."""
+    from omegaconf import OmegaConf
+    from omegaconf.errors import InterpolationResolutionError
 
     from bstrain.errors import UserError
-    for key, known in _unknown_keys(cfg, ""):
-        close = difflib.get_close_matches(key.rsplit(".", 1)[-1], known, n=1)
-        hint = f"; did you mean {key.rsplit('.', 1)[0]}.{close[0]}?" if close else ""
-        raise UserError(f"{key}: not a key of this config{hint}")
+    for key, parent in _unknown_keys(cfg, ""):
+        raise UserError(f"{key}: no such key{did_you_mean(key, parent)}")
+    try:
+        OmegaConf.to_container(cfg, resolve=True)
+    except InterpolationResolutionError as exc:
+        raise UserError(f"{exc.full_key}: {str(exc.msg).splitlines()[0]}") from None
     missing = sorted(OmegaConf.missing_keys(cfg))
     if missing:
         raise UserError(f"{missing[0]}: a value is required (add {missing[0]}=...)")

@@ -18,7 +18,8 @@ import torch
 from bstrain.errors import UserError
 
 __all__ = ["CheckpointError", "KEYS", "capture", "restore", "check_model_entries", "save_checkpoint",
-           "load_checkpoint", "latest_checkpoint", "prune_checkpoints", "checkpoint_path"]
+           "load_checkpoint", "find_checkpoint", "saved_config", "latest_checkpoint", "prune_checkpoints",
+           "checkpoint_path"]
 
 _NAME = re.compile(r"^step_(\d+)\.pt$")
 
@@ -60,7 +61,7 @@ def load_checkpoint(path: str | Path, map_location="cpu") -> dict:
     """Reads a checkpoint file, or the latest one in a directory (a run dir or its ckpt/)."""
     path = Path(path)
     if path.is_dir():
-        found = latest_checkpoint(path) or latest_checkpoint(path / "ckpt")
+        found = find_checkpoint(path)
         if found is None:
             raise CheckpointError(f"checkpoint: no step_*.pt file in {path} or {path / 'ckpt'}")
         path = found
@@ -75,6 +76,25 @@ def load_checkpoint(path: str | Path, map_location="cpu") -> dict:
         raise CheckpointError(f"checkpoint: {path} is not a bstrain checkpoint (no model/step entries)")
     state["path"] = str(path)
     return state
+
+
+def find_checkpoint(path: str | Path) -> Path | None:
+    """A checkpoint file as it is, or the latest checkpoint in a directory (a run dir or its
+    ckpt/); None when there is none."""
+    path = Path(path)
+    if path.is_dir():
+        return latest_checkpoint(path) or latest_checkpoint(path / "ckpt")
+    return path if path.is_file() else None
+
+
+def saved_config(path: str | Path) -> dict | None:
+    """The config a checkpoint was trained with, read without loading its tensors (a memory map);
+    None when the file cannot be read that way (:func:`load_checkpoint` says why when the run loads it)."""
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    except Exception:
+        return None
+    return state.get("config") if isinstance(state, dict) else None
 
 
 def latest_checkpoint(directory: str | Path) -> Path | None:

@@ -160,6 +160,7 @@ def test_bf16_runs(make_cfg):
     (dict(optim__lr=-1.0), r"optim.lr: expected > 0, got -1.0"),
     (dict(trainer__keep_ckpts=0), r"trainer.keep_ckpts: expected >= 1, got 0"),
     (dict(data__seq_len=0), r"data.seq_len: expected an int >= 1, got 0"),
+    (dict(optim__lr="${oops}"), r"optim.lr: Interpolation key 'oops' not found"),
 ])
 def test_bad_config_values(make_cfg, bad, match):
     with pytest.raises(UserError, match=match):
