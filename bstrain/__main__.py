@@ -17,7 +17,7 @@ import os
 import sys
 import typing
 
-from bstrain.cli import experiments, one_line, rewrite, type_expectation
+from bstrain.cli import experiments, one_line, rewrite
 
 USAGE = """usage: python -m bstrain COMMAND [config=NAME|PATH] [key=value ...]
 
@@ -122,7 +122,7 @@ def _train(cfg):
     from bstrain.train.trainer import train
     try:
         return train(cfg)
-    except UserError:                   # a start that stopped on an error leaves no run dir of its own behind
+    except (UserError, KeyboardInterrupt):      # a start that stops leaves no run dir of its own behind
         from hydra.core.hydra_config import HydraConfig
         rundir.remove_failed_start(HydraConfig.get().runtime.output_dir, rundir.created_by_hydra())
         raise
