@@ -3,20 +3,21 @@
 Each command is a thin Hydra entry over a plain function (train(cfg) -> dict, ...). ``config=``
 names an experiment in bstrain/configs/config/ or gives the path of your own YAML file.
 
-Errors: a :class:`bstrain.errors.UserError` (data, config, checkpoint) is printed as one line and
-exits with status 1; a run stopped by SIGINT/SIGTERM prints how to resume and exits with 130;
-anything else is a bug and keeps its traceback.
+Errors: a user's error (a misspelled key, a value of the wrong type, an override Hydra cannot
+parse, a :class:`bstrain.errors.UserError` for data, config or checkpoint problems) is printed as
+one line and exits with status 1; a run stopped by SIGINT/SIGTERM prints one line saying how to
+resume and exits with 130; anything else is a bug and keeps its traceback. Hydra reports nothing
+itself (HYDRA_FULL_ERROR=1): every error comes here, see :func:`bstrain.cli.one_line`.
 """
 from __future__ import annotations
 
-import atexit
 import dataclasses
+import enum
 import os
-import shutil
 import sys
-import tempfile
 import typing
-from pathlib import Path
+
+from bstrain.cli import experiments, one_line, rewrite
 
 USAGE = """usage: python -m bstrain COMMAND [config=NAME|PATH] [key=value ...]
 
@@ -28,115 +29,74 @@ commands:
 Hydra overrides work as usual, e.g. trainer.max_steps=100 trainer.precision=bf16
 hydra.run.dir=runs/mine. `python -m bstrain COMMAND --help` lists every key."""
 
-CONFIGS = Path(__file__).parent / "configs"
-
-
-class _Exit(Exception):
-    """A one-line problem with the command line itself, found before Hydra runs."""
-
-
-def _experiments() -> list[str]:
-    return sorted(p.stem for p in (CONFIGS / "config").glob("*.yaml"))
-
-
-def _user_yaml(path: str) -> list[str]:
-    """config=PATH.yaml -> a temporary search path holding config/NAME.yaml, and config=NAME.
-
-    The copy gets ``# @package _global_`` when the file has no package line, so a plain YAML of
-    top-level sections (model:, data:, trainer: ...) works as written.
-    """
-    if not os.path.isfile(path):
-        raise _Exit(f"config: no such file {path}")
-    root = tempfile.mkdtemp(prefix="bstrain-config-")
-    atexit.register(shutil.rmtree, root, ignore_errors=True)
-    os.makedirs(os.path.join(root, "config"))
-    # a name of its own, so it can't be shadowed by a shipped experiment of the same name
-    name = "user_" + os.path.splitext(os.path.basename(path))[0]
-    text = Path(path).read_text(encoding="utf-8")
-    if not any(line.startswith("# @package") for line in text.splitlines()[:3]):
-        text = "# @package _global_\n" + text
-    Path(root, "config", name + ".yaml").write_text(text, encoding="utf-8")
-    return [f"config={name}", f"hydra.searchpath=[file://{root}]"]
-
-
-def _prompt_file(value: str) -> str:
-    """A sample prompt, any characters, passed to the command through a temporary file: Hydra's
-    override parser would drop trailing spaces, unescape backslashes and resolve ``${...}``."""
-    fd, path = tempfile.mkstemp(prefix="bstrain-prompt-", suffix=".txt")
-    atexit.register(os.unlink, path)
-    with os.fdopen(fd, "wb") as f:
-        f.write(os.fsencode(value))                     # the bytes the shell passed, undecodable ones too
-    return path
-
-
-def _rewrite(command: str, argv: list[str]) -> list[str]:
-    """The command line Hydra gets: user YAML paths, quoted prompts, run_dir = hydra.run.dir."""
-    out: list[str] = []
-    for arg in argv:
-        key, eq, value = arg.partition("=")
-        if key == "config" and eq:
-            if value.endswith((".yaml", ".yml")) or os.sep in value:
-                out += _user_yaml(value)
-                continue
-            if command == "train" and value not in _experiments():
-                raise _Exit(f"config: no experiment named {value!r}; shipped: {', '.join(_experiments())}; or pass "
-                            f"the path of a YAML file")
-        if key == "prompt" and eq and command == "sample":
-            if any(a.startswith("prompt_file=") for a in argv):
-                raise _Exit("prompt, prompt_file: give one of them")
-            arg = "prompt_file=" + _prompt_file(value)
-        out.append(arg)
-    if command == "train":
-        runs = {k: v for k, _, v in (a.partition("=") for a in out) if k in ("trainer.run_dir", "hydra.run.dir")}
-        if len(runs) == 2 and os.path.abspath(runs["trainer.run_dir"]) != os.path.abspath(runs["hydra.run.dir"]):
-            raise _Exit(f"trainer.run_dir={runs['trainer.run_dir']} and hydra.run.dir={runs['hydra.run.dir']}: "
-                        f"one run has one directory; give one of them")
-        if len(runs) == 1:
-            value = next(iter(runs.values()))
-            out += [f"hydra.run.dir={value}"] if "trainer.run_dir" in runs else [f"trainer.run_dir={value}"]
-    return out
-
 
 # --- --help from the schemas ----------------------------------------------------------------------------
 def _type_name(tp) -> str:
-    if isinstance(tp, type) and issubclass(tp, __import__("enum").Enum):
-        return " | ".join(m.value for m in tp)
+    if isinstance(tp, type) and issubclass(tp, enum.Enum):
+        return "choice"
     args = [a for a in typing.get_args(tp) if a is not type(None)]
     return (_type_name(args[0]) + " or null") if args else getattr(tp, "__name__", str(tp))
 
 
-def _describe(prefix: str, schema) -> list[str]:
-    lines = []
+def _rows(prefix: str, schema) -> list[tuple[str, str, str, str]]:
+    """(key, type, default, help) of each field of a schema; a choice's help names every option."""
+    rows = []
     hints = typing.get_type_hints(schema)
     for f in dataclasses.fields(schema):
         if f.name == "_target_":
             continue
         default = f.default if f.default is not dataclasses.MISSING else "(required)"
         default = getattr(default, "value", default)
-        default = "(required)" if default == "???" else default
-        lines.append(f"  {prefix}{f.name:<20} {_type_name(hints[f.name]):<24} default {default!s:<10} "
-                     f"{f.metadata.get('help', '')}".rstrip())
-    return lines
+        default = {"???": "(required)", None: "null", True: "true", False: "false"}.get(default, default) \
+            if isinstance(default, (str, bool, type(None))) else default
+        text = f.metadata.get("help", "")
+        tp = hints[f.name]
+        if isinstance(tp, type) and issubclass(tp, enum.Enum) and not all(m.value in text for m in tp):
+            text += f" ({' | '.join(m.value for m in tp)})"
+        rows.append((prefix + f.name, _type_name(tp), str(default), text))
+    return rows
+
+
+def _table(blocks: list) -> str:
+    """Text lines and blocks of (key, type, default, help) rows: every block's rows in the same
+    columns, help wrapped to the terminal's width under its own column."""
+    import shutil
+    import textwrap
+    rows = [("KEY", "TYPE", "DEFAULT", "MEANING")] + [r for b in blocks if not isinstance(b, str) for r in b]
+    widths = [max(len(r[i]) for r in rows) for i in range(3)]
+    indent = 2 + sum(w + 2 for w in widths)
+    width = max(indent + 30, shutil.get_terminal_size((100, 24)).columns - 1)
+    out, header = [], [rows[0]]
+    for block in blocks:
+        if isinstance(block, str):
+            out.append(block)
+            continue
+        for row in header + block:
+            cells = "  " + "  ".join(c.ljust(w) for c, w in zip(row[:3], widths)) + "  "
+            lines = textwrap.wrap(row[3], width - indent) or [""]
+            out.append((cells + lines[0]).rstrip())
+            out += [" " * indent + line for line in lines[1:]]
+        header = []
+    return "\n".join(out)
 
 
 def _help(command: str) -> str:
     from bstrain.configs import schema
     if command != "train":
         node = schema.EvalConfig if command == "eval" else schema.SampleConfig
-        keys = "\n".join(_describe("", node))
-        return f"usage: python -m bstrain {command} ckpt=PATH [key=value ...]\n\nkeys:\n{keys}"
-    parts = [f"usage: python -m bstrain train [config=NAME|PATH.yaml] [key=value ...]\n\n"
-             f"config=NAME picks an experiment ({', '.join(_experiments())}; default lstm_tiny) or your own YAML. "
-             f"A section's\n_target_ names the class to build: model._target_=my_package.MyLM trains your model "
-             f"(its keys are\nits constructor's arguments). The built-in options and their keys:"]
+        return _table([f"usage: python -m bstrain {command} ckpt=PATH [key=value ...]\n\nkeys:", _rows("", node)])
+    import textwrap
+    intro = (f"config=NAME picks an experiment ({', '.join(experiments())}; default lstm_tiny) or config=PATH.yaml "
+             f"your own YAML. A section's _target_ names the class to build: model._target_=my_package.MyLM trains "
+             f"your model (its keys are its constructor's arguments). The built-in options and their keys:")
+    blocks: list = ["usage: python -m bstrain train [config=NAME|PATH.yaml] [key=value ...]\n\n"
+                    + textwrap.fill(intro, 100)]
     for (group, name), node in schema.GROUP_SCHEMAS.items():
-        parts.append(f"\n{group}={name}  ({node._target_ if hasattr(node, '_target_') else ''})")
-        parts += _describe(f"{group}.", node)
+        blocks += [f"\n{group}={name}  ({node._target_})", _rows(f"{group}.", node)]
     for section, node in (("optim", schema.OptimConfig), ("trainer", schema.TrainerConfig)):
-        parts.append(f"\n{section}")
-        parts += _describe(f"{section}.", node)
-    parts.append("\nHydra: hydra.run.dir=DIR (the run directory); `--cfg job` prints the composed config.")
-    return "\n".join(parts)
+        blocks += [f"\n{section}", _rows(f"{section}.", node)]
+    blocks.append("\nHydra: hydra.run.dir=DIR (the run directory); `--cfg job` prints the composed config.")
+    return _table(blocks)
 
 
 # --- commands ------------------------------------------------------------------------------------------
@@ -146,24 +106,26 @@ def _hydra_command(config_name: str, fn):
     from bstrain.configs.schema import register
     register()
 
-    from bstrain.errors import RunInterrupted, UserError
-
     @hydra.main(config_path="configs", config_name=config_name, version_base="1.3")
     def entry(cfg):
-        # Hydra reports any Exception from here with its own handler; SystemExit passes through.
-        try:
+        try:                            # an exception raised here, Hydra reports with a line of its own first
             return fn(cfg)
-        except UserError as exc:
-            sys.exit(f"error: {exc}")
-        except RunInterrupted as exc:
-            print(f"interrupted: {exc}", file=sys.stderr)
-            sys.exit(RunInterrupted.exit_code)
+        except BaseException as exc:
+            _exit_if_users(exc)
+            raise
     return entry
 
 
 def _train(cfg):
+    from bstrain.errors import UserError
+    from bstrain.train import rundir
     from bstrain.train.trainer import train
-    return train(cfg)
+    try:
+        return train(cfg)
+    except (UserError, KeyboardInterrupt):      # a start that stops leaves no run dir of its own behind
+        from hydra.core.hydra_config import HydraConfig
+        rundir.remove_failed_start(HydraConfig.get().runtime.output_dir, rundir.created_by_hydra())
+        raise
 
 
 def _eval(cfg):
@@ -179,6 +141,30 @@ def _sample(cfg):
 COMMANDS = {"train": ("train", _train), "eval": ("eval", _eval), "sample": ("sample", _sample)}
 
 
+def _exit_if_users(exc: BaseException) -> None:
+    """A user's error exits with one line (status 1), a signal with one line (status 130); a bug
+    returns, for its traceback."""
+    from bstrain.errors import RunInterrupted
+    if isinstance(exc, (RunInterrupted, KeyboardInterrupt)):
+        print(f"interrupted: {exc}" if str(exc) else "interrupted", file=sys.stderr)
+        sys.exit(RunInterrupted.exit_code)
+    line = one_line(exc) if isinstance(exc, Exception) else None
+    if line is not None:
+        sys.exit(f"error: {line}")
+
+
+def run(command: str, argv: list[str]) -> None:
+    """Runs a command on its key=value arguments (see the module's docstring for errors)."""
+    config_name, fn = COMMANDS[command]
+    try:
+        sys.argv[1:] = rewrite(command, argv)
+        os.environ["HYDRA_FULL_ERROR"] = "1"          # Hydra raises its errors, for _exit_if_users
+        _hydra_command(config_name, fn)()
+    except BaseException as exc:
+        _exit_if_users(exc)
+        raise
+
+
 def main() -> None:
     if len(sys.argv) < 2 or sys.argv[1] in ("-h", "--help", "help"):
         print(USAGE)
@@ -189,12 +175,7 @@ def main() -> None:
     if any(a in ("-h", "--help") for a in sys.argv[1:]):
         print(_help(command))
         return
-    try:
-        sys.argv[1:] = _rewrite(command, sys.argv[1:])
-    except _Exit as exc:
-        sys.exit(f"error: {exc}")
-    config_name, fn = COMMANDS[command]
-    _hydra_command(config_name, fn)()
+    run(command, sys.argv[1:])
 
 
 if __name__ == "__main__":

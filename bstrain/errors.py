@@ -4,6 +4,8 @@
   is a ``ValueError`` so that library callers catching ``ValueError`` keep working.
 - :class:`RunInterrupted`: SIGINT or SIGTERM stopped a run after it wrote a checkpoint (exit
   status 130); the message says how to resume.
+- :class:`RunAborted`: a second SIGINT or SIGTERM stopped a run at once, without a new
+  checkpoint (exit status 130); the message names the last one and says how to resume.
 
 Every other exception is a bug and keeps its traceback.
 """
@@ -16,5 +18,13 @@ class UserError(ValueError):
 
 class RunInterrupted(Exception):
     """A run stopped by a signal, after saving a checkpoint; the message says how to resume."""
+
+    exit_code = 130
+
+
+class RunAborted(KeyboardInterrupt):
+    """A second signal: the run stops where it is, without a checkpoint (checkpoints are written
+    atomically, so the last complete one stays intact). A KeyboardInterrupt, so that no ``except
+    Exception`` on the way swallows it."""
 
     exit_code = 130

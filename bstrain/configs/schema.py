@@ -55,10 +55,15 @@ class Split(str, Enum):
     test = "test"
 
 
+def _target(path: str):
+    """A ``_target_`` field: the class that Hydra's instantiate() builds from the section."""
+    return field(default=path, metadata={"help": "the class instantiate() builds"})
+
+
 def _with_target(base: type, target: str, name: str) -> type:
     """``base``'s fields plus ``_target_`` (first), as a new dataclass for the ConfigStore."""
     hints = typing.get_type_hints(base)                # real types, not the strings of postponed annotations
-    fields = [("_target_", str, field(default=target, metadata={"help": "the class instantiate() builds"}))]
+    fields = [("_target_", str, _target(target))]
     fields += [(f.name, hints[f.name], field(default=f.default, metadata=f.metadata))
                if f.default is not dataclasses.MISSING
                else (f.name, hints[f.name], field(default_factory=f.default_factory, metadata=f.metadata))
@@ -75,7 +80,7 @@ ConvNetModel = _with_target(ConvNetConfig, "bstrain.models.convnet.SparseResNet"
 
 @dataclass
 class BytesData:
-    _target_: str = "bstrain.data.text.ByteCorpus"
+    _target_: str = _target("bstrain.data.text.ByteCorpus")
     path: Optional[str] = field(default=None, metadata={
         "help": "a file (text, binary, enwik8(.zip), text8(.zip)), a directory or a glob such as "
                 "'src/**/*.py' (whole files held out for valid/test); null: the embedded corpus"})
@@ -88,7 +93,7 @@ class BytesData:
 
 @dataclass
 class ImageData:
-    _target_: str = "bstrain.data.images.ImageData"
+    _target_: str = _target("bstrain.data.images.ImageData")
     path: Optional[str] = field(default=None, metadata={
         "help": "a CIFAR-10/100 python directory, a directory of class subfolders of images, or a .npz "
                 "(x_train, y_train, x_test, y_test); null: a synthetic set generated on the fly"})
@@ -101,13 +106,13 @@ class ImageData:
 
 @dataclass
 class LMTask:
-    _target_: str = "bstrain.train.tasks.lm.ByteLM"
+    _target_: str = _target("bstrain.train.tasks.lm.ByteLM")
     context: int = field(default=0, metadata={"help": "sample: bytes a stateless model sees; 0: data.seq_len"})
 
 
 @dataclass
 class ClassifyTask:
-    _target_: str = "bstrain.train.tasks.classify.Classification"
+    _target_: str = _target("bstrain.train.tasks.classify.Classification")
     label_smoothing: float = field(default=0.0, metadata={"help": "cross-entropy label smoothing"})
 
 
@@ -115,9 +120,10 @@ class ClassifyTask:
 class OptimConfig:
     lr: float = field(default=3e-3, metadata={"help": "peak learning rate (AdamW), > 0"})
     weight_decay: float = field(default=0.0, metadata={"help": "AdamW weight decay on matrices"})
-    beta1: float = 0.9
-    beta2: float = 0.999
-    eps: float = 1e-8
+    beta1: float = field(default=0.9, metadata={"help": "AdamW's decay of the gradient's running mean, in [0, 1)"})
+    beta2: float = field(default=0.999, metadata={"help": "AdamW's decay of the squared gradient's running mean, "
+                                                          "in [0, 1)"})
+    eps: float = field(default=1e-8, metadata={"help": "AdamW's term added to the denominator, > 0"})
     warmup_steps: int = field(default=20, metadata={"help": "linear warmup steps"})
     schedule: Schedule = field(default=Schedule.cosine, metadata={"help": "cosine | linear | constant decay "
                                                                            "after warmup"})
@@ -194,8 +200,8 @@ GROUP_SCHEMAS = {("model", "lstm"): LSTMModel, ("model", "transformer"): Transfo
 
 
 def _unknown_keys(node, path: str):
-    """(dotted key, the schema's keys) of every key in a typed node that its dataclass lacks:
-    keys added with Hydra's ``+key=value``, which struct mode lets through."""
+    """(dotted key, its node) of every key in a typed node that its dataclass lacks: keys added
+    with Hydra's ``+key=value``, which struct mode lets through."""
     from omegaconf import DictConfig, OmegaConf
     if not isinstance(node, DictConfig):
         return
@@ -204,22 +210,53 @@ def _unknown_keys(node, path: str):
     for key in node.keys():
         child = f"{path}.{key}" if path else str(key)
         if known is not None and key not in known:
-            yield child, sorted(known)
+            yield child, node
         elif OmegaConf.is_dict(node._get_node(key)):
             yield from _unknown_keys(node[key], child)
 
 
-def check_config(cfg) -> None:
-    """UserError for a key no schema declares (``+trainer.max_stepz=10``) or a value still ``???``."""
-    import difflib
-
+def _dotted_keys(node, path: str = ""):
+    """Every leaf key of a config, dotted (``trainer.max_steps``), without resolving a value."""
     from omegaconf import OmegaConf
+    for key in node.keys():
+        child = f"{path}.{key}" if path else str(key)
+        if OmegaConf.is_dict(node._get_node(key)):
+            yield from _dotted_keys(node._get_node(key), child)
+        else:
+            yield child
+
+
+def did_you_mean(full_key: str, parent) -> str:
+    """The end of a no-such-key line: ``; did you mean trainer.max_steps?`` from the keys beside it
+    (``parent``, the config node it was looked up in), else from every key of the config, else the
+    keys ``parent`` has."""
+    import difflib
+    prefix, _, name = full_key.rpartition(".")
+    here = [str(k) for k in parent.keys() if str(k) != name]
+    close = difflib.get_close_matches(name, here, n=1)
+    if close:
+        return f"; did you mean {prefix + '.' if prefix else ''}{close[0]}?"
+    every = [k for k in _dotted_keys(parent._get_root()) if k.split(".")[0] != "hydra" and k != full_key]
+    close = [k for k in every if k.rpartition(".")[2] == name] or difflib.get_close_matches(full_key, every, n=1,
+                                                                                              cutoff=0.8)
+    if close:
+        return f"; did you mean {close[0]}?"
+    return f"; {prefix or 'the config'} has {', '.join(k for k in here if k != 'hydra')}"
+
+
+def check_config(cfg) -> None:
+    """UserError for a key no schema declares (``+trainer.max_stepz=10``), a value still ``???``
+    or an interpolation (``${...}``) that does not resolve."""
+    from omegaconf import OmegaConf
+    from omegaconf.errors import InterpolationResolutionError
 
     from bstrain.errors import UserError
-    for key, known in _unknown_keys(cfg, ""):
-        close = difflib.get_close_matches(key.rsplit(".", 1)[-1], known, n=1)
-        hint = f"; did you mean {key.rsplit('.', 1)[0]}.{close[0]}?" if close else ""
-        raise UserError(f"{key}: not a key of this config{hint}")
+    for key, parent in _unknown_keys(cfg, ""):
+        raise UserError(f"{key}: no such key{did_you_mean(key, parent)}")
+    try:
+        OmegaConf.to_container(cfg, resolve=True)
+    except InterpolationResolutionError as exc:
+        raise UserError(f"{exc.full_key}: {str(exc.msg).splitlines()[0]}") from None
     missing = sorted(OmegaConf.missing_keys(cfg))
     if missing:
         raise UserError(f"{missing[0]}: a value is required (add {missing[0]}=...)")

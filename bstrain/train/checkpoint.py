@@ -18,7 +18,8 @@ import torch
 from bstrain.errors import UserError
 
 __all__ = ["CheckpointError", "KEYS", "capture", "restore", "check_model_entries", "save_checkpoint",
-           "load_checkpoint", "latest_checkpoint", "prune_checkpoints", "checkpoint_path"]
+           "load_checkpoint", "find_checkpoint", "saved_config", "latest_checkpoint", "prune_checkpoints",
+           "checkpoint_path"]
 
 _NAME = re.compile(r"^step_(\d+)\.pt$")
 
@@ -36,10 +37,14 @@ def save_checkpoint(path: str | Path, state: dict) -> Path:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "wb") as f:
-        torch.save(state, f)
-        f.flush()
-        os.fsync(f.fileno())
+    try:
+        with open(tmp, "wb") as f:
+            torch.save(state, f)
+            f.flush()
+            os.fsync(f.fileno())
+    except BaseException:               # a full disk, or a second Ctrl-C mid-write: no half file left behind
+        tmp.unlink(missing_ok=True)
+        raise
     os.replace(tmp, path)
     try:  # make the rename itself durable
         dir_fd = os.open(path.parent, os.O_RDONLY)
@@ -56,7 +61,7 @@ def load_checkpoint(path: str | Path, map_location="cpu") -> dict:
     """Reads a checkpoint file, or the latest one in a directory (a run dir or its ckpt/)."""
     path = Path(path)
     if path.is_dir():
-        found = latest_checkpoint(path) or latest_checkpoint(path / "ckpt")
+        found = find_checkpoint(path)
         if found is None:
             raise CheckpointError(f"checkpoint: no step_*.pt file in {path} or {path / 'ckpt'}")
         path = found
@@ -71,6 +76,25 @@ def load_checkpoint(path: str | Path, map_location="cpu") -> dict:
         raise CheckpointError(f"checkpoint: {path} is not a bstrain checkpoint (no model/step entries)")
     state["path"] = str(path)
     return state
+
+
+def find_checkpoint(path: str | Path) -> Path | None:
+    """A checkpoint file as it is, or the latest checkpoint in a directory (a run dir or its
+    ckpt/); None when there is none."""
+    path = Path(path)
+    if path.is_dir():
+        return latest_checkpoint(path) or latest_checkpoint(path / "ckpt")
+    return path if path.is_file() else None
+
+
+def saved_config(path: str | Path) -> dict | None:
+    """The config a checkpoint was trained with, read without loading its tensors (a memory map);
+    None when the file cannot be read that way (:func:`load_checkpoint` says why when the run loads it)."""
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    except Exception:
+        return None
+    return state.get("config") if isinstance(state, dict) else None
 
 
 def latest_checkpoint(directory: str | Path) -> Path | None:
@@ -93,10 +117,13 @@ def prune_checkpoints(directory: str | Path, keep: int) -> None:
 
 
 # --- what a checkpoint holds: written and read here only ---------------------------------------------
-KEYS = ("step", "model", "optimizer", "scaler", "ema", "task", "rng", "state", "metrics", "config")
+KEYS = ("step", "model", "optimizer", "scaler", "ema", "task", "rng", "state", "metrics", "config", "schedule")
 """Every entry of a training checkpoint. ``state``: each rank's carried model state (stateful
 models), in rank order; ``task``: the data position; ``metrics``: the last train loss and
-validation results, so resuming a finished run can report them."""
+validation results, so resuming a finished run can report them; ``schedule``: the learning-rate
+schedule's horizon and restart (:class:`bstrain.train.schedule.LRSchedule`)."""
+_LATER_KEYS = ("schedule",)
+"""Entries that checkpoints of earlier versions lack and a resume does without."""
 
 
 def capture(run) -> dict | None:
@@ -122,6 +149,7 @@ def capture(run) -> dict | None:
         "state": states if any(s is not None for s in states) else None,
         "metrics": {"train_loss": run.train_loss, "valid": dict(run.valid)},
         "config": OmegaConf.to_container(run.cfg, resolve=True, enum_to_str=True),
+        "schedule": run.schedule.state_dict(),
     }
     assert tuple(out) == KEYS
     return out
@@ -153,7 +181,7 @@ def check_model_entries(model: torch.nn.Module, saved: dict, path, adopt_layouts
 def restore(run, ckpt: dict) -> None:
     """Loads a checkpoint into a freshly built run, checking the model's entries first. The
     carried state waits in ``run.pending_state`` until the first batch shows this rank's batch size."""
-    if missing := [k for k in KEYS if k not in ckpt]:
+    if missing := [k for k in KEYS if k not in ckpt and k not in _LATER_KEYS]:
         raise CheckpointError(f"checkpoint {ckpt['path']}: no {', '.join(missing)} entries (written by an older "
                               f"bstrain?); it can be evaluated and sampled, not resumed")
     check_model_entries(run.model, ckpt["model"], ckpt["path"])
@@ -176,6 +204,11 @@ def restore(run, ckpt: dict) -> None:
         torch.cuda.set_rng_state(ckpt["rng"]["cuda"], run.device)
     run.pending_state = ckpt.get("state") if run.task.state_continues else None
     run.step = int(ckpt["step"])
+    saved = ckpt.get("schedule") or {"max_steps": ckpt["config"].get("trainer", {}).get("max_steps", run.step)}
+    change = run.schedule.resume(saved, run.step)
+    if change:
+        from bstrain.train.progress import log
+        log.info("%s", change)
     metrics = ckpt.get("metrics") or {}
     run.train_loss = metrics.get("train_loss", float("nan"))
     run.valid = dict(metrics.get("valid") or {})

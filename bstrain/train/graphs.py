@@ -29,7 +29,7 @@ def check_graph_config(device: torch.device, precision: str, world_size: int) ->
 
 
 class CapturedStep:
-    """``step(x, y, reset_state) -> (loss, grad_norm)`` replays one captured training step.
+    """``step(x, y, reset_state) -> (loss, grad_norm, metrics)`` replays one captured training step.
 
     The step is :func:`bstrain.train.step.train_step`, the eager loop's. The inputs and a stateful
     model's carried state live in static buffers; the graph reads the state, trains on (x, y) and
@@ -41,8 +41,8 @@ class CapturedStep:
     """
 
     def __init__(self, forward: Forward, loss_fn, optimizer: torch.optim.Optimizer, grad_clip: float,
-                 warmup: int = 2):
-        self.forward, self.loss_fn, self.optimizer = forward, loss_fn, optimizer
+                 metrics_fn=None, warmup: int = 2):
+        self.forward, self.loss_fn, self.optimizer, self.metrics_fn = forward, loss_fn, optimizer, metrics_fn
         self.device, self.grad_clip, self.warmup = forward.device, grad_clip, warmup
         self.params = [p for g in optimizer.param_groups for p in g["params"]]
         self.model = forward.net
@@ -51,11 +51,12 @@ class CapturedStep:
         self.graph: torch.cuda.CUDAGraph | None = None
 
     def _step(self):
-        loss, grad_norm, state = train_step(self.forward, self.loss_fn, self.x, self.y, self.state, self.optimizer,
-                                            self.params, self.grad_clip, zero_grad=False)
+        loss, grad_norm, state, metrics = train_step(self.forward, self.loss_fn, self.x, self.y, self.state,
+                                                     self.optimizer, self.params, self.grad_clip, zero_grad=False,
+                                                     metrics_fn=self.metrics_fn)
         for buf, new in zip(state_tensors(self.state), state_tensors(state)):
             buf.copy_(new)
-        return loss, grad_norm
+        return loss, grad_norm, metrics
 
     def _check_optimizer(self) -> None:
         for i, g in enumerate(self.optimizer.param_groups):
@@ -103,7 +104,7 @@ class CapturedStep:
         self.optimizer.zero_grad(set_to_none=True)         # gradients get static buffers in the graph
         self.graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(self.graph):
-            self.loss, self.grad_norm = self._step()
+            self.loss, self.grad_norm, self.metrics = self._step()
 
     def step(self, x: torch.Tensor, y: torch.Tensor, reset_state: bool):
         if self.x is None:                                 # static buffers of the first batch's shapes
@@ -118,7 +119,7 @@ class CapturedStep:
         if self.graph is None:
             self._capture()
         self.graph.replay()
-        return self.loss, self.grad_norm
+        return self.loss, self.grad_norm, self.metrics
 
     def load_state(self, state, batch_like: torch.Tensor) -> None:
         """Copies a carried state (from a checkpoint) into the static buffers."""

@@ -11,7 +11,6 @@ import sys
 from pathlib import Path
 
 import numpy as np
-import torch
 
 log = logging.getLogger("bstrain")
 
@@ -76,23 +75,33 @@ class Progress:
         if self.bar is not None:
             self.bar.update(1)
 
-    def show(self, step: int, metrics: dict, metric: str | None) -> None:
-        """The per-step line: to train.log always, to the console unless the bar shows it."""
+    def show(self, step: int, metrics: dict, metric: str | None, unit: str = "tokens") -> None:
+        """The per-step line: to train.log always, to the console unless the bar shows it.
+        ``metric`` is the task's metric (shown when the training metrics hold it); ``unit`` what
+        ``metrics[unit + "_per_s"]`` counts."""
         extra = f" {metric} {metrics[metric]:.4f}" if metric in metrics else ""
+        rate = metrics[f"{unit}_per_s"]
         if self.bar is not None:
-            post = {"loss": f"{metrics['loss']:.3f}", "lr": f"{metrics['lr']:.2e}",
-                    "tok/s": f"{metrics['tokens_per_s']:.0f}"}
+            post = {"loss": f"{metrics['loss']:.3f}", "lr": f"{metrics['lr']:.2e}", f"{unit}/s": f"{rate:.0f}"}
             if metric in metrics:
                 post[metric] = f"{metrics[metric]:.3f}"
             self.bar.set_postfix(post)
-        log.info("step %d loss %.4f%s lr %.2e grad_norm %.3f tokens/s %.0f", step, metrics["loss"], extra,
-                 metrics["lr"], metrics["grad_norm"], metrics["tokens_per_s"], extra={"step_line": True})
+        log.info("step %d loss %.4f%s lr %.2e grad_norm %.3f %s/s %.0f", step, metrics["loss"], extra,
+                 metrics["lr"], metrics["grad_norm"], unit, rate, extra={"step_line": True})
 
     def close(self) -> None:
         if self.bar is not None:
             self.bar.close()
             self.bar = None
             _Console.bar_active = False
+
+
+def layout_picture(layout, long_side: int = 256) -> np.ndarray:
+    """A block layout as a uint8 image (live blocks white) of at least ``long_side`` pixels on its
+    long side: each block a square of whole pixels (nearest-neighbour), so blocks stay sharp."""
+    from bstrain.layout import layout_image
+    base = layout_image(layout).shape                 # one pixel per block
+    return layout_image(layout, scale=max(1, -(-long_side // max(base))))
 
 
 class Board:
@@ -110,8 +119,7 @@ class Board:
         self.writer.add_text("config", "```\n" + config_yaml + "\n```", 0)
         self.writer.add_text("command", command, 0)
         for name, lay in layouts.items():
-            img = torch.as_tensor(np.asarray(lay, dtype=np.float32))[None]        # (1, Cb, Kb)
-            self.writer.add_image(f"layout/{name}", img, 0, dataformats="CHW")
+            self.writer.add_image(f"layout/{name}", layout_picture(lay), 0, dataformats="HW")
 
     def scalars(self, step: int, values: dict) -> None:
         if self.writer is not None:

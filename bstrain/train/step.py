@@ -75,14 +75,17 @@ def clip_grads(params, grad_clip: float) -> torch.Tensor:
 
 def train_step(forward: Forward, loss_fn, x: torch.Tensor, y: torch.Tensor, state, optimizer: torch.optim.Optimizer,
                params: list[torch.Tensor], grad_clip: float, scaler: torch.amp.GradScaler | None = None,
-               zero_grad: bool = True):
+               zero_grad: bool = True, metrics_fn=None):
     """One optimizer step: forward, loss, backward, (unscale), clip, AdamW step.
 
-    Returns (loss, grad norm, new state), all on the device: nothing here waits for the GPU
-    except GradScaler's own inf check (fp16 only). ``loss_fn(output, y)`` is the task's loss.
+    Returns (loss, grad norm, new state, metrics), all on the device: nothing here waits for the
+    GPU except GradScaler's own inf check (fp16 only). ``loss_fn(output, y)`` is the task's loss;
+    ``metrics_fn(output, y) -> {name: scalar tensor}`` its training metrics of the batch (None: {}).
     """
     output, state = forward(x, state)
     loss = loss_fn(output, y)
+    with torch.no_grad():
+        metrics = metrics_fn(output, y) if metrics_fn is not None else {}
     if scaler is not None and scaler.is_enabled():
         scaler.scale(loss).backward()
         scaler.unscale_(optimizer)
@@ -95,4 +98,4 @@ def train_step(forward: Forward, loss_fn, x: torch.Tensor, y: torch.Tensor, stat
         optimizer.step()
     if zero_grad:
         optimizer.zero_grad(set_to_none=True)
-    return loss.detach(), grad_norm.detach(), detach_state(state)
+    return loss.detach(), grad_norm.detach(), detach_state(state), metrics

@@ -33,7 +33,7 @@ from typing import Any
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from bstrain.errors import RunInterrupted, UserError
+from bstrain.errors import RunAborted, RunInterrupted, UserError
 from bstrain.nn import block_sparse_layouts, set_grad_group
 from bstrain.train import checkpoint as ckpt_io
 from bstrain.train.checkpoint import (checkpoint_path, latest_checkpoint, load_checkpoint, prune_checkpoints,
@@ -42,6 +42,8 @@ from bstrain.train.distributed import (World, barrier, broadcast, check_same_lay
                                        init_world)
 from bstrain.train.graphs import CapturedStep, check_graph_config
 from bstrain.train.progress import Board, Progress, log, remove_logging, setup_logging
+from bstrain.train.rundir import missing_dirs, remove_failed_start
+from bstrain.train.schedule import LRSchedule, set_lr
 from bstrain.train.step import Forward, is_stateful, train_step, unwrap
 
 PRECISIONS = {"fp32": None, "fp16": torch.float16, "bf16": torch.bfloat16}
@@ -120,27 +122,6 @@ def _match_graph_mode(optimizer: torch.optim.Optimizer, capturable: bool, device
             if isinstance(st.get("step"), torch.Tensor):
                 on_device = capturable or flags["fused"]
                 st["step"] = st["step"].to(device=p.device if on_device else "cpu", dtype=torch.float32)
-
-
-def lr_factor(step: int, cfg, max_steps: int) -> float:
-    """Linear warmup, then cosine or linear decay to min_lr_ratio (or constant)."""
-    if step < cfg.warmup_steps:
-        return (step + 1) / cfg.warmup_steps
-    schedule = _value(cfg.schedule)
-    if schedule == "constant":
-        return 1.0
-    frac = min(1.0, (step - cfg.warmup_steps) / max(1, max_steps - cfg.warmup_steps))
-    shape = 0.5 * (1 + math.cos(math.pi * frac)) if schedule == "cosine" else 1.0 - frac
-    return cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * shape
-
-
-def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
-    """The schedule is a function of the step: no scheduler object, nothing to checkpoint."""
-    for g in optimizer.param_groups:
-        if isinstance(g["lr"], torch.Tensor):
-            g["lr"].fill_(lr)                            # a device tensor a captured graph reads
-        else:
-            g["lr"] = lr
 
 
 _CHECKS = (  # (section, key, test, expectation): ranges the types alone do not fix
@@ -244,6 +225,7 @@ class Run:
     forward: Forward
     optimizer: torch.optim.Optimizer
     scaler: torch.amp.GradScaler
+    schedule: LRSchedule
     ema: Any = None
     params: list = field(default_factory=list)    # the model's parameters, listed once for clipping
     captured: CapturedStep | None = None
@@ -294,10 +276,10 @@ def build(cfg: DictConfig, run_dir: Path, device: torch.device, world: World) ->
         from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
         ema = AveragedModel(model, multi_avg_fn=get_ema_multi_avg_fn(cfg.optim.ema))
     forward = Forward(net, amp_dtype, device)
-    run = Run(cfg, world, device, run_dir, task, model, net, forward, optimizer, scaler, ema,
-              params=list(model.parameters()))
+    run = Run(cfg, world, device, run_dir, task, model, net, forward, optimizer, scaler,
+              LRSchedule(cfg.optim, t_cfg.max_steps), ema, params=list(model.parameters()))
     if graphed:
-        run.captured = CapturedStep(forward, task.loss, optimizer, cfg.optim.grad_clip)
+        run.captured = CapturedStep(forward, task.loss, optimizer, cfg.optim.grad_clip, task.batch_metrics)
     if resume is not None:
         ckpt_io.restore(run, load_checkpoint(resume))
         _match_graph_mode(optimizer, graphed, device)
@@ -331,44 +313,56 @@ def _like(template, tensors):
 
 
 def one_step(run: Run, x: torch.Tensor, y: torch.Tensor, fresh: bool):
-    """One optimizer step at this step's learning rate; returns (loss, grad norm) on the device."""
-    set_lr(run.optimizer, run.cfg.optim.lr * lr_factor(run.step, run.cfg.optim, run.cfg.trainer.max_steps))
+    """One optimizer step at this step's learning rate; returns (loss, grad norm, the task's batch
+    metrics), all on the device."""
+    set_lr(run.optimizer, run.schedule.lr(run.step))
     if run.pending_state is not None:
         _place_state(run, x)
     if fresh:
         run.state = None                                # the data stream restarts: so does the state
     if run.captured is not None:                        # the whole step in one graph replay
-        loss, grad_norm = run.captured.step(x, y, reset_state=run.state is None)
-        loss, grad_norm = loss.clone(), grad_norm.clone()   # the graph's outputs are overwritten by the next replay
+        loss, grad_norm, metrics = run.captured.step(x, y, reset_state=run.state is None)
+        # the graph's outputs are overwritten by the next replay
+        loss, grad_norm, metrics = loss.clone(), grad_norm.clone(), {k: v.clone() for k, v in metrics.items()}
         run.state = run.captured.state
     else:
         scale = run.scaler._scale.clone() if run.scaler.is_enabled() and run.scaler._scale is not None else None
-        loss, grad_norm, run.state = train_step(run.forward, run.task.loss, x, y, run.state, run.optimizer,
-                                                run.params, run.cfg.optim.grad_clip, run.scaler)
+        loss, grad_norm, run.state, metrics = train_step(run.forward, run.task.loss, x, y, run.state, run.optimizer,
+                                                         run.params, run.cfg.optim.grad_clip, run.scaler,
+                                                         metrics_fn=run.task.batch_metrics)
         if scale is not None:                           # fp16: a lowered scale means a skipped step
             run.skipped = run.skipped + (run.scaler._scale < scale).int()
     if run.ema is not None:
         run.ema.update_parameters(run.model)
-    return loss, grad_norm
+    return loss, grad_norm, metrics
 
 
 # --- logging, validation, checkpoints ----------------------------------------------------------------
 class Window:
-    """The device-side losses and gradient norms of the steps since the last log line."""
+    """The device-side losses, gradient norms and task metrics of the steps since the last log line."""
 
     def __init__(self):
         self.reset()
 
     def reset(self) -> None:
-        self.losses, self.norms, self.t0, self.paused = [], [], time.perf_counter(), 0.0
+        self.losses, self.norms, self.metrics, self.t0, self.paused = [], [], [], time.perf_counter(), 0.0
 
-    def add(self, loss: torch.Tensor, grad_norm: torch.Tensor) -> None:
+    def add(self, loss: torch.Tensor, grad_norm: torch.Tensor, metrics: dict) -> None:
         self.losses.append(loss)
         self.norms.append(grad_norm)
+        self.metrics.append(metrics)
+
+    def stacked(self) -> tuple[torch.Tensor, list[str]]:
+        """(1 + metrics, steps) float64 on the device: each step's loss, then each task metric;
+        and the metrics' names."""
+        names = sorted(self.metrics[0]) if self.metrics else []
+        rows = [torch.stack(self.losses).double()] + [torch.stack([m[k] for m in self.metrics]).double()
+                                                      for k in names]
+        return torch.stack(rows), names
 
     @contextlib.contextmanager
     def pause(self):
-        """Time spent here (validation, checkpoints) does not count against tokens/s."""
+        """Time spent here (validation, checkpoints) does not count against the throughput."""
         t = time.perf_counter()
         try:
             yield
@@ -377,12 +371,15 @@ class Window:
 
 
 def log_window(run: Run, window: Window, progress: Progress, board: Board) -> None:
-    """The only host sync of the loop: the window's losses (averaged over ranks), norms and skips."""
+    """The only host sync of the loop: the window's losses and task metrics (averaged over ranks),
+    norms and skips."""
     from bstrain.train.distributed import all_mean
     n = len(window.losses)
     if n == 0:
         return
-    losses = all_mean(torch.stack(window.losses).double(), run.world).tolist()
+    rows, names = window.stacked()
+    losses, *rest = all_mean(rows, run.world).tolist()                   # one read: losses and task metrics
+    task_metrics = {k: sum(v) / n for k, v in zip(names, rest)}
     norms = torch.stack(window.norms).float().tolist()
     skipped = int(run.skipped) if isinstance(run.skipped, torch.Tensor) else run.skipped
     run.skipped = 0
@@ -392,10 +389,11 @@ def log_window(run: Run, window: Window, progress: Progress, board: Board) -> No
     elapsed = time.perf_counter() - window.t0 - window.paused
     mean_loss = sum(losses) / n
     run.train_loss = losses[-1]
-    metrics = {"loss": mean_loss, **run.task.train_metrics(mean_loss),
-               "lr": run.cfg.optim.lr * lr_factor(run.step - 1, run.cfg.optim, run.cfg.trainer.max_steps),
+    unit = run.task.unit
+    metrics = {"loss": mean_loss, **run.task.train_metrics(mean_loss), **task_metrics,
+               "lr": run.schedule.lr(run.step - 1),
                "grad_norm": sum(finite) / len(finite) if finite else float("nan"),
-               "tokens_per_s": run.task.tokens_per_batch() * run.world.size * n / max(elapsed, 1e-9)}
+               f"{unit}_per_s": run.task.units_per_batch() * run.world.size * n / max(elapsed, 1e-9)}
     if run.scaler.is_enabled():
         metrics["loss_scale"] = run.scaler.get_scale()
         _check_same_scale(run, metrics["loss_scale"])
@@ -404,7 +402,7 @@ def log_window(run: Run, window: Window, progress: Progress, board: Board) -> No
                      "%g", run.step, skipped, n, metrics["loss_scale"])
     if run.device.type == "cuda":
         metrics["gpu_mem_gb"] = torch.cuda.max_memory_allocated(run.device) / 2**30
-    progress.show(run.step, metrics, run.task.metric)
+    progress.show(run.step, metrics, run.task.metric, unit)
     board.scalars(run.step, {f"train/{k}": v for k, v in metrics.items()})
     window.reset()
 
@@ -467,16 +465,24 @@ def save(run: Run) -> Path | None:
 @contextlib.contextmanager
 def stop_on_signals(run: Run):
     """SIGINT/SIGTERM ask the loop to stop after the current step (it then checkpoints); a second
-    signal acts as usual. Only in the main thread, where Python delivers signals."""
+    one stops the run where it is (:class:`RunAborted`: one line, no new checkpoint, the last
+    complete one intact), and a third acts as usual. Only in the main thread, where Python
+    delivers signals."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
     old = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
 
     def ask(signum, _frame):
-        run.stop = signal.Signals(signum).name
+        name = signal.Signals(signum).name
+        if run.stop is None:
+            run.stop = name
+            return
         for s, h in old.items():
             signal.signal(s, h)
+        last = latest_checkpoint(run.run_dir / "ckpt") if run.world.main else None
+        raise RunAborted(f"stopped by a second {name} at step {run.step}, without a new checkpoint; "
+                         + (f"the last one is {last}; {resume_hint(run.run_dir)}" if last else "none was written"))
     for s in old:
         signal.signal(s, ask)
     try:
@@ -484,6 +490,12 @@ def stop_on_signals(run: Run):
     finally:
         for s, h in old.items():
             signal.signal(s, h)
+
+
+def resume_hint(run_dir: Path) -> str:
+    """How to continue a run: the run dir is all it takes (resuming reads the checkpoint's config)."""
+    import shlex
+    return f"continue with python -m bstrain train trainer.resume=true {shlex.quote(f'hydra.run.dir={run_dir}')}"
 
 
 def _agree_to_stop(run: Run, log_step: bool, out_of_time: bool) -> str | None:
@@ -558,8 +570,8 @@ def fit(run: Run) -> dict:
                     if (t_cfg.ckpt_every and run.step % t_cfg.ckpt_every == 0) or run.step == stop_at:
                         path = save(run)
                 if reason not in (None, "time"):
-                    raise RunInterrupted(f"stopped by {reason} at step {run.step}; checkpoint {path}; continue "
-                                         f"with trainer.resume=true hydra.run.dir={run.run_dir}")
+                    raise RunInterrupted(f"stopped by {reason} at step {run.step}; checkpoint {path}; "
+                                         f"{resume_hint(run.run_dir)}")
     except BaseException:
         board.close()                                   # no writer thread left behind
         raise
@@ -594,11 +606,18 @@ def train(cfg: DictConfig) -> dict:
     handlers = []
     try:
         run_dir = Path(broadcast(str(_run_dir(cfg)), world))        # one run dir for every rank
+        created = missing_dirs(run_dir) if world.main else []
         if world.main:
             run_dir.mkdir(parents=True, exist_ok=True)
         barrier(world)
         handlers = setup_logging(run_dir if world.main else None, world.rank)
-        run = build(cfg, run_dir, device_for(world, device), world)
+        try:
+            run = build(cfg, run_dir, device_for(world, device), world)
+        except (UserError, KeyboardInterrupt):          # a start that fails leaves no run dir of its own behind
+            remove_logging(handlers)
+            handlers = []
+            remove_failed_start(run_dir, created)
+            raise
         result = fit(run)
         if world.active:
             # Release the DDP model (it holds the process group) while the interpreter is whole, and

@@ -7,6 +7,7 @@ import os
 import pty
 import re
 import select
+import shlex
 import signal
 import struct
 import subprocess
@@ -50,11 +51,32 @@ def test_help_lists_commands_and_keys():
     train_help = run("train", "--help")
     assert train_help.returncode == 0
     for text in ("trainer.max_steps", "optimizer steps", "model.density", "fraction of live blocks", "data.path",
-                 "fp32 | fp16 | bf16", "_target_"):
+                 "_target_", "optim.beta2", "AdamW's decay"):
         assert text in train_help.stdout, text
+    flat = " ".join(train_help.stdout.split())                   # wrapped meanings joined again
+    assert "trainer.precision choice fp32 fp32 | fp16 (dynamic loss scaling) | bf16 trainer." in flat
+    assert "data.name choice auto auto | bytes | enwik8 | text8 data." in flat
+    assert_columns_aligned(train_help.stdout)
     eval_help = run("eval", "--help")
     assert eval_help.returncode == 0 and "ckpt" in eval_help.stdout and "valid | test" in eval_help.stdout
     assert "Hydra" not in eval_help.stdout and "model" not in eval_help.stdout
+    assert_columns_aligned(eval_help.stdout)
+
+
+def assert_columns_aligned(text: str) -> None:
+    """Every key's row starts its type, default and meaning at the header's columns; wrapped
+    meanings continue at the meaning column."""
+    lines = text.splitlines()
+    header = next(line for line in lines if line.startswith("  KEY "))
+    starts = [header.index(name) for name in ("TYPE", "DEFAULT", "MEANING")]
+    rows = [line for line in lines[lines.index(header) + 1:] if line.startswith("  ") and line.strip()]
+    assert len(rows) > 5
+    for line in rows:
+        if line.startswith(" " * starts[2]):                     # a wrapped meaning
+            continue
+        assert not line[2].isspace(), line
+        for col in starts:
+            assert line[col - 2:col] == "  " and not line[col].isspace(), (col, line)
 
 
 def test_config_names(tmp_path):
@@ -66,16 +88,18 @@ def test_config_names(tmp_path):
     one_line_error(run("train", "config=/no/such.yaml", cwd=tmp_path), "no such file /no/such.yaml")
 
 
-def test_misspelled_keys(tmp_path):
-    out = run("train", "trainer.max_stepz=3", cwd=tmp_path)
-    assert out.returncode != 0 and "max_stepz" in out.stderr and "Traceback" not in out.stderr
-    one_line_error(run("train", "+trainer.max_stepz=3", cwd=tmp_path), "trainer.max_stepz", "trainer.max_steps")
-    out = run("train", "model.hiden=3", cwd=tmp_path)
-    assert out.returncode != 0 and "hiden" in out.stderr and "Traceback" not in out.stderr
-    out = run("train", "trainer.max_steps=abc", cwd=tmp_path)
-    assert out.returncode != 0 and "trainer.max_steps" in out.stderr and "Traceback" not in out.stderr
-    out = run("train", "trainer.precision=fp8", cwd=tmp_path)
-    assert out.returncode != 0 and "fp8" in out.stderr and "Traceback" not in out.stderr
+def test_misspelled_keys_and_bad_values_are_one_line(tmp_path):
+    """The whole of stderr is one line naming the key (tests/train/test_cli_args.py has more cases)."""
+    for args, line in [
+            (["trainer.max_step=5"], "error: trainer.max_step: no such key; did you mean trainer.max_steps?"),
+            (["+trainer.max_stepz=3"], "error: trainer.max_stepz: no such key; did you mean trainer.max_steps?"),
+            ([f"config={REPO / 'examples' / 'my_lm.yaml'}", "model.widht=3"],
+             "error: model.widht: no such key; did you mean model.width?"),
+            (["optim.lr=abc"], "error: optim.lr: expected a number, got 'abc'"),
+            (["trainer.precision=fp8"], "error: trainer.precision: expected one of fp32, fp16, bf16, got 'fp8'")]:
+        out = run("train", *args, cwd=tmp_path)
+        assert (out.returncode, out.stderr) == (1, line + "\n"), (args, out.returncode, out.stderr[-2000:])
+    assert not list(tmp_path.iterdir()), "no run dir"
 
 
 def test_value_and_data_errors_are_one_line(tmp_path):
@@ -84,6 +108,11 @@ def test_value_and_data_errors_are_one_line(tmp_path):
     assert not list(tmp_path.iterdir()), "eval and sample write nothing into the working directory"
     one_line_error(run("train", "data.path=/no/such/corpus.txt", cwd=tmp_path), "/no/such/corpus.txt")
     one_line_error(run("train", "optim.lr=-1", cwd=tmp_path), "optim.lr", "-1")
+    assert not list(tmp_path.iterdir()), "a start that stops on an error leaves no run dir (runs/DATE/TIME) behind"
+    kept = tmp_path / "mine"
+    (kept / "notes").mkdir(parents=True)
+    one_line_error(run("train", "optim.lr=-1", f"hydra.run.dir={kept}", cwd=tmp_path), "optim.lr")
+    assert sorted(p.name for p in kept.iterdir()) == [".hydra", "notes"], "a directory the run did not make stays"
 
 
 def test_user_yaml_without_package_line_and_eval(tmp_path):
@@ -127,15 +156,28 @@ def test_run_directories_and_resume(tmp_path):
     assert "run already finished: step 4 of trainer.max_steps=4" in done.stderr
 
 
-def test_sigint_checkpoints_and_says_how_to_resume(tmp_path):
-    a = tmp_path / "a"
-    proc = subprocess.Popen([sys.executable, "-m", "bstrain", "train", *SMALL, f"hydra.run.dir={a}",
-                             "trainer.max_steps=100000", "trainer.ckpt_every=1000", "trainer.eval_every=0"],
-                            env=env(), cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+TINY_TRANSFORMER = ["config=transformer_tiny", "model.d_model=32", "model.n_layer=1", "model.context=32",
+                    "model.window=16", "model.summary=2", "model.block_size=16", "data.seq_len=32", "data.batch_size=2",
+                    "trainer.progress=false", "trainer.eval_batches=1"]
+
+
+def start_training(run_dir, *args, cwd):
+    """A training process, returned once it has logged a step."""
+    proc = subprocess.Popen([sys.executable, "-m", "bstrain", "train", f"hydra.run.dir={run_dir}", *args],
+                            env=env(), cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     deadline = time.time() + 120
-    while not (a / "train.log").is_file() or " step " not in (a / "train.log").read_text():
+    while not (run_dir / "train.log").is_file() or " step " not in (run_dir / "train.log").read_text():
         assert time.time() < deadline and proc.poll() is None, "training did not start"
         time.sleep(0.2)
+    return proc
+
+
+def test_sigint_checkpoints_and_the_printed_hint_resumes(tmp_path):
+    """The hint resumes the run's own model (here not the default experiment's) with nothing but
+    the run dir; overrides given with it apply on top."""
+    a = tmp_path / "a"
+    proc = start_training(a, *TINY_TRANSFORMER, "trainer.max_steps=100000", "trainer.ckpt_every=1000",
+                          "trainer.eval_every=0", "trainer.log_every=1", cwd=tmp_path)
     proc.send_signal(signal.SIGINT)
     _, err = proc.communicate(timeout=120)
     assert proc.returncode == 130, err[-2000:]
@@ -144,10 +186,34 @@ def test_sigint_checkpoints_and_says_how_to_resume(tmp_path):
     assert last.startswith("interrupted: stopped by SIGINT at step ") and "trainer.resume=true" in last, last
     step = int(last.split("at step ")[1].split(";")[0])
     assert ckpt_mod.latest_checkpoint(a / "ckpt").name == f"step_{step:08d}.pt"
-    more = run("train", *SMALL, f"hydra.run.dir={a}", f"trainer.max_steps={step + 2}", "trainer.resume=true",
-               cwd=tmp_path)
+    hint = shlex.split(last.split("continue with ")[1])
+    assert hint[:4] == ["python", "-m", "bstrain", "train"], hint
+    more = run(*hint[3:], f"trainer.max_steps={step + 2}", cwd=tmp_path)
     assert more.returncode == 0, more.stderr[-2000:]
     assert f"resumed from {a / 'ckpt' / f'step_{step:08d}.pt'} at step {step}" in more.stderr
+    assert "SparseTransformer" in more.stderr and ckpt_mod.latest_checkpoint(a / "ckpt").name == \
+        f"step_{step + 2:08d}.pt"
+
+
+def test_a_second_sigint_stops_at_once_in_one_line(tmp_path):
+    """The second Ctrl-C lands in the long validation the first one started (the whole valid
+    split): the run stops there, prints one line, and the last complete checkpoint stays intact."""
+    a = tmp_path / "a"
+    proc = start_training(a, *SMALL, "trainer.max_steps=100000", "trainer.ckpt_every=1", "trainer.eval_every=0",
+                          "trainer.eval_batches=0", "trainer.log_every=1", cwd=tmp_path)
+    proc.send_signal(signal.SIGINT)
+    time.sleep(1.0)                                 # the step finishes in milliseconds; validation takes minutes
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130, err[-2000:]
+    assert "Traceback" not in err, err[-3000:]
+    last = err.strip().splitlines()[-1]
+    assert re.fullmatch(r"interrupted: stopped by a second SIGINT at step \d+, without a new checkpoint; the last "
+                        r"one is \S+step_\d+\.pt; continue with python -m bstrain train trainer\.resume=true "
+                        r"hydra\.run\.dir=\S+", last), last
+    latest = ckpt_mod.latest_checkpoint(a / "ckpt")
+    assert str(latest) in last and not list((a / "ckpt").glob("*.tmp"))
+    assert ckpt_mod.load_checkpoint(latest)["step"] >= 1
 
 
 def _run_in_terminal(args, cwd, timeout=240) -> str:

@@ -37,6 +37,25 @@ def test_trains_and_writes_the_run_dir(make_cfg):
     assert len(re.findall(r" INFO step \d+ loss ", log)) == 15, "every log_every=2 steps a line in train.log"
     assert list((run / "tb").glob("events.out.tfevents.*")), "TensorBoard events missing"
     assert ckpt_mod.latest_checkpoint(run / "ckpt").name == "step_00000030.pt"
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    board = EventAccumulator(str(run / "tb"), size_guidance={"images": 0}).Reload()
+    layouts = board.Tags()["images"]
+    assert layouts and all(t.startswith("layout/") for t in layouts), layouts
+    for tag in layouts:                                  # 4 or 16 blocks on the long side: 64 or 16 pixels a block
+        image = board.Images(tag)[0]
+        assert max(image.width, image.height) == 256, (tag, image.width, image.height)
+
+
+def test_layout_pictures_are_scaled_up_block_by_block():
+    from bstrain.train.progress import layout_picture
+    lay = np.zeros((3, 5), dtype=bool)
+    lay[0, 0] = lay[2, 4] = True
+    img = layout_picture(lay)
+    assert img.shape == (3 * 52, 5 * 52) and img.dtype == np.uint8        # the long side >= 256 px
+    blocks = img.reshape(3, 52, 5, 52)
+    assert (blocks.min(axis=(1, 3)) == blocks.max(axis=(1, 3))).all(), "each block one flat square"
+    assert (blocks[:, 0, :, 0] == lay * 255).all()
+    assert layout_picture(np.ones((512, 300), dtype=bool)).shape == (512, 300), "large layouts stay 1 px a block"
 
 
 def test_dense_variant_and_layout_choices(make_cfg):
@@ -141,6 +160,7 @@ def test_bf16_runs(make_cfg):
     (dict(optim__lr=-1.0), r"optim.lr: expected > 0, got -1.0"),
     (dict(trainer__keep_ckpts=0), r"trainer.keep_ckpts: expected >= 1, got 0"),
     (dict(data__seq_len=0), r"data.seq_len: expected an int >= 1, got 0"),
+    (dict(optim__lr="${oops}"), r"optim.lr: Interpolation key 'oops' not found"),
 ])
 def test_bad_config_values(make_cfg, bad, match):
     with pytest.raises(UserError, match=match):
@@ -455,3 +475,66 @@ def test_compiled_model_on_cuda_follows_the_eager_trajectory(make_cfg):
     for step in want:
         assert got[step] == pytest.approx(want[step], rel=2e-4), f"step {step}: {got[step]} != {want[step]}"
     assert compiled["valid_bpb"] == pytest.approx(eager["valid_bpb"], rel=2e-4)
+
+
+def test_a_failed_start_leaves_no_run_dir(make_cfg, tmp_path):
+    with pytest.raises(UserError, match="missing.txt"):
+        train(make_cfg(data__path="/definitely/missing.txt", run="new/run"))
+    assert not (tmp_path / "new").exists(), "neither the run dir nor the parent this start made"
+    (tmp_path / "mine").mkdir()
+    with pytest.raises(UserError, match="missing.txt"):
+        train(make_cfg(data__path="/definitely/missing.txt", run="mine"))
+    assert (tmp_path / "mine").is_dir(), "a directory that was there stays"
+
+
+def test_resume_with_more_steps_keeps_the_learning_rate_continuous(make_cfg, monkeypatch):
+    """Resuming at step 8 of 12 with trainer.max_steps=24: the lr of step 8 is the one the run had
+    (a new horizon would jump it up), then it decays to min_lr at step 24; the checkpoint keeps
+    this, so a later resume follows the same curve."""
+    lrs = []
+    real_set_lr = trainer_mod.set_lr
+    monkeypatch.setattr(trainer_mod, "set_lr", lambda opt, lr: (lrs.append(lr), real_set_lr(opt, lr)))
+
+    def lrs_of(*overrides, **shrink):
+        lrs.clear()
+        out = train(make_cfg(*overrides, trainer__ckpt_every=4, trainer__eval_every=0, **shrink))
+        return list(lrs), Path(out["run_dir"])
+    first, run_a = lrs_of(trainer__max_steps=12, run="a")
+    longer, run_b = lrs_of(f"trainer.resume={run_a / 'ckpt' / 'step_00000008.pt'}", trainer__max_steps=24, run="b")
+    assert len(longer) == 16 and longer[0] == pytest.approx(first[8], rel=1e-12)
+    assert all(b < a for a, b in zip(longer, longer[1:])), longer
+    floor = 3e-3 * 0.1                                          # optim.lr x min_lr_ratio
+    assert floor < longer[-1] < floor * 1.05                     # the last step, 23, is 1/16 of the way short
+    assert "trainer.max_steps: 12 -> 24 at step 8: the learning rate decays on from" in (run_b / "train.log").read_text()
+    again, _ = lrs_of(f"trainer.resume={run_b / 'ckpt' / 'step_00000016.pt'}", trainer__max_steps=24, run="c")
+    assert again == pytest.approx(longer[8:], rel=1e-12)
+
+
+def test_a_second_signal_stops_at_once_keeping_the_last_checkpoint(make_cfg, monkeypatch):
+    """A first SIGINT at step 6 asks for a stop and a checkpoint; a second one arrives while that
+    checkpoint is half written: the run stops there, and step 4's checkpoint is the last, whole."""
+    from bstrain.errors import RunAborted
+    real_step, real_save = trainer_mod.one_step, torch.save
+
+    def step(run, *args):
+        if run.step == 5:
+            os.kill(os.getpid(), signal.SIGINT)
+        return real_step(run, *args)
+
+    def save_then_signal(obj, f, *args, **kwargs):
+        if isinstance(obj, dict) and obj.get("step") == 6:
+            f.write(b"half a checkpoint")
+            os.kill(os.getpid(), signal.SIGINT)
+        return real_save(obj, f, *args, **kwargs)
+    monkeypatch.setattr(trainer_mod, "one_step", step)
+    monkeypatch.setattr(torch, "save", save_then_signal)
+    handler = signal.getsignal(signal.SIGINT)
+    cfg = make_cfg(trainer__max_steps=100, trainer__ckpt_every=4, trainer__eval_every=0)
+    with pytest.raises(RunAborted, match=r"^stopped by a second SIGINT at step 6, without a new checkpoint; the "
+                                         r"last one is \S+step_00000004\.pt; continue with python -m bstrain train "
+                                         r"trainer\.resume=true hydra\.run\.dir="):
+        train(cfg)
+    ckpt = Path(cfg.trainer.run_dir) / "ckpt"
+    assert sorted(p.name for p in ckpt.iterdir()) == ["step_00000004.pt"], "no half-written file left"
+    assert ckpt_mod.load_checkpoint(ckpt)["step"] == 4
+    assert signal.getsignal(signal.SIGINT) is handler

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -68,6 +69,21 @@ def test_classification_task_learns_the_synthetic_set(make_cfg, examples_on_path
     assert "acc" in (Path(out["run_dir"]) / "train.log").read_text()
 
 
+def test_classification_logs_images_per_second_and_training_accuracy(make_cfg, examples_on_path):
+    cfg = _user_model(make_cfg("data=images", "task=classify", lm=False, trainer__max_steps=4, trainer__log_every=2,
+                               trainer__eval_every=0, data__batch_size=16, data__synthetic_size=200),
+                      "my_cnn.SmallCNN", width=4)
+    run = Path(train(cfg)["run_dir"])
+    log = (run / "train.log").read_text()
+    lines = re.findall(r" INFO (step \d+ loss .*)", log)
+    assert len(lines) == 2 and all(re.fullmatch(r"step \d+ loss \S+ acc [01]\.\d{4} lr \S+ grad_norm \S+ "
+                                                r"images/s \d+", line) for line in lines), lines
+    assert "tokens" not in log
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    tags = set(EventAccumulator(str(run / "tb")).Reload().Tags()["scalars"])
+    assert {"train/images_per_s", "train/acc", "valid/acc"} <= tags and "train/tokens_per_s" not in tags, tags
+
+
 def test_classification_resume_is_exact(make_cfg, examples_on_path):
     def cfg(run, *extra, steps=8):
         return _user_model(make_cfg("data=images", "task=classify", "optim.schedule=constant", *extra, lm=False,
@@ -111,3 +127,13 @@ def test_cnn_example_on_the_classification_task(tmp_path):
     assert out.returncode == 0, out.stderr[-3000:]
     log = (tmp_path / "cnn" / "train.log").read_text()
     assert "SmallCNN" in log and "classification on synthetic gratings" in log and ", acc " in log
+
+
+def test_a_task_with_the_old_tokens_per_batch_name_keeps_working():
+    from bstrain.train.tasks import Task
+
+    class OldTask(Task):
+        def tokens_per_batch(self) -> int:
+            return 123
+    with pytest.warns(DeprecationWarning, match="units_per_batch"):
+        assert OldTask().units_per_batch() == 123

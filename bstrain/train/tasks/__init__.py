@@ -10,6 +10,11 @@ from the ``data`` config the same way). The trainer calls, in this order:
   says that a carried recurrent state must restart (a new epoch of contiguous streams);
 - ``loss(output, targets) -> scalar tensor``: the mean training loss, in fp32;
 - ``train_metrics(loss) -> dict``: host-side metrics derived from a mean loss (``bpb``);
+- ``batch_metrics(output, targets) -> dict``: device-side training metrics of one batch, as
+  scalar tensors (``acc``), averaged over the steps between log lines and over the ranks (they
+  are computed inside the step, a CUDA graph's too, and must not read the device);
+- ``unit`` and ``units_per_batch()``: what a batch holds and how many of this rank's (tokens,
+  images), for the throughput the logs report (``tokens/s``, ``images/s``);
 - ``evaluate(forward, split, max_batches) -> dict``: ``loss`` and the task's metrics on a split,
   where ``forward(x, state) -> (output, state)`` runs the model (state None: a fresh one);
 - ``state_dict()`` / ``load_state_dict(state, world)``: the data position, for exact resumes
@@ -21,6 +26,7 @@ Add a task by writing a class with these methods and naming it in a config's ``t
 """
 from __future__ import annotations
 
+import warnings
 from typing import Any, Callable
 
 import torch
@@ -32,6 +38,7 @@ class Task:
     """Base class: the protocol above, with defaults for the optional parts."""
 
     metric: str = "loss"
+    unit: str = "samples"          # what units_per_batch() counts: the logs report unit/s
     state_continues: bool = True   # False after load_state_dict when a carried model state no longer fits the data
 
     def setup(self, data, world, seed: int) -> None:
@@ -49,11 +56,19 @@ class Task:
     def train_metrics(self, loss: float) -> dict:
         return {}
 
+    def batch_metrics(self, output, targets: torch.Tensor) -> dict[str, torch.Tensor]:
+        return {}
+
     def evaluate(self, forward: Forward, split: str, max_batches: int, show_progress: bool = False) -> dict:
         raise NotImplementedError
 
-    def tokens_per_batch(self) -> int:
-        """Units (bytes, images) in one batch of this rank: for the throughput line."""
+    def units_per_batch(self) -> int:
+        """Units (tokens, images) in one batch of this rank: for the throughput line."""
+        legacy = getattr(self, "tokens_per_batch", None)
+        if legacy is not None:                    # the protocol's old name keeps working for now
+            warnings.warn(f"{type(self).__name__}.tokens_per_batch is deprecated: name it units_per_batch "
+                          f"(and set unit = 'tokens')", DeprecationWarning, stacklevel=2)
+            return legacy()
         raise NotImplementedError
 
     def state_dict(self) -> dict:

@@ -15,10 +15,12 @@ class Classification(Task):
     Each epoch visits the training images in a permutation drawn from (seed, epoch); with W ranks
     the global batch of W x data.batch_size images is cut into rank slices, so a run on W ranks
     sees the batches of one process with W times the batch. The last partial batch of an epoch is
-    dropped. Metrics: ``loss``, ``acc`` (the reported one) and ``top5``.
+    dropped. Metrics: ``loss``, ``acc`` (the reported one) and ``top5``; in training, ``acc`` of
+    the training batches too.
     """
 
     metric = "acc"
+    unit = "images"
 
     def __init__(self, label_smoothing: float = 0.0):
         if not 0.0 <= float(label_smoothing) < 1.0:
@@ -41,8 +43,12 @@ class Classification(Task):
     def describe(self) -> str:
         return f"classification on {self.data.describe()}"
 
-    def tokens_per_batch(self) -> int:
+    def units_per_batch(self) -> int:
         return self.data.batch_size
+
+    def batch_metrics(self, output, targets: torch.Tensor) -> dict[str, torch.Tensor]:
+        """The training batch's accuracy (of the augmented images)."""
+        return {"acc": (output.argmax(-1) == targets).float().mean()}
 
     def _epoch_order(self) -> torch.Tensor:
         if self._order is None or self._order[0] != self.epoch:

@@ -26,6 +26,7 @@ class ByteLM(Task):
     """
 
     metric = "bpb"
+    unit = "tokens"                # a token is a byte
 
     def __init__(self, context: int = 0):
         if isinstance(context, bool) or not isinstance(context, int) or context < 0:
@@ -48,7 +49,7 @@ class ByteLM(Task):
     def describe(self) -> str:
         return f"byte LM on {self.data.describe()}"
 
-    def tokens_per_batch(self) -> int:
+    def units_per_batch(self) -> int:
         return self.data.batch_size * self.data.seq_len
 
     def next_batch(self, device: torch.device):

@@ -1,0 +1,235 @@
+"""The command line around Hydra: what ``python -m bstrain`` does to argv before Hydra parses it,
+and how it reports a user's error after.
+
+Before (:func:`rewrite`): ``config=PATH.yaml`` becomes a config Hydra can find; a sample prompt
+goes through a temporary file; the value of a path key (``data.path=~/src/**/*.py``) has ``~``
+expanded and is quoted for Hydra's override grammar; ``trainer.resume`` without ``config=``
+composes on the config saved in the checkpoint it resumes; ``trainer.run_dir`` and
+``hydra.run.dir`` name the same directory.
+
+After (:func:`one_line`): a misspelled key, a value of the wrong type, an override Hydra cannot
+parse or a :class:`bstrain.errors.UserError` become one line naming the key; None means a bug.
+"""
+from __future__ import annotations
+
+import atexit
+import enum
+import os
+import re
+import shutil
+import tempfile
+import typing
+from pathlib import Path
+
+CONFIGS = Path(__file__).parent / "configs"
+
+PATH_KEYS = frozenset({"data.path", "trainer.run_dir", "trainer.resume", "hydra.run.dir", "ckpt", "data_path",
+                       "prompt_file"})
+"""Keys whose values are file or directory names: ``~`` expanded, quoted when Hydra would not parse them."""
+
+_PLAIN = re.compile(r"[\w./:@+-]*", re.ASCII)       # values Hydra's grammar takes unquoted, as they are
+_FALSE = ("false", "none", "null", "", "0")
+
+
+class UsageError(Exception):
+    """A one-line problem with the command line itself, found before Hydra runs."""
+
+
+def experiments() -> list[str]:
+    return sorted(p.stem for p in (CONFIGS / "config").glob("*.yaml"))
+
+
+def _search_path_config(name: str, text: str) -> list[str]:
+    """A temporary search path holding config/NAME.yaml; the overrides that select it."""
+    root = tempfile.mkdtemp(prefix="bstrain-config-")
+    atexit.register(shutil.rmtree, root, ignore_errors=True)
+    os.makedirs(os.path.join(root, "config"))
+    Path(root, "config", name + ".yaml").write_text(text, encoding="utf-8")
+    return [f"config={name}", f"hydra.searchpath=[file://{root}]"]
+
+
+def _user_yaml(path: str) -> list[str]:
+    """config=PATH.yaml -> config=NAME on a temporary search path holding config/NAME.yaml.
+
+    The copy gets ``# @package _global_`` when the file has no package line, so a plain YAML of
+    top-level sections (model:, data:, trainer: ...) works as written.
+    """
+    if not os.path.isfile(path):
+        raise UsageError(f"config: no such file {path}")
+    # a name of its own, so it can't be shadowed by a shipped experiment of the same name
+    name = "user_" + os.path.splitext(os.path.basename(path))[0]
+    text = Path(path).read_text(encoding="utf-8")
+    if not any(line.startswith("# @package") for line in text.splitlines()[:3]):
+        text = "# @package _global_\n" + text
+    return _search_path_config(name, text)
+
+
+def _prompt_file(value: str) -> str:
+    """A sample prompt, any characters, passed to the command through a temporary file: Hydra's
+    override parser would drop trailing spaces, unescape backslashes and resolve ``${...}``."""
+    fd, path = tempfile.mkstemp(prefix="bstrain-prompt-", suffix=".txt")
+    atexit.register(os.unlink, path)
+    with os.fdopen(fd, "wb") as f:
+        f.write(os.fsencode(value))                     # the bytes the shell passed, undecodable ones too
+    return path
+
+
+def quote_path(value: str) -> str:
+    """A path as Hydra's override grammar reads it back unchanged: ``~`` expanded, and single-quoted
+    when it holds characters the grammar gives a meaning (``*``, ``,``, spaces, ``[``, quotes ...).
+    ``null`` and values already quoted stay as they are; ``${...}`` still interpolates."""
+    if value[:1] in ("'", '"') or _PLAIN.fullmatch(value):
+        return value
+    if value.startswith("~"):
+        value = os.path.expanduser(value)
+        if _PLAIN.fullmatch(value):
+            return value
+    # in a quoted value, only backslashes before a quote (or before the closing one) are escapes
+    value = re.sub(r"(\\*)'", lambda m: m.group(1) * 2 + "\\'", value)
+    value = re.sub(r"(\\+)$", lambda m: m.group(1) * 2, value)
+    return f"'{value}'"
+
+
+# --- trainer.resume: the saved config ----------------------------------------------------------------
+def _builtin_option(group: str, node: dict) -> str | None:
+    """The config-group option (model=lstm, data=bytes ...) whose schema builds ``node``'s _target_."""
+    from bstrain.configs.schema import GROUP_SCHEMAS
+    target = (node or {}).get("_target_")
+    return next((name for (g, name), schema in GROUP_SCHEMAS.items() if g == group and schema._target_ == target),
+                None)
+
+
+def _resumed_config(saved: dict) -> str:
+    """An experiment YAML that rebuilds a checkpoint's config: its group options (so the schemas
+    type and check its keys again), then its values. The run directory comes from this command."""
+    from omegaconf import OmegaConf
+    defaults = [{"/model": m}] if (m := _builtin_option("model", saved.get("model"))) else []
+    defaults += [{f"override /{g}": _builtin_option(g, saved.get(g))} for g in ("data", "task")]
+    trainer = {**saved.get("trainer", {}), "run_dir": None, "resume": "false"}
+    return "# @package _global_\n" + OmegaConf.to_yaml({"defaults": defaults, **saved, "trainer": trainer})
+
+
+def _resume_config(args: dict[str, str]) -> list[str]:
+    """``trainer.resume`` without ``config=``: the overrides that compose on the config saved in the
+    checkpoint it resumes (the command line's own overrides then apply on top); [] when there is
+    none to find (the trainer then says what is missing)."""
+    value = args.get("trainer.resume", "false")
+    if value.lower() in _FALSE:
+        return []
+    if value.lower() in ("true", "1"):
+        value = args.get("hydra.run.dir") or args.get("trainer.run_dir") or ""
+        if not value:
+            return []
+    from bstrain.train.checkpoint import find_checkpoint, saved_config
+    path = find_checkpoint(os.path.expanduser(value))
+    saved = saved_config(path) if path is not None else None
+    if not isinstance(saved, dict) or "_target_" not in (saved.get("model") or {}):
+        return []                                        # a checkpoint from before _target_ configs
+    return _search_path_config("resumed_run", _resumed_config(saved))
+
+
+def rewrite(command: str, argv: list[str]) -> list[str]:
+    """The command line Hydra gets (see the module's docstring)."""
+    out: list[str] = []
+    for arg in argv:
+        key, eq, value = arg.partition("=")
+        if key == "config" and eq:
+            if value.endswith((".yaml", ".yml")) or os.sep in value:
+                out += _user_yaml(value)
+                continue
+            if command == "train" and value not in experiments():
+                raise UsageError(f"config: no experiment named {value!r}; shipped: {', '.join(experiments())}; or "
+                                 f"pass the path of a YAML file")
+        if key == "prompt" and eq and command == "sample":
+            if any(a.startswith("prompt_file=") for a in argv):
+                raise UsageError("prompt, prompt_file: give one of them")
+            arg = "prompt_file=" + _prompt_file(value)
+        elif key in PATH_KEYS and eq:
+            arg = f"{key}={quote_path(value)}"
+        out.append(arg)
+    if command == "train":
+        raw = {k: v for k, eq, v in (a.partition("=") for a in argv) if eq}
+        out += _one_run_dir(raw)
+        if "config" not in raw:
+            out = _resume_config(raw) + out
+    return out
+
+
+def _one_run_dir(raw: dict[str, str]) -> list[str]:
+    """hydra.run.dir for trainer.run_dir or the other way round; a UsageError when both differ."""
+    runs = {k: raw[k] for k in ("trainer.run_dir", "hydra.run.dir") if k in raw}
+    same = {os.path.abspath(os.path.expanduser(v)) for v in runs.values()}
+    if len(same) > 1:
+        raise UsageError(f"trainer.run_dir={runs['trainer.run_dir']} and hydra.run.dir={runs['hydra.run.dir']}: "
+                         f"one run has one directory; give one of them")
+    if len(runs) == 1:
+        (key, value), = runs.items()
+        return [f"{'hydra.run.dir' if key == 'trainer.run_dir' else 'trainer.run_dir'}={quote_path(value)}"]
+    return []
+
+
+# --- errors in one line ---------------------------------------------------------------------------------
+def one_line(exc: BaseException) -> str | None:
+    """The line that states a user's error (without ``error:``), or None for a bug."""
+    from hydra.errors import ConfigCompositionException, MissingConfigException, OverrideParseException
+    from omegaconf.errors import OmegaConfBaseException
+
+    from bstrain.errors import UserError
+    if isinstance(exc, (UserError, UsageError)):
+        return " ".join(str(exc).split())
+    if isinstance(exc, OverrideParseException):
+        key, eq, value = exc.override.partition("=")
+        if not eq:
+            return f"{exc.override}: expected key=value"
+        return (f"{exc.override}: Hydra cannot parse this key=value; quote the value, e.g. "
+                f"\"{key}='{value}'\"")
+    if isinstance(exc, MissingConfigException) and exc.missing_cfg_file:
+        group, _, name = exc.missing_cfg_file.rpartition("/")
+        options = sorted(o for o in (exc.options or []) if not o.startswith("base_"))
+        return f"{group}={name}: no such option; options: {', '.join(options)}" if group else " ".join(
+            str(exc).split())
+    if isinstance(exc, ConfigCompositionException):
+        cause = exc.__cause__
+        if isinstance(cause, OmegaConfBaseException) and getattr(cause, "full_key", None):
+            return _omegaconf_line(cause)
+        return " ".join(str(exc).split())
+    return None
+
+
+def _omegaconf_line(exc) -> str:
+    """A key that does not exist, or a value its field's type rejects, in one line."""
+    from omegaconf.errors import ConfigAttributeError, ConfigKeyError, ValidationError
+
+    from bstrain.configs.schema import did_you_mean
+    if isinstance(exc, (ConfigAttributeError, ConfigKeyError)) and exc.parent_node is not None:
+        return f"{exc.full_key}: no such key{did_you_mean(exc.full_key, exc.parent_node)}"
+    if isinstance(exc, ValidationError):
+        want = _expected(exc)
+        if want:
+            return f"{exc.full_key}: expected {want}, got {exc.value!r}"
+    return f"{exc.full_key}: {str(exc.msg).splitlines()[0]}"
+
+
+def _expected(exc) -> str | None:
+    """What the field ``exc.key`` of a typed node takes, from its dataclass."""
+    import dataclasses
+
+    from omegaconf import OmegaConf
+    kind = OmegaConf.get_type(exc.parent_node) if exc.parent_node is not None else None
+    if not (kind and dataclasses.is_dataclass(kind)):
+        return None
+    return type_expectation(typing.get_type_hints(kind).get(str(exc.key)), str(exc.key))
+
+
+def type_expectation(tp, key: str = "") -> str | None:
+    """'one of fp32, fp16, bf16', 'an integer', 'a number or null' ... for a schema field's type."""
+    args = [a for a in typing.get_args(tp) if a is not type(None)]
+    if args and type(None) in typing.get_args(tp):
+        inner = type_expectation(args[0], key)
+        return f"{inner} or null" if inner else None
+    if isinstance(tp, type) and issubclass(tp, enum.Enum):
+        return "one of " + ", ".join(m.value for m in tp)
+    names = {int: "an integer", float: "a number", bool: "true or false", str: "a string"}
+    if tp in names:
+        return names[tp]
+    return f"the {key} section's keys, as {key}.KEY=VALUE" if key and isinstance(tp, type) else None

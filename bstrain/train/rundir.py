@@ -1,0 +1,55 @@
+"""Run directories that a failed start leaves behind: which part of one a start created, and
+removing it again when the start stops on an error before training.
+
+The trainer creates the run directory itself when called as a library; under the CLI, Hydra
+creates it before the command runs, and :class:`RecordCreatedDirs` (a Hydra callback named in
+bstrain/configs/train.yaml) notes which directories that will make.
+"""
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+from hydra.experimental.callback import Callback
+
+# What a start writes before its first training step: Hydra's copy of the config and the log.
+START_FILES = frozenset({".hydra", "train.log"})
+
+_created_by_hydra: list[Path] = []
+
+
+def missing_dirs(path: str | Path) -> list[Path]:
+    """``path`` and those of its parents that do not exist yet, deepest first (absolute)."""
+    out = []
+    for p in [Path(path).absolute(), *Path(path).absolute().parents]:
+        if p.exists():
+            break
+        out.append(p)
+    return out
+
+
+class RecordCreatedDirs(Callback):
+    """Before Hydra makes the run directory: the directories it is about to create."""
+
+    def on_run_start(self, config, **kwargs) -> None:
+        _created_by_hydra[:] = missing_dirs(str(config.hydra.run.dir))
+
+
+def created_by_hydra() -> list[Path]:
+    return list(_created_by_hydra)
+
+
+def remove_failed_start(run_dir: str | Path, created: list[Path]) -> bool:
+    """Removes ``run_dir`` when this start created it (it is in ``created``) and it holds nothing but
+    what a start writes (:data:`START_FILES`), then the parents in ``created`` left empty. True when
+    the run directory was removed."""
+    run_dir = Path(run_dir).absolute()
+    if run_dir not in created or not run_dir.is_dir():
+        return False
+    if any(p.name not in START_FILES for p in run_dir.iterdir()):
+        return False
+    shutil.rmtree(run_dir, ignore_errors=True)
+    for parent in created:
+        if parent != run_dir and parent.is_dir() and not any(parent.iterdir()):
+            parent.rmdir()
+    return not run_dir.exists()
