@@ -68,7 +68,7 @@ class AttentionTables:
     row: Tensor        # (nnz,) int64: h·q_blocks + i, the block's query row
     tiles: Tensor      # (distinct + 1, bs, bs) bool element masks
     tile_of: Tensor    # (nnz,) int64
-    host: tuple        # (h, i, j, partial_idx, partial_masks) numpy: the kernels' tables are cut from them
+    host: tuple | None  # (h, i, j, partial_idx, partial_masks) numpy: the kernels' tables are cut from them
     _luts: object = None
 
     def kernel_luts(self):
@@ -112,7 +112,7 @@ def _tables_on(tables, device: torch.device) -> AttentionTables:
         return tables.on(device)
     host = tables.host
     return AttentionTables(host.heads, host.q_blocks, host.k_blocks, host.block_size,
-                           *_device_tensors(tables.key, device), host.host)
+                           *_device_tensors(tables.key, device), None)        # the PyTorch path needs no host data
 
 
 # --- reference: dense attention (the tests' oracle) and the PyTorch path -----------------------------
