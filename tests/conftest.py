@@ -2,11 +2,17 @@
 
 On a machine without CUDA the Triton kernels run in the interpreter on CPU tensors: set
 TRITON_INTERPRET=1 before anything imports triton.
+
+Triton is an optional dependency (``pip install 'bstrain[triton]'``). Without it, the tests that
+need it skip with that reason: every test under tests/kernels/, every test parametrized with the
+value "triton" (a backend), and tests marked ``@pytest.mark.triton``. A test module whose import
+fails only because triton is missing skips as a whole; any other import error is an error.
 """
 from __future__ import annotations
 
 import os
 import random
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -18,6 +24,21 @@ if not torch.cuda.is_available():
 # its test every time (bstrain.kernels.alloc). Set before any kernel module is imported.
 os.environ["BSTRAIN_POISON_OUTPUTS"] = "1"
 SEED_ENV = "BSTRAIN_TEST_SEED"
+
+
+def _triton_installed() -> bool:
+    try:
+        import triton  # noqa: F401  (after TRITON_INTERPRET is set above)
+    except ModuleNotFoundError as e:
+        if e.name != "triton":              # triton is there but broken: say so, don't skip
+            raise
+        return False
+    return True
+
+
+HAS_TRITON = _triton_installed()
+NO_TRITON = "triton is not installed: pip install 'bstrain[triton]'"
+KERNEL_TESTS = Path(__file__).parent / "kernels"
 
 # Error floor per dtype, relative to the reference's largest magnitude. The kernel's error may be
 # at most 2x the error of the same product done by PyTorch in that dtype, plus this floor.
@@ -57,6 +78,31 @@ def assert_close(out: torch.Tensor, ref: torch.Tensor, base: torch.Tensor | None
 def _worst(t: torch.Tensor) -> tuple:
     flat = int(t.double().flatten().argmax())
     return tuple(int(v) for v in torch.unravel_index(torch.tensor(flat), t.shape))
+
+
+def ragged_layout(cb: int, kb: int, seed: int) -> np.ndarray:
+    """Random layout with one empty block-row and one empty block-column."""
+    rng = np.random.default_rng(seed)
+    lay = rng.random((cb, kb)) < 0.6
+    lay[1, :] = False
+    lay[:, 2] = False
+    lay[0, 0] = lay[2, 1] = True
+    return lay
+
+
+def dense_weight(lay: np.ndarray, w: torch.Tensor) -> torch.Tensor:
+    """(C, K) float64 dense equivalent of the (nnz, bs, bs) live blocks."""
+    bs = w.shape[-1]
+    cb, kb = lay.shape
+    dense = torch.zeros(cb, bs, kb, bs, dtype=torch.float64)
+    c_idx, k_idx = np.nonzero(lay)
+    dense[c_idx, :, k_idx, :] = w.detach().double().cpu()
+    return dense.reshape(cb * bs, kb * bs)
+
+
+def torch_mm(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """PyTorch's own product in ``dtype``: the error baseline of the tolerance rule."""
+    return (a.to(dtype) @ b.to(dtype)).double()
 
 
 def pytest_addoption(parser):
@@ -99,13 +145,46 @@ def fresh_seed() -> int:
     return int(torch.randint(0, 1 << 30, ()))
 
 
+def needs_triton(item) -> bool:
+    """Kernel tests, tests run with a "triton" parameter (a backend), and tests marked triton."""
+    params = getattr(item, "callspec", None)
+    params = params.params.values() if params else ()
+    return (item.get_closest_marker("triton") is not None or KERNEL_TESTS in item.path.parents
+            or any(isinstance(v, str) and v == "triton" for v in params))
+
+
 def pytest_collection_modifyitems(config, items):
-    if torch.cuda.is_available():
-        return
-    skip = pytest.mark.skip(reason="needs a CUDA device")
+    no_gpu = pytest.mark.skip(reason="needs a CUDA device")
+    no_triton = pytest.mark.skip(reason=NO_TRITON)
     for item in items:
-        if "gpu" in item.keywords:
-            item.add_marker(skip)
+        if "gpu" in item.keywords and not torch.cuda.is_available():
+            item.add_marker(no_gpu)
+        elif not HAS_TRITON and needs_triton(item):
+            item.add_marker(no_triton)
+
+
+def _missing_triton(exc: BaseException | None) -> bool:
+    while exc is not None:
+        if isinstance(exc, ModuleNotFoundError) and (exc.name or "").split(".")[0] == "triton":
+            return True
+        exc = exc.__cause__ or exc.__context__
+    return False
+
+
+class _Module(pytest.Module):
+    """A test module that skips, naming triton, when its import fails for want of triton."""
+
+    def collect(self):
+        try:
+            return super().collect()            # imports the module
+        except self.CollectError as e:
+            if not HAS_TRITON and _missing_triton(e):
+                pytest.skip(f"{NO_TRITON} ({self.path.name} imports it)", allow_module_level=True)
+            raise
+
+
+def pytest_pycollect_makemodule(module_path, parent):
+    return _Module.from_parent(parent, path=module_path)
 
 
 class KilledRun(Exception):

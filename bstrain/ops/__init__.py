@@ -1,7 +1,7 @@
 """Seed-compatible ops on torch tensors, in one flat namespace like the seed's.
 
 ``import bstrain.ops as bs`` gives the names ``import blocksparse as bs`` gave, for the ops bstrain
-provides (the README lists the seed names it does not). The submodules stay importable:
+provides (docs/seed.md lists the seed names it does not). The submodules stay importable:
 ``bstrain.ops.matmul``, ``.ew``, ``.norms``, ``.embed``, ``.proj``, ``.transformer``, ``.conv``.
 """
 from bstrain.ops.conv import BlocksparseConv, BlocksparseDeconv, cwise_linear

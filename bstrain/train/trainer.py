@@ -71,7 +71,7 @@ def set_threads(n: int) -> int:
     else half the cores this process may use (at least 1).
 
     Half, because a second busy process on the machine then slows a run by about its share
-    instead of stalling OpenMP's spinning threads (measured: README, "Set-up").
+    instead of stalling OpenMP's spinning threads (measured: benchmarks/README.md).
     """
     if n <= 0 and os.environ.get("OMP_NUM_THREADS", "").isdigit():
         return torch.get_num_threads()
@@ -262,7 +262,7 @@ def build(cfg: DictConfig, run_dir: Path, device: torch.device, world: World) ->
     compiled = bool(t_cfg.get("compile", False))
     if compiled and graphed:
         raise UserError("trainer.compile, trainer.cuda_graph: expected one of them, got both (choose cuda_graph "
-                        "for small launch-bound steps, compile for larger ones; README, torch.compile)")
+                        "for small launch-bound steps, compile for larger ones; README, 'Eager, torch.compile or a CUDA graph')")
     if graphed:
         check_graph_config(device, t_cfg.precision, world.size)
     if compiled:

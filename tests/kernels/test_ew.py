@@ -4,10 +4,10 @@ from __future__ import annotations
 import pytest
 import torch
 
+from bstrain.kernels import ew as kernels
 from bstrain.ops.ew import fused_lstm_gates_ref
 from tests.conftest import DTYPE_IDS, assert_close, kernel_device, kernel_dtypes
 
-kernels = pytest.importorskip("bstrain.kernels.ew")
 DT = pytest.mark.parametrize("dtype", kernel_dtypes(), ids=lambda d: DTYPE_IDS[d])
 
 

@@ -10,8 +10,7 @@ from bstrain.kernels.ew import lstm_gates_forward
 from bstrain.kernels.norms import layer_norm_forward
 from bstrain.ops.ew import fused_lstm_gates_ref
 from bstrain.ops.norms import layer_norm_ref
-from tests.conftest import assert_close, fresh_seed, kernel_device
-from tests.kernels.test_matmul import dense_weight, ragged_layout
+from tests.conftest import assert_close, dense_weight, fresh_seed, kernel_device, ragged_layout
 
 
 def test_plan_cache_is_bounded_and_keyed(monkeypatch):

@@ -5,36 +5,11 @@ import numpy as np
 import pytest
 import torch
 
-from tests.conftest import DTYPE_IDS, assert_close, fresh_seed, kernel_device, kernel_dtypes
-
-kernels = pytest.importorskip("bstrain.kernels.matmul")
+from bstrain.kernels import matmul as kernels
+from tests.conftest import (DTYPE_IDS, assert_close, dense_weight, fresh_seed, kernel_device, kernel_dtypes,
+                            ragged_layout, torch_mm)
 
 BLOCK_SIZES = (8, 16, 32, 64, 128)
-
-
-def ragged_layout(cb: int, kb: int, seed: int) -> np.ndarray:
-    """Random layout with one empty block-row and one empty block-column."""
-    rng = np.random.default_rng(seed)
-    lay = rng.random((cb, kb)) < 0.6
-    lay[1, :] = False
-    lay[:, 2] = False
-    lay[0, 0] = lay[2, 1] = True
-    return lay
-
-
-def dense_weight(lay: np.ndarray, w: torch.Tensor) -> torch.Tensor:
-    """(C, K) float64 dense equivalent of the (nnz, bs, bs) live blocks."""
-    bs = w.shape[-1]
-    cb, kb = lay.shape
-    dense = torch.zeros(cb, bs, kb, bs, dtype=torch.float64)
-    c_idx, k_idx = np.nonzero(lay)
-    dense[c_idx, :, k_idx, :] = w.detach().double().cpu()
-    return dense.reshape(cb * bs, kb * bs)
-
-
-def torch_mm(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """PyTorch's own product in ``dtype``: the error baseline of the tolerance rule."""
-    return (a.to(dtype) @ b.to(dtype)).double()
 
 
 def make_case(bs, axis, dtype, n=37, cb=3, kb=5, seed=None):

@@ -4,10 +4,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from bstrain.kernels import norms as kernels
 from bstrain.ops.norms import layer_norm_ref
 from tests.conftest import DTYPE_IDS, assert_close, kernel_device, kernel_dtypes
-
-kernels = pytest.importorskip("bstrain.kernels.norms")
 
 
 def check_kernel(x, g, b, axis, relu, segments, dtype, base=None):

@@ -71,7 +71,7 @@ def test_forward_and_gradients_match_the_recurrence(sparse, group_size):
 
 def test_reference_blocks_follow_the_layout():
     """The test's dense equivalent agrees with the kernel tests' (row-major block order)."""
-    from tests.kernels.test_matmul import dense_weight
+    from tests.conftest import dense_weight
     model = SparseLSTM(LSTMConfig(hidden=64, embed=16, block_size=16, depth=1, density=0.5, layout="random")).double()
     layer = model.w_hm
     lay, bs = layer.op.layout, layer.op.block_size

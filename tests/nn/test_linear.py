@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from bstrain.nn import BlockSparseLinear, sparsify
-from tests.kernels.test_matmul import dense_weight
+from tests.conftest import dense_weight
 
 
 @pytest.mark.parametrize("axis", (0, 1))

@@ -16,8 +16,7 @@ from bstrain.nn import BlockSparseLinear
 from bstrain.ops.ew import fused_lstm_gates_ref
 from bstrain.ops.matmul import BlocksparseMatMul
 from bstrain.ops.norms import layer_norm_ref
-from tests.conftest import kernel_device, assert_close, fresh_seed
-from tests.kernels.test_matmul import dense_weight, ragged_layout
+from tests.conftest import assert_close, dense_weight, fresh_seed, kernel_device, ragged_layout
 
 OPS = torch.ops.bstrain
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
@@ -207,6 +206,7 @@ def _compile_counted(model, **kwargs):
     return torch.compile(model, backend=counter, fullgraph=True, **kwargs), counter
 
 
+@pytest.mark.triton
 def test_compile_block_sparse_linear_through_custom_op(dev):
     torch._dynamo.reset()
     layer = _to_kernels(BlockSparseLinear(64, 48, block_size=16, density=0.5, seed=fresh_seed(), device=dev))
@@ -218,6 +218,7 @@ def test_compile_block_sparse_linear_through_custom_op(dev):
     assert counter.frame_count == 1, "recompiled between steps"
 
 
+@pytest.mark.triton
 def test_compile_user_module_calling_the_op(dev):
     torch._dynamo.reset()
     m = _to_kernels(UsesOp(dev))
@@ -228,6 +229,7 @@ def test_compile_user_module_calling_the_op(dev):
     assert counter.frame_count == 1
 
 
+@pytest.mark.triton
 def test_compile_inductor(dev):
     """The default backend (Inductor), forward and backward, with a dynamic batch."""
     torch._dynamo.reset()
@@ -236,6 +238,7 @@ def test_compile_inductor(dev):
     _check_compiled(m, compiled, lambda: (torch.randn(int(torch.randint(2, 9, ())), 64, device=dev),))
 
 
+@pytest.mark.triton
 def test_compile_sparse_lstm_training_step(dev):
     """The mLSTM forward + loss in one graph: block-sparse matmuls, segmented layer norm and the
     LSTM gates as custom ops, no graph break, no recompilation; gradients as in eager."""
@@ -307,6 +310,7 @@ def test_copies_and_pickles_keep_their_layout_registered():
         torch.testing.assert_close(OPS.bsmm(x, m.weight, key, 1, torch.float32), m(x) - m.bias)
 
 
+@pytest.mark.triton
 def test_public_products_check_their_arguments_before_any_kernel(monkeypatch):
     """forward_raw, dx, dw and the kernel path's size limit: clear errors, no launch."""
     from bstrain.kernels import launch

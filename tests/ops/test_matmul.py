@@ -7,8 +7,8 @@ import torch
 
 from bstrain import layout as layouts
 from bstrain.ops.matmul import BlocksparseMatMul, bsmm_ref
-from tests.conftest import DTYPE_IDS, assert_close, fresh_seed, kernel_device, kernel_dtypes
-from tests.kernels.test_matmul import dense_weight, ragged_layout, torch_mm
+from tests.conftest import (DTYPE_IDS, assert_close, dense_weight, fresh_seed, kernel_device, kernel_dtypes,
+                            ragged_layout, torch_mm)
 
 
 def rows(t, axis):
@@ -57,6 +57,7 @@ def test_gradcheck_cpu_float64(axis):
     assert torch.autograd.gradcheck(op, (x, w))
 
 
+@pytest.mark.triton
 def test_two_weights_share_one_layout():
     backend = "triton"
     op = BlocksparseMatMul(layouts.random((4, 4), 0.5, seed=0), 16, backend=backend)
@@ -71,6 +72,7 @@ def test_two_weights_share_one_layout():
     assert op._tables.on(dev) is op._tables.on(dev)
 
 
+@pytest.mark.triton
 def test_master_weights_fp32_with_fp16_activations():
     op = BlocksparseMatMul(layouts.random((3, 3), 0.7, seed=1), 16, backend="triton")
     dev = kernel_device()
@@ -333,6 +335,7 @@ def test_triton_backend_on_cpu_without_interpreter(monkeypatch):
         op(torch.randn(4, 32), torch.randn(op.w_shape))
 
 
+@pytest.mark.triton
 def test_non_contiguous_weight_is_handled():
     """A transposed or expanded W gives the same result as its contiguous copy, on both paths."""
     lay = layouts.random((4, 4), 0.5, seed=1)

@@ -182,6 +182,7 @@ def test_copies_keep_their_attention_layout_registered():
                                twin.attention(q, k, v, scale=0.5))
 
 
+@pytest.mark.triton
 def test_compile_fullgraph_through_the_attention_op(monkeypatch):
     """backend='triton' under torch.compile(fullgraph=True): the graph holds bstrain.bst_attention
     (on CPU it runs PyTorch inside), no graph break; outputs and gradients as in eager, with a
