@@ -67,8 +67,7 @@ def main() -> None:
             luts = op.luts(q.device)
             o, lse = K.attention_forward(q, k, v, luts, scale)
             delta = torch.empty_like(lse)
-            K.launch("dq", luts, D, dt, None, B, (q, k, v, o, do, lse, delta, torch.empty_like(q)),
-                     (q.stride(0), q.stride(1), k.stride(0), k.stride(1)), S, S, (scale * K.LOG2E, scale))
+            K.launch("dq", luts, (q, k, v, o, do, lse, delta, torch.empty_like(q)), None, (scale * K.LOG2E, scale))
             state[name] = (luts, o, lse, delta)
         for kernel, cands in CANDIDATES.items():
             totals = {}
@@ -80,20 +79,17 @@ def main() -> None:
                 try:
                     for name, (luts, o, lse, delta) in state.items():
                         if kernel == "fwd":
-                            ts, strides = (q, k, v, torch.empty_like(q), torch.empty_like(lse)), \
-                                (q.stride(0), q.stride(1), k.stride(0), k.stride(1), q.stride(0), q.stride(1))
-                            sc = (scale * K.LOG2E,)
+                            ts, sc = (q, k, v, torch.empty_like(q), torch.empty_like(lse)), (scale * K.LOG2E,)
                         elif kernel == "dq":
                             ts = (q, k, v, o, do, lse, torch.empty_like(delta), torch.empty_like(q))
-                            strides, sc = (q.stride(0), q.stride(1), k.stride(0), k.stride(1)), (scale * K.LOG2E, scale)
+                            sc = (scale * K.LOG2E, scale)
                         else:
                             ts = (q, k, v, do, lse, delta, torch.empty_like(k), torch.empty_like(v))
-                            strides, sc = (q.stride(0), q.stride(1), k.stride(0), k.stride(1)), (scale * K.LOG2E, scale)
-                        ck = K.launch(kernel, luts, D, dt, None, B, ts, strides, S, S, sc)
-                        row["regs"], row["spills"] = getattr(ck, "n_regs", None), getattr(ck, "n_spills", None)
+                            sc = (scale * K.LOG2E, scale)
+                        K.launch(kernel, luts, ts, None, sc)             # a new TILES entry: a new plan
                         row[name] = round(triton.testing.do_bench(
-                            lambda: K.launch(kernel, luts, D, dt, None, B, ts, strides, S, S, sc),
-                            warmup=10, rep=60, return_mode="median"), 4)
+                            lambda: K.launch(kernel, luts, ts, None, sc), warmup=10, rep=60,
+                            return_mode="median"), 4)
                     totals[cand] = sum(row[n] for n in state)
                 except Exception as exc:                                # out of resources, say
                     row["error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:120]}"
