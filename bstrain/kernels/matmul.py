@@ -35,7 +35,7 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from bstrain.kernels.alloc import empty
-from bstrain.kernels.launch import Launch, aligned, graph_plans, host_bound, plan  # noqa: F401
+from bstrain.kernels.launch import Launch, aligned, host_bound, plan
 
 BLOCK_SIZES = (8, 16, 32, 64, 128)
 _INT32_MAX = 2**31 - 1

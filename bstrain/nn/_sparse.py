@@ -7,6 +7,23 @@ import torch
 from torch import nn
 
 
+def layout_of(norms: torch.Tensor | None, density: float | None, layout):
+    """The layout a ``from_dense`` keeps: ``layout`` as given, or, with ``density``, the
+    round(density·blocks) blocks of largest ``norms`` ((C/bs, K/bs) block norms of the dense
+    weight): magnitude pruning at block granularity. ``norms`` may be None when a layout is given."""
+    from bstrain import layout as layouts
+    if layout is not None and density is not None:
+        raise ValueError("layout, density: expected one of them, got both")
+    if layout is not None:
+        return layout
+    if density is None:
+        raise ValueError("layout: expected a layout or a density, got neither")
+    keep = min(norms.numel(), max(1, round(layouts.check_density(density) * norms.numel())))
+    chosen = np.zeros(tuple(norms.shape), dtype=bool)
+    chosen.flat[norms.flatten().argsort(descending=True, stable=True)[:keep].cpu().numpy()] = True
+    return chosen
+
+
 class BlockLayoutModule(nn.Module):
     """Base of :class:`BlockSparseLinear` and :class:`BlockSparseConv2d`.
 

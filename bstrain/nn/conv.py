@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 from bstrain import layout as layouts
-from bstrain.nn._sparse import BlockLayoutModule
+from bstrain.nn._sparse import BlockLayoutModule, layout_of
 from bstrain.ops.conv import bsconv2d_ref, conv_geometry, dense_conv_filter, sparse_conv2d, tables_on
 from bstrain.ops.matmul import compute_dtype
 from bstrain.ops.tables import layout_tables
@@ -261,16 +261,11 @@ class BlockSparseConv2d(BlockLayoutModule):
         """
         _check_convertible("conv", conv, block_size)
         C, K, bs = conv.in_channels, conv.out_channels, block_size
-        if layout is not None and density is not None:
-            raise ValueError("layout, density: expected one of them, got both")
+        norms = None
         if layout is None:
-            if density is None:
-                raise ValueError("layout: expected a layout or a density, got neither")
             w = conv.weight.detach().float()
             norms = w.reshape(K // bs, bs, C // bs, bs, -1).square().sum((1, 3, 4)).t()     # (Cb, Kb)
-            keep = min(norms.numel(), max(1, round(layouts.check_density(density) * norms.numel())))
-            layout = np.zeros(tuple(norms.shape), dtype=bool)
-            layout.flat[norms.flatten().argsort(descending=True, stable=True)[:keep].cpu().numpy()] = True
+        layout = layout_of(norms, density, layout)
         layer = cls(C, K, conv.kernel_size, conv.stride, conv.padding, conv.dilation, conv.bias is not None,
                     block_size=bs, layout=layout, backend=backend, device=conv.weight.device, dtype=conv.weight.dtype)
         t = tables_on(layer._tables, conv.weight.device)

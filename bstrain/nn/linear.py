@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from bstrain import layout as layouts
-from bstrain.nn._sparse import BlockLayoutModule
+from bstrain.nn._sparse import BlockLayoutModule, layout_of
 from bstrain.ops.matmul import BlocksparseMatMul, check_block_size, compute_dtype
 
 __all__ = ["BlockSparseLinear", "block_sparse_layouts", "set_grad_group", "sparsify"]
@@ -160,18 +160,13 @@ class BlockSparseLinear(BlockLayoutModule):
             raise TypeError(f"linear: expected an nn.Linear, got {type(linear).__name__}")
         bs = check_block_size(block_size)
         C, K = linear.in_features, linear.out_features
-        if layout is not None and density is not None:
-            raise ValueError("layout, density: expected one of them, got both")
+        norms = None
         if layout is None:
-            if density is None:
-                raise ValueError("layout: expected a layout or a density, got neither")
             if C % bs or K % bs:
                 raise ValueError(f"linear: expected in/out features that are multiples of block_size={bs}, "
                                  f"got {C} and {K}")
             norms = linear.weight.detach().float().t().reshape(C // bs, bs, K // bs, bs).square().sum((1, 3))
-            keep = min(norms.numel(), max(1, round(layouts.check_density(density) * norms.numel())))
-            layout = np.zeros(tuple(norms.shape), dtype=bool)
-            layout.flat[norms.flatten().argsort(descending=True, stable=True)[:keep].cpu().numpy()] = True
+        layout = layout_of(norms, density, layout)
         layer = cls(C, K, linear.bias is not None, block_size=bs, layout=layout, feature_axis=feature_axis,
                     device=linear.weight.device, dtype=linear.weight.dtype)
         layer.requested_density = density
