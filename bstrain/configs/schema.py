@@ -155,8 +155,9 @@ class TrainerConfig:
                                                                    "null: runs/DATE/TIME"})
     progress: bool = field(default=True, metadata={"help": "tqdm bar when stderr is a terminal"})
     threads: int = field(default=0, metadata={"help": "CPU threads for torch; 0: half the available cores"})
-    cuda_graph: bool = field(default=False, metadata={"help": "capture each training step in a CUDA graph "
-                                                               "(CUDA, fp32/bf16, one process)"})
+    cuda_graph: str = field(default="auto", metadata={
+        "help": "auto (default): the whole step as one CUDA graph on a GPU, eager where it cannot be captured (one "
+                "log line says why) | true: a graph or an error | false: eager"})
     compile: bool = field(default=False, metadata={"help": "torch.compile the model (forward and backward; the "
                                                             "block-sparse ops stay custom ops); any device, DDP too"})
 

@@ -40,7 +40,7 @@ from bstrain.train.checkpoint import (checkpoint_path, latest_checkpoint, load_c
                                       save_checkpoint)
 from bstrain.train.distributed import (World, barrier, broadcast, check_same_layouts, device_for, finish, gather,
                                        init_world)
-from bstrain.train.graphs import CapturedStep, check_graph_config
+from bstrain.train.graphs import CapturedStep, CaptureError, GraphedForward, check_graph_config, ema_update
 from bstrain.train.progress import Board, Progress, log, remove_logging, setup_logging
 from bstrain.train.rundir import missing_dirs, remove_failed_start
 from bstrain.train.schedule import LRSchedule, set_lr
@@ -138,6 +138,30 @@ _CHECKS = (  # (section, key, test, expectation): ranges the types alone do not 
 )
 
 
+GRAPH_MODES = ("auto", "true", "false")
+
+
+def graph_mode(value) -> str:
+    """trainer.cuda_graph as one of auto, true, false (YAML and the command line may give a bool)."""
+    mode = str(_value(value)).strip().lower()
+    mode = {"1": "true", "0": "false", "yes": "true", "no": "false", "on": "true", "off": "false"}.get(mode, mode)
+    if mode not in GRAPH_MODES:
+        raise UserError(f"trainer.cuda_graph: expected auto, true or false, got {value!r}")
+    return mode
+
+
+def run_graphed(t_cfg, device: torch.device) -> bool:
+    """Whether this run captures its step: trainer.cuda_graph=true (UserError where it cannot), or
+    auto on a CUDA device. Whether the model can be captured is found at the first step."""
+    mode = graph_mode(t_cfg.cuda_graph)
+    if mode == "false":
+        return False
+    reason = check_graph_config(device)
+    if reason is not None and mode == "true":
+        raise UserError(f"trainer.cuda_graph=true: {reason} (auto graphs where it can, false never)")
+    return reason is None
+
+
 def check_config(cfg) -> None:
     """UserError naming the key for an undeclared key, a missing value or a value out of range."""
     from bstrain.configs.schema import check_config as check_schema
@@ -148,6 +172,7 @@ def check_config(cfg) -> None:
             raise UserError(f"{section}.{key}: expected {want}, got {value!r}")
     if _value(cfg.trainer.precision) not in PRECISIONS:
         raise UserError(f"trainer.precision: expected fp32, fp16 or bf16, got {cfg.trainer.precision!r}")
+    graph_mode(cfg.trainer.cuda_graph)
     if _value(cfg.optim.schedule) not in ("cosine", "linear", "constant"):
         raise UserError(f"optim.schedule: expected cosine, linear or constant, got {cfg.optim.schedule!r}")
 
@@ -229,6 +254,9 @@ class Run:
     ema: Any = None
     params: list = field(default_factory=list)    # the model's parameters, listed once for clipping
     captured: CapturedStep | None = None
+    step_mode: str = "eager"              # how steps run: "graph" or "eager", "(compiled)" when compiled
+    eval_forwards: dict = field(default_factory=dict)   # graphed evaluation forwards, per model
+    throughput: list = field(default_factory=list)      # units/s of each logged window
     step: int = 0
     state: Any = None                     # carried model state (stateful models)
     pending_state: Any = None             # a checkpoint's states, placed at the first batch
@@ -257,29 +285,31 @@ def build(cfg: DictConfig, run_dir: Path, device: torch.device, world: World) ->
     if world.active:
         from torch.nn.parallel import DistributedDataParallel
         check_same_layouts(model, world)
-        net = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
-    graphed = bool(t_cfg.cuda_graph)
-    compiled = bool(t_cfg.get("compile", False))
-    if compiled and graphed:
-        raise UserError("trainer.compile, trainer.cuda_graph: expected one of them, got both (choose cuda_graph "
-                        "for small launch-bound steps, compile for larger ones; README, 'Eager, torch.compile or a CUDA graph')")
-    if graphed:
-        check_graph_config(device, t_cfg.precision, world.size)
-    if compiled:
+        side = torch.cuda.Stream(device) if run_graphed(t_cfg, device) else None
+        with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
+            # a graph that captures DDP's all-reduce needs DDP built on a side stream (torch.cuda.graphs docs)
+            net = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
+        if side is not None:
+            torch.cuda.current_stream(device).wait_stream(side)
+    if compiled := bool(t_cfg.get("compile", False)):
         net = torch.compile(net)        # the model (and DDP around it); checkpoints keep using `model`
     amp_dtype = PRECISIONS[_value(t_cfg.precision)]
+    graphed = run_graphed(t_cfg, device)
     optimizer = make_optimizer(model, cfg.optim, device, capturable=graphed)
     scaler = torch.amp.GradScaler(device.type, init_scale=2.0**16, growth_interval=t_cfg.loss_scale_window,
                                   enabled=_value(t_cfg.precision) == "fp16")
     ema = None
     if cfg.optim.ema > 0:
-        from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
-        ema = AveragedModel(model, multi_avg_fn=get_ema_multi_avg_fn(cfg.optim.ema))
+        from torch.optim.swa_utils import AveragedModel
+        ema = AveragedModel(model, device=device)       # n_averaged on the device, where graphs count it
     forward = Forward(net, amp_dtype, device)
     run = Run(cfg, world, device, run_dir, task, model, net, forward, optimizer, scaler,
               LRSchedule(cfg.optim, t_cfg.max_steps), ema, params=list(model.parameters()))
+    run.step_mode = "eager" + (" (compiled)" if compiled else "")
     if graphed:
-        run.captured = CapturedStep(forward, task.loss, optimizer, cfg.optim.grad_clip, task.batch_metrics)
+        run.captured = CapturedStep(forward, task.loss, optimizer, cfg.optim.grad_clip, task.batch_metrics,
+                                    warmup=11 if world.active else 2, scaler=scaler, ema=ema,
+                                    ema_decay=cfg.optim.ema, model=model)
     if resume is not None:
         ckpt_io.restore(run, load_checkpoint(resume))
         _match_graph_mode(optimizer, graphed, device)
@@ -320,21 +350,47 @@ def one_step(run: Run, x: torch.Tensor, y: torch.Tensor, fresh: bool):
         _place_state(run, x)
     if fresh:
         run.state = None                                # the data stream restarts: so does the state
-    if run.captured is not None:                        # the whole step in one graph replay
-        loss, grad_norm, metrics = run.captured.step(x, y, reset_state=run.state is None)
+    if run.captured is not None and run.captured.graph is None:
+        _start_graph(run, x, y)
+    if run.captured is not None and run.captured.matches(x, y):     # the whole step in one graph replay
+        loss, grad_norm, metrics, skipped = run.captured.step(x, y, reset_state=run.state is None)
         # the graph's outputs are overwritten by the next replay
         loss, grad_norm, metrics = loss.clone(), grad_norm.clone(), {k: v.clone() for k, v in metrics.items()}
+        run.skipped = run.skipped + skipped
         run.state = run.captured.state
-    else:
+    else:                                               # eager (or a batch of another shape than the graph's)
         scale = run.scaler._scale.clone() if run.scaler.is_enabled() and run.scaler._scale is not None else None
         loss, grad_norm, run.state, metrics = train_step(run.forward, run.task.loss, x, y, run.state, run.optimizer,
                                                          run.params, run.cfg.optim.grad_clip, run.scaler,
                                                          metrics_fn=run.task.batch_metrics)
         if scale is not None:                           # fp16: a lowered scale means a skipped step
             run.skipped = run.skipped + (run.scaler._scale < scale).int()
-    if run.ema is not None:
-        run.ema.update_parameters(run.model)
+        if run.ema is not None:
+            ema_update(run.ema, run.model, run.cfg.optim.ema)
+        if run.captured is not None and run.state is not None and run.captured.matches(x, y):
+            run.captured.load_state(run.state, x)       # the graph's next replay carries this state on
     return loss, grad_norm, metrics
+
+
+def _start_graph(run: Run, x: torch.Tensor, y: torch.Tensor) -> None:
+    """Captures the step on the first batch. Where it cannot be (auto), the run trains eagerly
+    and one log line names why; under DDP every rank falls back if any must."""
+    reason = None
+    try:
+        run.captured.prepare(x, y)
+    except CaptureError as exc:
+        reason = str(exc)
+    if run.world.active:
+        reasons = [r for r in gather(reason, run.world) if r]
+        reason = reasons[0] if reasons else None
+    if reason is None:
+        run.step_mode = "graph" + (" (compiled)" if "compiled" in run.step_mode else "")
+        log.info("step: one CUDA graph per step (trainer.cuda_graph=%s)", graph_mode(run.cfg.trainer.cuda_graph))
+        return
+    run.captured = None
+    if graph_mode(run.cfg.trainer.cuda_graph) == "true":
+        raise UserError(f"trainer.cuda_graph=true: the step cannot be captured: {reason}")
+    log.info("step: eager; trainer.cuda_graph=auto could not capture it: %s", reason)
 
 
 # --- logging, validation, checkpoints ----------------------------------------------------------------
@@ -402,6 +458,7 @@ def log_window(run: Run, window: Window, progress: Progress, board: Board) -> No
                      "%g", run.step, skipped, n, metrics["loss_scale"])
     if run.device.type == "cuda":
         metrics["gpu_mem_gb"] = torch.cuda.max_memory_allocated(run.device) / 2**30
+    run.throughput.append(metrics[f"{unit}_per_s"])
     progress.show(run.step, metrics, run.task.metric, unit)
     board.scalars(run.step, {f"train/{k}": v for k, v in metrics.items()})
     window.reset()
@@ -439,7 +496,10 @@ def validate(run: Run, progress: Progress, board: Board, elapsed: float) -> None
         model.eval()
         try:
             forward = Forward(model, run.forward.amp_dtype, run.device)
-            valid = run.task.evaluate(forward, "valid", run.cfg.trainer.eval_batches, progress.active)
+            if run.captured is not None:                # static shapes: the evaluation forward is graphed too
+                forward = run.eval_forwards.setdefault(id(model), GraphedForward(forward))
+            with torch.no_grad():
+                valid = run.task.evaluate(forward, "valid", run.cfg.trainer.eval_batches, progress.active)
         finally:
             model.train()
         board.scalars(run.step, {f"valid/{k}": v for k, v in valid.items()})
@@ -587,7 +647,8 @@ def fit(run: Run) -> dict:
 def _result(run: Run) -> dict:
     out = {"steps": run.step, "train_loss": run.train_loss, "run_dir": str(run.run_dir), "history": run.history,
            "valid_history": run.valid_history, "valid": dict(run.valid),
-           "params": sum(p.numel() for p in run.model.parameters()), "data": run.task.describe()}
+           "params": sum(p.numel() for p in run.model.parameters()), "data": run.task.describe(),
+           "step_mode": run.step_mode, "throughput": list(run.throughput), "unit": run.task.unit}
     out.update({f"valid_{k}": v for k, v in run.valid.items()})
     out.setdefault("valid_loss", math.nan)
     out.setdefault(f"valid_{run.task.metric}", math.nan)

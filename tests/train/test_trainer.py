@@ -220,23 +220,12 @@ def test_enwik8_experiment_config_on_a_small_enwik8_file(make_cfg, tmp_path):
     assert out["steps"] == 2 and math.isfinite(out["valid_bpb"])
 
 
-def test_cuda_graph_config_errors(make_cfg):
-    from bstrain.train.graphs import check_graph_config
-    with pytest.raises(ValueError, match="trainer.cuda_graph: needs a CUDA device"):
-        train(make_cfg(trainer__device="cpu", trainer__cuda_graph=True))
-    with pytest.raises(ValueError, match="trainer.cuda_graph: expected precision fp32 or bf16, got 'fp16'"):
-        check_graph_config(torch.device("cuda"), "fp16", 1)
-    with pytest.raises(ValueError, match="trainer.cuda_graph: expected a single process"):
-        check_graph_config(torch.device("cuda"), "bf16", 2)
-    check_graph_config(torch.device("cuda"), "bf16", 1)
-
-
 @pytest.mark.gpu
 def test_cuda_graph_follows_the_eager_trajectory(make_cfg):
     """Replaying a captured step trains exactly like the eager loop, across evals, checkpoints
     and a resume (the warm-up steps before capture are undone)."""
     common = dict(trainer__max_steps=10, trainer__device="cuda", trainer__eval_every=5)
-    eager = train(make_cfg(**common, run="eager"))
+    eager = train(make_cfg(**common, trainer__cuda_graph=False, run="eager"))
     graphed = train(make_cfg(**common, trainer__cuda_graph=True, run="graph"))
     got, want = dict(graphed["history"]), dict(eager["history"])
     assert sorted(got) == sorted(want) == list(range(1, 11))
@@ -453,7 +442,7 @@ def test_eval_device_error_names_its_own_key(command_cfg, tmp_path):
 
 def test_compiled_model_follows_the_eager_trajectory(make_cfg):
     """trainer.compile=true: the same losses as the eager loop (the sparse LSTM on CPU, whose
-    block-sparse matmuls trace as PyTorch ops there), and a clear error beside cuda_graph."""
+    block-sparse matmuls trace as PyTorch ops there)."""
     common = dict(trainer__max_steps=4, trainer__eval_every=100, data__seq_len=4, model__depth=1, model__hidden=32)
     eager = train(make_cfg(**common, run="eager"))
     compiled = train(make_cfg(**common, trainer__compile=True, run="compiled"))
@@ -461,14 +450,13 @@ def test_compiled_model_follows_the_eager_trajectory(make_cfg):
     assert sorted(got) == sorted(want)
     for step in want:
         assert got[step] == pytest.approx(want[step], rel=1e-4), f"step {step}: {got[step]} != {want[step]}"
-    with pytest.raises(UserError, match="trainer.compile, trainer.cuda_graph: expected one of them"):
-        train(make_cfg(trainer__compile=True, trainer__cuda_graph=True, run="both"))
 
 
 @pytest.mark.gpu
 def test_compiled_model_on_cuda_follows_the_eager_trajectory(make_cfg):
     """On CUDA the compiled graph calls the Triton kernels as torch.ops.bstrain.* custom ops."""
-    common = dict(trainer__max_steps=6, trainer__eval_every=3, trainer__device="cuda", data__seq_len=8)
+    common = dict(trainer__max_steps=6, trainer__eval_every=3, trainer__device="cuda", data__seq_len=8,
+                  trainer__cuda_graph=False)
     eager = train(make_cfg(**common, run="eager"))
     compiled = train(make_cfg(**common, trainer__compile=True, run="compiled"))
     got, want = dict(compiled["history"]), dict(eager["history"])

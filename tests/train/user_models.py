@@ -39,3 +39,32 @@ class Broken(nn.Module):
 
     def forward(self, x):
         raise RuntimeError("a bug in the model")
+
+
+class SyncingLM(nn.Module):
+    """A stateless byte LM that reads a value on the host in its forward (cannot be captured)."""
+
+    def __init__(self, width: int = 32):
+        super().__init__()
+        self.embed = nn.Embedding(256, width)
+        self.head = nn.Linear(width, 256)
+
+    def forward(self, x):
+        h = self.embed(x)
+        if float(h.abs().max()) > 1e6:          # a host sync
+            h = h / 2
+        return self.head(h)
+
+
+class BoostLM(nn.Module):
+    """A stateless byte LM whose logits are multiplied by the buffer ``boost`` (a test sets it to inf)."""
+
+    def __init__(self, width: int = 32):
+        super().__init__()
+        self.embed = nn.Embedding(256, width)
+        self.mix = BlockSparseLinear(width, width, block_size=16, density=0.5)
+        self.head = nn.Linear(width, 256)
+        self.register_buffer("boost", torch.ones(()))
+
+    def forward(self, x):
+        return self.head(torch.relu(self.mix(self.embed(x)))) * self.boost

@@ -1,0 +1,220 @@
+"""Whole training steps on the GPU: wall time against the GPU's kernel time, per execution mode.
+
+    PYTHONPATH=$PWD python scripts/bench_step.py --parts mlp,configs --out DIR [--profile]
+
+Part ``mlp``: 4 x BlockSparseLinear(4096, 4096) at 10% density, blocks of 64, GELU between, M=4096,
+bf16 autocast, forward + backward; and its dense twin (nn.Linear). Modes:
+  eager           the module called from Python
+  compile         torch.compile(model) (default mode)
+  reduce-overhead torch.compile(model, mode="reduce-overhead") (inductor's CUDA graphs)
+  graph           bstrain.graphed(step, x): the eager step captured by hand in one CUDA graph
+Wall: mean of back-to-back calls ended by one synchronize, median of 5 loops. GPU: the summed
+kernel time of one step (torch.profiler). Launches: CUDA kernel launches per step.
+
+Part ``configs``: each built-in GPU config (lstm_enwik8, transformer_enwik8, convnet_cifar10) trained
+through ``bstrain.train.trainer.train`` for a few windows, in each trainer mode: the default
+(trainer.cuda_graph=auto), eager (cuda_graph=false), compiled (trainer.compile=true, cuda_graph=false),
+compiled + graph (compile=true, cuda_graph=true). Units/s: median of the logged windows after the
+first (which holds warm-up, capture and compilation). Text data: this machine's site-packages *.py
+files; images: the synthetic set.
+
+Writes step.md and step.json to --out; --profile also prints the top host functions (cProfile) of
+the MLP's eager and compiled steps.
+"""
+from __future__ import annotations
+
+import argparse
+import cProfile
+import datetime
+import json
+import os
+import pstats
+import statistics
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def per_call_ms(fn, calls: int = 20, repeats: int = 5) -> float:
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+        times.append((time.perf_counter() - t) / calls * 1e3)
+    return statistics.median(times)
+
+
+def gpu_profile(fn, steps: int = 5) -> tuple[float, float]:
+    """(summed CUDA kernel ms per step, kernel launches per step) of ``fn`` (warm)."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            fn()
+        torch.cuda.synchronize()
+    kernels = [e for e in prof.events() if e.device_type == DeviceType.CUDA]
+    total_us = sum(e.device_time for e in kernels)
+    return total_us / steps / 1e3, len(kernels) / steps
+
+
+class MLP(torch.nn.Module):
+    def __init__(self, sparse: bool, width: int = 4096, layers: int = 4, density: float = 0.1, block: int = 64):
+        super().__init__()
+        from bstrain.nn import BlockSparseLinear
+        self.layers = torch.nn.ModuleList(
+            BlockSparseLinear(width, width, block_size=block, density=density, seed=i) if sparse
+            else torch.nn.Linear(width, width) for i in range(layers))
+
+    def forward(self, x):
+        for i, layer in enumerate(self.layers):
+            x = layer(x)
+            if i < len(self.layers) - 1:
+                x = torch.nn.functional.gelu(x)
+        return x
+
+
+def mlp_step(model, x, grad):
+    def step():
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            y = model(x)
+        y.backward(grad)
+        return y
+    return step
+
+
+def measure_mlp(args) -> list[dict]:
+    import bstrain
+    dev = torch.device("cuda")
+    rows = []
+    x = torch.randn(args.m, 4096, device=dev, requires_grad=True)
+    grad = torch.randn(args.m, 4096, device=dev, dtype=torch.bfloat16)
+    for sparse in (True, False):
+        base = MLP(sparse).to(dev)
+        for mode in ("eager", "compile", "reduce-overhead", "graph"):
+            row = {"model": "sparse" if sparse else "dense", "mode": mode}
+            try:
+                if mode == "eager":
+                    step = mlp_step(base, x, grad)
+                elif mode == "compile":
+                    step = mlp_step(torch.compile(base), x, grad)
+                elif mode == "reduce-overhead":
+                    step = mlp_step(torch.compile(base, mode="reduce-overhead"), x, grad)
+                else:
+                    step = bstrain.graphed(mlp_step(base, x, grad))
+                row["wall_ms"] = round(per_call_ms(step), 3)
+                row["gpu_ms"], row["launches"] = (round(v, 3) for v in gpu_profile(step))
+                if args.profile and mode in ("eager", "compile") and sparse:
+                    prof = cProfile.Profile()
+                    prof.enable()
+                    for _ in range(20):
+                        step()
+                    torch.cuda.synchronize()
+                    prof.disable()
+                    print(f"--- host profile: sparse MLP, {mode}, 20 steps")
+                    pstats.Stats(prof).sort_stats("tottime").print_stats(22)
+            except Exception as exc:            # a failure is a result too
+                row["error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
+            print(json.dumps(row), flush=True)
+            rows.append(row)
+            torch.compiler.reset()
+    return rows
+
+
+CONFIGS = {
+    "lstm_enwik8": ["trainer.log_every=10", "trainer.max_steps=60"],
+    "transformer_enwik8": ["trainer.log_every=5", "trainer.max_steps=30"],
+    "convnet_cifar10": ["data.path=null", "trainer.log_every=20", "trainer.max_steps=160"],
+}
+MODES = {
+    "default": [],
+    "eager": ["trainer.cuda_graph=false"],
+    "compile": ["trainer.compile=true", "trainer.cuda_graph=false"],
+    "compile+graph": ["trainer.compile=true", "trainer.cuda_graph=true"],
+    "graph": ["trainer.cuda_graph=true"],
+}
+
+
+def measure_configs(args) -> list[dict]:
+    from scripts.bench_lstm import config, site_packages_glob
+    from bstrain.train.trainer import train
+    rows = []
+    for name in args.configs:
+        for mode in args.modes:
+            over = [f"config={name}", *CONFIGS[name], *MODES[mode], "trainer.eval_every=0", "trainer.ckpt_every=0",
+                    "trainer.progress=false", f"trainer.run_dir={args.runs}/{name}_{mode}"]
+            if "data.path=null" not in over:
+                over.append(f"data.path={args.corpus or site_packages_glob()}")
+            row = {"config": name, "mode": mode}
+            try:
+                import shutil
+                shutil.rmtree(f"{args.runs}/{name}_{mode}", ignore_errors=True)
+                res = train(config(*over))
+                rates = res["throughput"][1:]
+                row.update(units_per_s=round(statistics.median(rates)), unit=res["unit"],
+                           step_mode=res.get("step_mode"), windows=[round(r) for r in res["throughput"]])
+            except Exception as exc:
+                row["error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:300]}"
+            print(json.dumps(row), flush=True)
+            rows.append(row)
+            torch.compiler.reset()
+    return rows
+
+
+def report(mlp: list[dict], configs: list[dict], out: str) -> None:
+    lines = [f"# Whole steps: wall against GPU time ({torch.cuda.get_device_name()}, torch {torch.__version__}, "
+             f"{datetime.date.today()})", "", "Script: `scripts/bench_step.py`.", ""]
+    if mlp:
+        eager = {r["model"]: r.get("wall_ms") for r in mlp if r["mode"] == "eager"}
+        lines += ["## 4 x 4096 MLP, M=4096, bf16, forward + backward", "",
+                  "| model | mode | wall ms | GPU kernel ms | launches | wall / eager |", "|---|---|---|---|---|---|"]
+        for r in mlp:
+            ratio = round(r["wall_ms"] / eager[r["model"]], 2) if r.get("wall_ms") and eager.get(r["model"]) else "-"
+            lines.append(f"| {r['model']} | {r['mode']} | {r.get('wall_ms', r.get('error', '-'))} | {r.get('gpu_ms', '-')} | "
+                         f"{r.get('launches', '-')} | {ratio} |")
+        lines.append("")
+    if configs:
+        lines += ["## Built-in configs through the trainer (one GPU)", "",
+                  "| config | mode | step mode | units/s | / graph |", "|---|---|---|---|---|"]
+        graph = {r["config"]: r.get("units_per_s") for r in configs if r["mode"] == "graph"}
+        for r in configs:
+            ratio = round(r["units_per_s"] / graph[r["config"]], 2) if r.get("units_per_s") and graph.get(r["config"]) else "-"
+            lines.append(f"| {r['config']} | {r['mode']} | {r.get('step_mode', '-')} | "
+                         f"{r.get('units_per_s', r.get('error', '-'))} {r.get('unit', '')} | {ratio} |")
+    os.makedirs(out, exist_ok=True)
+    with open(os.path.join(out, "step.md"), "w") as f:
+        f.write("\n".join(lines) + "\n")
+    with open(os.path.join(out, "step.json"), "w") as f:
+        json.dump({"mlp": mlp, "configs": configs}, f, indent=1)
+    print("\n".join(lines))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--parts", default="mlp,configs")
+    ap.add_argument("--m", type=int, default=4096)
+    ap.add_argument("--configs", default=",".join(CONFIGS))
+    ap.add_argument("--modes", default=",".join(MODES))
+    ap.add_argument("--corpus", default=None)
+    ap.add_argument("--runs", default="/tmp/bench_step_runs")
+    ap.add_argument("--profile", action="store_true")
+    ap.add_argument("--out", default="benchmarks")
+    args = ap.parse_args()
+    args.configs, args.modes = args.configs.split(","), args.modes.split(",")
+    parts = args.parts.split(",")
+    mlp = measure_mlp(args) if "mlp" in parts else []
+    configs = measure_configs(args) if "configs" in parts else []
+    report(mlp, configs, args.out)
+
+
+if __name__ == "__main__":
+    main()

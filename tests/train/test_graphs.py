@@ -1,0 +1,267 @@
+"""CUDA graphs: the trainer's modes and fallback reasons, bstrain.graphed, graphed = eager, DDP capture."""
+from __future__ import annotations
+
+import math
+import os
+import socket
+
+import pytest
+import torch
+
+import bstrain
+from bstrain.errors import UserError
+from bstrain.train.graphs import CaptureError, _changed, _python_state, ema_update
+from bstrain.train.trainer import train
+
+gpu = pytest.mark.gpu
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+# --- CPU: modes, errors, the pieces ---------------------------------------------------------------------
+def test_auto_trains_eagerly_on_the_cpu_and_true_refuses(make_cfg):
+    out = train(make_cfg(trainer__max_steps=2, trainer__device="cpu"))
+    assert out["step_mode"] == "eager" and out["steps"] == 2
+    with pytest.raises(UserError, match=r"trainer.cuda_graph=true: needs a CUDA device, got device 'cpu'"):
+        train(make_cfg(trainer__device="cpu", trainer__cuda_graph=True, run="true"))
+    with pytest.raises(UserError, match=r"trainer.cuda_graph: expected auto, true or false, got 'sometimes'"):
+        train(make_cfg(trainer__cuda_graph="sometimes", run="bad"))
+    with pytest.raises(UserError, match="needs a CUDA device"):            # compile and graphs combine, on CUDA
+        train(make_cfg(trainer__device="cpu", trainer__compile=True, trainer__cuda_graph=True, run="both"))
+
+
+def test_the_result_reports_the_step_mode_and_each_windows_throughput(make_cfg):
+    out = train(make_cfg(trainer__max_steps=4, trainer__log_every=2, trainer__cuda_graph=False))
+    assert out["step_mode"] == "eager" and out["unit"] == "tokens"
+    assert len(out["throughput"]) == 2 and all(r > 0 for r in out["throughput"])
+
+
+def test_python_side_state_is_named():
+    class Counter(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin, self.calls = torch.nn.Linear(2, 2), 0
+
+        def forward(self, x):
+            self.calls += 1
+            return self.lin(x)
+    m = torch.nn.Sequential(Counter())
+    before = _python_state([m])
+    m(torch.randn(1, 2))
+    assert _changed(before, _python_state([m])) == (
+        "module 0 changes its attribute 'calls' at every call (0 -> 1); a graph would replay the captured value")
+    assert _changed(before, before) is None
+
+
+def test_ema_update_is_averaged_models_ema():
+    """The host-sync-free EMA of the graphed step updates like AveragedModel with an EMA function."""
+    from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Linear(4, 2))
+    ours, ref = AveragedModel(model), AveragedModel(model, multi_avg_fn=get_ema_multi_avg_fn(0.9))
+    for _ in range(3):
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(torch.randn_like(p))
+        ema_update(ours, model, 0.9)
+        ref.update_parameters(model)
+    for a, b in zip(ours.parameters(), ref.parameters()):
+        torch.testing.assert_close(a, b)
+    assert int(ours.n_averaged) == int(ref.n_averaged) == 3
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU-only error")
+def test_graphed_needs_cuda():
+    with pytest.raises(ValueError, match="bstrain.graphed: needs a CUDA device"):
+        bstrain.graphed(lambda x: x, torch.ones(2))
+
+
+# --- GPU ---------------------------------------------------------------------------------------------------
+def _losses(out):
+    return dict(out["history"])
+
+
+@gpu
+@pytest.mark.parametrize("precision,ema", [("fp32", 0.0), ("fp16", 0.0), ("bf16", 0.9)])
+def test_graphed_step_follows_the_eager_trajectory(make_cfg, precision, ema):
+    """The default (auto) on CUDA captures the whole step, fp16 loss scaling and EMA included, and
+    trains as the eager loop does."""
+    common = dict(trainer__max_steps=8, trainer__device="cuda", trainer__eval_every=4, trainer__precision=precision,
+                  optim__ema=ema)
+    eager = train(make_cfg(**common, trainer__cuda_graph=False, run="eager"))
+    graphed = train(make_cfg(**common, run="auto"))
+    assert eager["step_mode"] == "eager" and graphed["step_mode"] == "graph"
+    tol = 1e-4 if precision == "fp32" else 2e-3
+    for step, want in _losses(eager).items():
+        assert _losses(graphed)[step] == pytest.approx(want, rel=tol), f"step {step}"
+    assert graphed["valid_bpb"] == pytest.approx(eager["valid_bpb"], rel=tol)
+
+
+def _with_model(cfg, target: str):
+    from omegaconf import OmegaConf, open_dict
+    with open_dict(cfg):
+        cfg.model = OmegaConf.create({"_target_": target})
+    return cfg
+
+
+@gpu
+def test_fp16_overflow_skips_the_step_inside_the_graph():
+    """A step whose gradients overflow is skipped by the graph's device-side loss scaling: the
+    scale halves, the weights and AdamW's state stay, and the next step trains again."""
+    from omegaconf import OmegaConf
+
+    from bstrain.train.graphs import CapturedStep
+    from bstrain.train.step import Forward
+    from bstrain.train.tasks.lm import ByteLM
+    from bstrain.train.trainer import make_optimizer
+    from tests.train.user_models import BoostLM
+    dev = torch.device("cuda")
+    torch.manual_seed(0)
+    model = BoostLM().to(dev)
+    opt = make_optimizer(model, OmegaConf.create(dict(lr=1e-2, weight_decay=0.0, beta1=0.9, beta2=0.99, eps=1e-8)),
+                         dev, capturable=True)
+    scaler = torch.amp.GradScaler("cuda", init_scale=2.0**10)
+    step = CapturedStep(Forward(model, torch.float16, dev), ByteLM().loss, opt, 1.0, scaler=scaler)
+    x = torch.randint(0, 256, (4, 16), device=dev)
+    step.step(x, x, False)
+    assert scaler.get_scale() == 2.0**10
+    before = [p.detach().clone() for p in model.parameters()]
+    model.boost.fill_(float("inf"))
+    _, _, _, skipped = step.step(x, x, False)
+    assert int(skipped) == 1 and scaler.get_scale() == 2.0**9
+    for p, b in zip(model.parameters(), before):
+        assert torch.equal(p, b), "a skipped step left the weights as they were"
+    model.boost.fill_(1.0)
+    _, _, _, skipped = step.step(x, x, False)
+    assert int(skipped) == 0 and all(torch.isfinite(p).all() for p in model.parameters())
+    assert not all(torch.equal(p, b) for p, b in zip(model.parameters(), before))
+
+
+@gpu
+def test_python_side_state_falls_back_with_its_reason(make_cfg):
+    out = train(_with_model(make_cfg(trainer__max_steps=3, trainer__device="cuda"), "tests.train.user_models.OverflowLM"))
+    assert out["step_mode"] == "eager"
+    text = open(os.path.join(out["run_dir"], "train.log")).read()
+    assert "could not capture it: module (root) changes its attribute 'calls' at every call" in text
+
+
+@gpu
+def test_auto_falls_back_on_a_host_sync_and_true_refuses(make_cfg):
+    target = "tests.train.user_models.SyncingLM"
+    out = train(_with_model(make_cfg(trainer__max_steps=3, trainer__device="cuda"), target))
+    assert out["step_mode"] == "eager" and math.isfinite(out["train_loss"])
+    text = open(os.path.join(out["run_dir"], "train.log")).read()
+    assert "trainer.cuda_graph=auto could not capture it" in text and "host sync" in text
+    with pytest.raises(UserError, match="trainer.cuda_graph=true: the step cannot be captured"):
+        train(_with_model(make_cfg(trainer__max_steps=3, trainer__device="cuda", trainer__cuda_graph=True,
+                                   run="strict"), target))
+
+
+@gpu
+def test_compile_and_graph_combine(make_cfg):
+    common = dict(trainer__max_steps=6, trainer__device="cuda", trainer__eval_every=3, data__seq_len=8)
+    eager = train(make_cfg(**common, trainer__cuda_graph=False, run="eager"))
+    both = train(make_cfg(**common, trainer__compile=True, run="both"))
+    assert both["step_mode"] == "graph (compiled)"
+    for step, want in _losses(eager).items():
+        assert _losses(both)[step] == pytest.approx(want, rel=2e-4), f"step {step}"
+
+
+def _small_model():
+    from bstrain.nn import BlockSparseLinear
+    return torch.nn.Sequential(BlockSparseLinear(64, 128, block_size=32, density=0.5, seed=0), torch.nn.GELU(),
+                               BlockSparseLinear(128, 64, block_size=32, density=0.5, seed=1)).cuda()
+
+
+@gpu
+def test_graphed_helper_trains_like_the_eager_loop():
+    """The README's loop: bstrain.graphed(step, x, y, restore=(model, opt)) replays the same steps."""
+    torch.manual_seed(0)
+    data = [(torch.randn(32, 64, device="cuda"), torch.randn(32, 64, device="cuda")) for _ in range(5)]
+
+    def run(graph: bool):
+        torch.manual_seed(1)
+        model = _small_model()
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True, capturable=True)
+
+        def step(x, y):
+            with torch.autocast("cuda", dtype=torch.bfloat16):
+                loss = torch.nn.functional.mse_loss(model(x).float(), y)
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            return loss.detach()
+        fn = bstrain.graphed(step, *data[0], restore=(model, opt)) if graph else step
+        return [fn(x, y).item() for x, y in data]
+    eager, graphed = run(False), run(True)
+    assert graphed == pytest.approx(eager, rel=1e-3)
+    assert graphed[-1] < graphed[0]
+
+
+@gpu
+def test_graphed_helper_checks_its_arguments():
+    model = _small_model()
+    fn = bstrain.graphed(lambda x: model(x), torch.randn(8, 64, device="cuda"))
+    with pytest.raises(ValueError, match=r"args\[0\]: the graph was captured with"):
+        fn(torch.randn(4, 64, device="cuda"))
+    with pytest.raises(ValueError, match="args: the graph was captured with 1 arguments, got 2"):
+        fn(torch.randn(8, 64, device="cuda"), 1)
+    with pytest.raises(ValueError, match=r"args\[0\]: expected a CUDA tensor"):
+        bstrain.graphed(lambda x: x, torch.ones(2))
+    opt = torch.optim.AdamW(model.parameters())
+    with pytest.raises(ValueError, match=r"restore\[1\]: AdamW needs capturable=True"):
+        bstrain.graphed(lambda x: model(x), torch.randn(8, 64, device="cuda"), restore=(model, opt))
+    x = torch.randn(8, 64, device="cuda")
+    out = fn(x).clone()
+    torch.testing.assert_close(out, model(x))
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@gpu
+def test_ddp_step_captured_with_its_all_reduce_matches_eager():
+    """DDP (NCCL, one rank on this GPU): the captured step, all-reduce included, trains as eager."""
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+
+    from bstrain.train.graphs import CapturedStep
+    from bstrain.train.step import Forward, train_step
+    from bstrain.train.trainer import make_optimizer
+    from omegaconf import OmegaConf
+    if dist.is_initialized():
+        pytest.skip("a process group is already up")
+    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1)
+    try:
+        optim = OmegaConf.create(dict(lr=1e-2, weight_decay=0.0, beta1=0.9, beta2=0.99, eps=1e-8))
+        data = [(torch.randn(16, 64, device="cuda"), torch.randn(16, 64, device="cuda")) for _ in range(4)]
+        loss_fn = lambda out, y: torch.nn.functional.mse_loss(out.float(), y)       # noqa: E731
+        results = []
+        for graph in (False, True):
+            torch.manual_seed(0)
+            model = _small_model()
+            side = torch.cuda.Stream()
+            with torch.cuda.stream(side):
+                net = DistributedDataParallel(model, device_ids=[torch.cuda.current_device()])
+            torch.cuda.current_stream().wait_stream(side)
+            opt = make_optimizer(model, optim, torch.device("cuda"), capturable=graph)
+            fwd = Forward(net, torch.bfloat16, torch.device("cuda"))
+            if graph:
+                step = CapturedStep(fwd, loss_fn, opt, 1.0, warmup=11, model=model)
+                results.append([step.step(x, y, False)[0].item() for x, y in data])
+            else:
+                results.append([train_step(fwd, loss_fn, x, y, None, opt, list(model.parameters()), 1.0)[0].item()
+                                for x, y in data])
+        assert results[1] == pytest.approx(results[0], rel=1e-3)
+    finally:
+        dist.destroy_process_group()
+
+
+@gpu
+def test_capture_error_names_the_sync():
+    from bstrain.train.graphs import _capture
+    x = torch.ones(4, device="cuda")
+    with pytest.raises(CaptureError, match="host sync"):
+        _capture(lambda: x * float(x.sum()), 1, x.device, None)
