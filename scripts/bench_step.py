@@ -24,6 +24,7 @@ the MLP's eager and compiled steps.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import cProfile
 import datetime
 import json
@@ -130,6 +131,40 @@ def measure_mlp(args) -> list[dict]:
     return rows
 
 
+def measure_dispatch(args) -> list[dict]:
+    """Host µs per call of the block-sparse forward through each layer of the custom-op path
+    (M=64, 4096 x 4096 at 10%, blocks of 64, bf16; the GPU work is a few µs)."""
+    from bstrain.kernels.matmul import bsmm_forward
+    from bstrain.nn import BlockSparseLinear
+    from bstrain.ops.matmul import _BlocksparseMatMulFn  # noqa: F401  (the eager path)
+    from bstrain.ops.tables import lookup
+    dev = torch.device("cuda")
+    layer = BlockSparseLinear(4096, 4096, block_size=64, density=0.1, seed=0, device=dev, dtype=torch.bfloat16)
+    op, w = layer.op, layer.weight.detach()
+    x = torch.randn(64, 4096, device=dev, dtype=torch.bfloat16)
+    xg = x.clone().requires_grad_()
+    luts = lookup(op.key).on(dev).luts
+    lib = torch.library.Library("bstrain_bench", "FRAGMENT")
+    lib.define("lean(Tensor x, Tensor w, str layout, int axis) -> Tensor")
+    lib.impl("lean", lambda x, w, layout, axis: bsmm_forward(x, w, lookup(layout).on(x.device).luts, axis), "CUDA")
+    bsmm = torch.ops.bstrain.bsmm.default
+    cases = {
+        "launcher (bsmm_forward)": lambda: bsmm_forward(x, w, luts, 1),
+        "eager op(x, w)": lambda: op(x, w),
+        "torch.ops.bstrain.bsmm, no grad": lambda: bsmm(x, w, op.key, 1, torch.bfloat16),
+        "torch.ops.bstrain.bsmm, x requires grad": lambda: bsmm(xg, w, op.key, 1, torch.bfloat16),
+        "Library.impl CUDA kernel, no autograd": lambda: torch.ops.bstrain_bench.lean.default(x, w, op.key, 1),
+        "empty torch op (x.view)": lambda: x.view(-1),
+    }
+    rows = []
+    for name, fn in cases.items():
+        with torch.no_grad() if "no grad" in name else contextlib.nullcontext():
+            us = per_call_ms(fn, calls=500) * 1e3
+        rows.append({"call": name, "host_us": round(us, 1)})
+        print(json.dumps(rows[-1]), flush=True)
+    return rows
+
+
 CONFIGS = {
     "lstm_enwik8": ["trainer.log_every=10", "trainer.max_steps=60"],
     "transformer_enwik8": ["trainer.log_every=5", "trainer.max_steps=30"],
@@ -170,9 +205,12 @@ def measure_configs(args) -> list[dict]:
     return rows
 
 
-def report(mlp: list[dict], configs: list[dict], out: str) -> None:
+def report(mlp: list[dict], configs: list[dict], out: str, dispatch=()) -> None:
     lines = [f"# Whole steps: wall against GPU time ({torch.cuda.get_device_name()}, torch {torch.__version__}, "
              f"{datetime.date.today()})", "", "Script: `scripts/bench_step.py`.", ""]
+    if dispatch:
+        lines += ["## Host cost of one block-sparse forward call, by path", "", "| call | host µs |", "|---|---|"]
+        lines += [f"| {r['call']} | {r['host_us']} |" for r in dispatch] + [""]
     if mlp:
         eager = {r["model"]: r.get("wall_ms") for r in mlp if r["mode"] == "eager"}
         lines += ["## 4 x 4096 MLP, M=4096, bf16, forward + backward", "",
@@ -194,7 +232,7 @@ def report(mlp: list[dict], configs: list[dict], out: str) -> None:
     with open(os.path.join(out, "step.md"), "w") as f:
         f.write("\n".join(lines) + "\n")
     with open(os.path.join(out, "step.json"), "w") as f:
-        json.dump({"mlp": mlp, "configs": configs}, f, indent=1)
+        json.dump({"mlp": mlp, "configs": configs, "dispatch": list(dispatch)}, f, indent=1)
     print("\n".join(lines))
 
 
@@ -211,9 +249,10 @@ def main() -> None:
     args = ap.parse_args()
     args.configs, args.modes = args.configs.split(","), args.modes.split(",")
     parts = args.parts.split(",")
+    dispatch = measure_dispatch(args) if "dispatch" in parts else []
     mlp = measure_mlp(args) if "mlp" in parts else []
     configs = measure_configs(args) if "configs" in parts else []
-    report(mlp, configs, args.out)
+    report(mlp, configs, args.out, dispatch)
 
 
 if __name__ == "__main__":

@@ -63,13 +63,15 @@ def check_index_range(name: str, idx: torch.Tensor, n: int) -> None:
     """ValueError unless every value of ``idx`` lies in [0, n).
 
     One host sync on CUDA, so it is skipped where the values cannot be read: while a CUDA graph
-    is captured, and while tracing (torch.compile, export; the indexing op then asserts on the
+    is captured, where syncs are reported as errors (``torch.cuda.set_sync_debug_mode``, which
+    a graph's last warm-up step sets), and while tracing (torch.compile, export; the indexing op then asserts on the
     device). :func:`as_index` skips it for dtypes whose every value is below n (bytes into a
     256-row table).
     """
     if not eager(idx):
         return
-    if idx.numel() and not (idx.is_cuda and torch.cuda.is_current_stream_capturing()):
+    if idx.numel() and not (idx.is_cuda and (torch.cuda.is_current_stream_capturing()
+                                             or torch.cuda.get_sync_debug_mode() == 2)):
         lo, hi = torch.stack(torch.aminmax(idx)).tolist()
         if lo < 0 or hi >= n:
             raise ValueError(f"{name}: expected values in [0, {n}), got [{lo}, {hi}]")

@@ -116,7 +116,7 @@ def _changed(before: dict, after: dict) -> str | None:
 
 def _reason(exc: BaseException) -> str:
     msg = " ".join(str(exc).split())[:300]
-    if "captur" in msg.lower() or "synchron" in msg.lower():
+    if "captur" in msg.lower() or "synchroniz" in msg.lower():
         msg += (" (a host sync in the step: .item(), .tolist(), printing a tensor, a data-dependent shape or a "
                 "CPU tensor made from GPU values)")
     return f"{type(exc).__name__}: {msg}"
@@ -129,16 +129,28 @@ def _capture(run_once, warmup: int, device: torch.device, snapshot: Snapshot | N
     before = _python_state(modules)
     side = torch.cuda.Stream(device)
     side.wait_stream(torch.cuda.current_stream(device))
+    debug = torch.cuda.get_sync_debug_mode()
     try:
         with torch.cuda.stream(side), _graph_plans():      # every kernel of the capture compiled and loaded
-            for _ in range(warmup):
+            for i in range(warmup):
+                if i == warmup - 1:                        # warm now: a host sync left is the step's own
+                    torch.cuda.set_sync_debug_mode("error")
                 run_once()
         torch.cuda.current_stream(device).wait_stream(side)
     except CaptureError:
         raise
     except Exception as exc:
-        raise CaptureError(f"the warm-up step failed: {_reason(exc)}") from exc
+        torch.cuda.synchronize(device)
+        if snapshot is not None:
+            snapshot.restore()
+        sync = torch.cuda.get_sync_debug_mode() != debug
+        raise CaptureError(("the step syncs with the host: " if sync else "the warm-up step failed: ")
+                           + _reason(exc)) from exc
+    finally:
+        torch.cuda.set_sync_debug_mode(debug)
     if (why := _changed(before, _python_state(modules))) is not None:
+        if snapshot is not None:
+            snapshot.restore()
         raise CaptureError(why)
     if snapshot is not None:
         snapshot.restore()
@@ -149,10 +161,23 @@ def _capture(run_once, warmup: int, device: torch.device, snapshot: Snapshot | N
             out = run_once()
     except Exception as exc:
         torch.cuda.synchronize(device)
+        _heal_rng(device)
         if snapshot is not None:
             snapshot.restore()
         raise CaptureError(f"capture failed: {_reason(exc)}") from exc
     return graph, out
+
+
+def _heal_rng(device: torch.device) -> None:
+    """A capture that fails leaves the CUDA generator in capture mode (its epilogue never ran),
+    and every later random op then fails; one empty capture that ends well resets it."""
+    try:
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            torch.empty(1, device=device).zero_()
+        torch.cuda.synchronize(device)
+    except Exception:                                  # nothing more to do: the original error is raised
+        pass
 
 
 # --- the public helper ----------------------------------------------------------------------------------
@@ -379,7 +404,7 @@ class GraphedForward:
     (an epoch's ragged last batch is one more); other shapes, and any shape whose capture fails,
     run eagerly. Outputs are overwritten by the next call of the same shape."""
 
-    def __init__(self, forward: Forward, max_graphs: int = 2):
+    def __init__(self, forward: Forward, max_graphs: int = 3):
         self.forward, self.max_graphs = forward, max_graphs
         self.device, self.stateful = forward.device, forward.stateful
         self.graphs: dict = {}
@@ -399,12 +424,12 @@ class GraphedForward:
             if entry is None:
                 with torch.no_grad():
                     return self.forward(x, state)
-        sx, sstate, out = entry
+        sx, sstate, out, graph = entry
         sx.copy_(x, non_blocking=True)
         for buf, s in zip(state_tensors(sstate), state_tensors(state)):
             if buf.data_ptr() != s.data_ptr():
                 buf.copy_(s, non_blocking=True)
-        self.graphs[key][3].replay()
+        graph.replay()
         return out
 
     def _make(self, x, state, key):
@@ -421,7 +446,7 @@ class GraphedForward:
             log.info("evaluation runs eagerly: %s", exc)
             return None
         self.graphs[key] = (sx, sstate, out, graph)
-        return self.graphs[key][:3]
+        return self.graphs[key]
 
 
 def _clone_state(state):
