@@ -25,11 +25,9 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import cProfile
 import datetime
 import json
 import os
-import pstats
 import statistics
 import sys
 import time
@@ -115,14 +113,14 @@ def measure_mlp(args) -> list[dict]:
                 row["wall_ms"] = round(per_call_ms(step), 3)
                 row["gpu_ms"], row["launches"] = (round(v, 3) for v in gpu_profile(step))
                 if args.profile and mode in ("eager", "compile") and sparse:
-                    prof = cProfile.Profile()
-                    prof.enable()
-                    for _ in range(20):
-                        step()
-                    torch.cuda.synchronize()
-                    prof.disable()
-                    print(f"--- host profile: sparse MLP, {mode}, 20 steps")
-                    pstats.Stats(prof).sort_stats("tottime").print_stats(22)
+                    from torch.profiler import ProfilerActivity, profile
+                    with profile(activities=[ProfilerActivity.CPU]) as prof:
+                        for _ in range(10):
+                            step()
+                        torch.cuda.synchronize()
+                    print(f"--- host profile: sparse MLP, {mode}, 10 steps")
+                    print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=args.profile_rows,
+                                                    max_name_column_width=70))
             except Exception as exc:            # a failure is a result too
                 row["error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
             print(json.dumps(row), flush=True)
@@ -245,6 +243,7 @@ def main() -> None:
     ap.add_argument("--corpus", default=None)
     ap.add_argument("--runs", default="/tmp/bench_step_runs")
     ap.add_argument("--profile", action="store_true")
+    ap.add_argument("--profile-rows", type=int, default=30)
     ap.add_argument("--out", default="benchmarks")
     args = ap.parse_args()
     args.configs, args.modes = args.configs.split(","), args.modes.split(",")

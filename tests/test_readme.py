@@ -1,4 +1,4 @@
-"""Every ```python block of the README runs on the CPU, each in a fresh namespace, as written
+"""Every ```python block of the README and of docs/seed.md runs on the CPU, each in a fresh namespace, as written
 except that "cuda" becomes "cpu", and prints what its ``print(...)  # comment`` lines say. A
 failure names the block by its README line, and the traceback points at README.md's own lines.
 
@@ -73,13 +73,14 @@ def matches(printed: str, promise: str) -> bool:
     return bool(re.fullmatch(pattern, printed)) or promise.startswith(printed + ":")
 
 
-BLOCKS = python_blocks()
+SEED_DOC = REPO / "docs" / "seed.md"
+BLOCKS = [(README, *b) for b in python_blocks()] + [(SEED_DOC, *b) for b in python_blocks(SEED_DOC)]
 
 
-@pytest.mark.parametrize("line, code", BLOCKS, ids=[f"README.md:{line}" for line, _ in BLOCKS])
-def test_readme_python_block_runs(line, code):
+@pytest.mark.parametrize("path, line, code", BLOCKS, ids=[f"{p.name}:{line}" for p, line, _ in BLOCKS])
+def test_readme_python_block_runs(path, line, code):
     try:
-        printed = run_block(line, code)["_printed"]
+        printed = run_block(line, code, path)["_printed"]
     except Exception as e:
         raise AssertionError(f"the README's python block at line {line} failed: {type(e).__name__}: {e}") from e
     promised = promised_output(line, code)
