@@ -99,18 +99,34 @@ def measure_mlp(args) -> list[dict]:
     grad = torch.randn(args.m, 4096, device=dev, dtype=torch.bfloat16)
     for sparse in (True, False):
         base = MLP(sparse).to(dev)
-        for mode in ("eager", "compile", "reduce-overhead", "graph"):
+        for mode in ("eager", "compile", "compile-nohooks", "reduce-overhead", "graph"):
+            if mode == "compile-nohooks" and not (sparse and rows[-1].get("jit_per_step")):
+                continue
             row = {"model": "sparse" if sparse else "dense", "mode": mode}
             try:
                 if mode == "eager":
                     step = mlp_step(base, x, grad)
                 elif mode == "compile":
                     step = mlp_step(torch.compile(base), x, grad)
+                elif mode == "compile-nohooks":       # diagnosis: launch hooks ignored by bstrain's launcher
+                    from bstrain.kernels import launch
+                    launch._hooks = lambda: False
+                    step = mlp_step(torch.compile(base), x, grad)
                 elif mode == "reduce-overhead":
                     step = mlp_step(torch.compile(base, mode="reduce-overhead"), x, grad)
                 else:
                     step = bstrain.graphed(mlp_step(base, x, grad))
                 row["wall_ms"] = round(per_call_ms(step), 3)
+                if sparse:                  # launches through the JIT (slow) rather than a cached plan
+                    from bstrain.kernels import launch
+                    launch.stats.update(direct=0, jit=0)
+                    for _ in range(5):
+                        step()
+                    torch.cuda.synchronize()
+                    row["jit_per_step"] = launch.stats["jit"] / 5
+                    row["direct_per_step"] = launch.stats["direct"] / 5
+                    rt = launch._RT
+                    row["hooks"] = repr((rt.launch_enter_hook, rt.launch_exit_hook))[:160] if rt else None
                 row["gpu_ms"], row["launches"] = (round(v, 3) for v in gpu_profile(step))
                 if args.profile and mode in ("eager", "compile") and sparse:
                     from torch.profiler import ProfilerActivity, profile
