@@ -285,8 +285,9 @@ def test_compile_inductor(dev):
 
 @pytest.mark.triton
 def test_compile_sparse_lstm_training_step(dev):
-    """The mLSTM forward + loss in one graph: block-sparse matmuls, segmented layer norm and the
-    LSTM gates as custom ops, no graph break, no recompilation; gradients as in eager."""
+    """The mLSTM forward + loss in one graph: block-sparse matmuls, the layer norms (one with its
+    fused multiplicative operand) and the fused cell as custom ops, no graph break, no
+    recompilation; gradients as in eager."""
     from bstrain.models.lstm import SparseLSTM
     torch._dynamo.reset()
     model = _to_kernels(SparseLSTM(hidden=32, embed=8, block_size=16, density=0.5, depth=2)).to(dev)
@@ -298,8 +299,10 @@ def test_compile_sparse_lstm_training_step(dev):
     x = torch.randint(0, 256, (3, 4), device=dev)
     breaks, _, code = _explain(step, x, *state)
     assert breaks == 0
-    for name in ("bstrain.bsmm", "bstrain.layer_norm", "bstrain.lstm_gates"):
+    for name in ("bstrain.bsmm", "bstrain.layer_norm(", "bstrain.lstm_cell"):
         assert name in code, name
+    steps = x.shape[1]                       # a step: LN(h·W_hm)·xm and the deep update's LN, then the cell
+    assert code.count("bstrain.layer_norm(") == 2 * steps and code.count("bstrain.lstm_cell(") == steps
     compiled, counter = _compile_counted(step)
 
     def loss_check(fn):
