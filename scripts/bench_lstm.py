@@ -14,6 +14,9 @@
         process, or under torchrun on two GPUs (DDP): writes lstm_scaling_<nproc>.json.
     python scripts/bench_lstm.py report --out DIR
         lstm.md, lstm.csv and lstm.png from the JSON files in DIR.
+    PYTHONPATH=$PWD python scripts/bench_lstm.py eager [--unfused] [--group N]
+        Eager vs CUDA-graphed step time of the lstm_enwik8 config and the kernels one eager step
+        launches (torch.profiler): one table line (target: eager <= 2x graphed). About a minute.
 """
 from __future__ import annotations
 
@@ -68,11 +71,9 @@ def site_packages_glob() -> str:
 
 
 # --- step time ---------------------------------------------------------------------------------------
-def step_time(cfg, batch: int, seq: int, group: int, graph: bool) -> tuple[float, float]:
-    """(median ms per optimizer step in bf16 on random bytes, recurrent density of the model):
-    the trainer's step, eager or replayed from a CUDA graph."""
-    import triton
-
+def _step_fn(cfg, batch: int, seq: int, group: int, graph: bool, fused: bool = True):
+    """(one optimizer step in bf16 on random bytes, the model): the trainer's step, eager or
+    replayed from a CUDA graph; fused=False runs the mLSTM's time loop op by op."""
     from bstrain.nn import set_grad_group
     from bstrain.train.graphs import CapturedStep
     from bstrain.train.step import Forward, train_step
@@ -81,6 +82,7 @@ def step_time(cfg, batch: int, seq: int, group: int, graph: bool) -> tuple[float
     dev = torch.device("cuda")
     torch.manual_seed(0)
     model = build(cfg).to(dev)
+    model.fused = fused
     set_grad_group(model, group)
     opt = make_optimizer(model, cfg.optim, dev, capturable=graph)
     forward, loss_fn, params = Forward(model, torch.bfloat16, dev), ByteLM().loss, list(model.parameters())
@@ -93,6 +95,14 @@ def step_time(cfg, batch: int, seq: int, group: int, graph: bool) -> tuple[float
     else:
         def fn():
             train_step(forward, loss_fn, x, x, None, opt, params, cfg.optim.grad_clip)
+    return fn, model
+
+
+def step_time(cfg, batch: int, seq: int, group: int, graph: bool, fused: bool = True) -> tuple[float, float]:
+    """(median ms per optimizer step in bf16 on random bytes, recurrent density of the model):
+    the trainer's step, eager or replayed from a CUDA graph."""
+    import triton
+    fn, model = _step_fn(cfg, batch, seq, group, graph, fused)
     fn()
     torch.cuda.synchronize()
     ms = triton.testing.do_bench(fn, warmup=200, rep=1500, return_mode="median")
@@ -100,6 +110,44 @@ def step_time(cfg, batch: int, seq: int, group: int, graph: bool) -> tuple[float
     del model, fn
     torch.cuda.empty_cache()
     return ms, live / full
+
+
+def step_launches(fn) -> tuple[int, int]:
+    """(CUDA kernels run, kernel-launch API calls made) by one call of ``fn``, from torch.profiler."""
+    from torch.profiler import ProfilerActivity, profile
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    events = prof.events()
+    kernels = sum(1 for e in events if e.device_type == torch.autograd.DeviceType.CUDA
+                  and not e.name.startswith(("Memcpy", "Memset")))
+    api = sum(1 for e in events if e.device_type == torch.autograd.DeviceType.CPU
+              and e.name in ("cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel", "cuLaunchKernelEx"))
+    return kernels, api
+
+
+def cmd_eager(args) -> None:
+    """Eager vs CUDA-graphed step of the lstm_enwik8 widths (hidden 4096, embed 256, depth 2, block 32,
+    density 0.1 watts_strogatz, batch 64 x seq 128, bf16, trainer.group_size), with the kernel
+    launches of one eager step. Target: eager <= 2x graphed. About a minute on an H200, most of it
+    compiling kernels."""
+    cfg = config("config=lstm_enwik8")
+    batch, seq, group = cfg.data.batch_size, cfg.data.seq_len, args.group or cfg.trainer.group_size
+    fused = not args.unfused
+    fn, model = _step_fn(cfg, batch, seq, group, graph=False, fused=fused)
+    for _ in range(2):                                   # compile and load every kernel, build the plans
+        fn()
+    kernels, api = step_launches(fn)
+    import triton
+    eager = triton.testing.do_bench(fn, warmup=100, rep=1000, return_mode="median")
+    del model, fn
+    torch.cuda.empty_cache()
+    graphed, _ = step_time(cfg, batch, seq, group, graph=True, fused=fused)
+    print("| loop | eager ms | graphed ms | eager / graphed | kernels/step | launch calls/step | kernels/timestep |")
+    print("|---|---|---|---|---|---|---|")
+    print(f"| {'fused' if fused else 'op by op'} | {eager:.1f} | {graphed:.1f} | {eager / graphed:.2f} | {kernels} | "
+          f"{api} | {kernels / seq:.1f} |", flush=True)
 
 
 def cmd_steptime(args) -> None:
@@ -309,7 +357,7 @@ def cmd_report(args) -> None:
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("command", choices=["steptime", "profile", "curve", "scaling", "report"])
+    ap.add_argument("command", choices=["steptime", "profile", "curve", "scaling", "report", "eager"])
     ap.add_argument("--out", default="benchmarks")
     ap.add_argument("--which", choices=sorted(PAIR), default="sparse")
     ap.add_argument("--seconds", type=float, default=450.0)
@@ -322,10 +370,12 @@ def main():
     ap.add_argument("--densities", default="0.05,0.1", help="steptime/profile: layout densities")
     ap.add_argument("--modes", default="graph,eager", help="steptime: graph and/or eager")
     ap.add_argument("--append", action="store_true", help="steptime: add rows to an existing JSON")
+    ap.add_argument("--unfused", action="store_true", help="eager: time the mLSTM's op-by-op loop (model.fused=False)")
+    ap.add_argument("--group", type=int, default=0, help="eager: gradient group size (default: trainer.group_size)")
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
     {"steptime": cmd_steptime, "profile": cmd_profile, "curve": cmd_curve, "scaling": cmd_scaling,
-     "report": cmd_report}[args.command](args)
+     "report": cmd_report, "eager": cmd_eager}[args.command](args)
 
 
 if __name__ == "__main__":

@@ -78,7 +78,7 @@ def norm_and_gate_cases() -> bool:
             ok &= check(f"ln fwd axis{axis} c{c} relu{relu}", y, pre.clamp_min(0) if relu else pre, 1e-4)
             dy = torch.randn_like(x)
             ((pre * (y.cpu() > 0)) if relu else pre).backward(dy.double().cpu())
-            dx, dg, db = ln.layer_norm_backward(dy, x, g, b, mean, rstd, axis, relu, seg)
+            dx, dg, db, _ = ln.layer_norm_backward(dy, x, g, b, mean, rstd, axis, relu, seg)
             ok &= check(f"ln dx axis{axis} c{c} relu{relu}", dx, x64.grad, 1e-4)
             ok &= check(f"ln dg axis{axis} c{c} relu{relu}", dg, g64.grad, 1e-4)
     c, h = torch.randn(7, 33, device="cuda"), torch.randn(7, 132, device="cuda")
@@ -91,11 +91,42 @@ def norm_and_gate_cases() -> bool:
     return ok
 
 
+def fused_cases() -> bool:
+    """Layer norm with a multiplicative operand, and the fused LSTM cell (a ragged hidden size and
+    the lstm_enwik8 width), both backward kernels also adding into a workspace."""
+    from bstrain.kernels import lstm_cell as cell
+    from bstrain.ops.lstm_cell import fused_lstm_cell_ref
+    from bstrain.ops.norms import layer_norm_ref
+    ok = True
+    x, m = torch.randn(37, 4096, device="cuda"), torch.randn(37, 4096, device="cuda")
+    g, b = torch.randn(4096, device="cuda"), torch.randn(4096, device="cuda")
+    y, mean, rstd = ln.layer_norm_forward(x, g, b, 1, 1e-6, False, 1, m)
+    ok &= check("ln mul fwd", y, layer_norm_ref(*(t.double().cpu() for t in (x, g, b)), 1, 1e-6, False, 1,
+                                              m.double().cpu()), 1e-4)
+    dy = torch.randn_like(x)
+    for workspace in (None, lambda shape: torch.zeros(shape, device="cuda")):
+        dx, dg, db, dm = ln.layer_norm_backward(dy, x, g, b, mean, rstd, 1, False, 1, m, workspace)
+        ok &= bool(torch.isfinite(dx).all() and torch.isfinite(dm).all())
+    for n, H in ((7, 33), (64, 4096)):
+        c, z, xg = torch.randn(n, H, device="cuda"), torch.randn(n, 4 * H, device="cuda"), \
+            torch.randn(n, 5 * H, device="cuda")[:, H:]
+        g, b, bias = (torch.randn(4 * H, device="cuda") for _ in range(3))
+        cn, hn, mean, rstd = cell.lstm_cell_forward(c, z, xg, g, b, bias)
+        rc, rh = fused_lstm_cell_ref(*(t.double().cpu() for t in (c, z, xg, g, b, bias)))
+        ok &= check(f"lstm cell new_c H{H}", cn, rc, 1e-5) & check(f"lstm cell new_h H{H}", hn, rh, 1e-5)
+        for workspace in (None, lambda shape: torch.zeros(shape, device="cuda")):
+            out = cell.lstm_cell_backward(c, z, xg, g, b, bias, mean, rstd, torch.randn_like(c), torch.randn_like(c),
+                                          workspace=workspace)
+            ok &= bool(all(torch.isfinite(t).all() for t in out if t is not None))
+    return ok
+
+
 if __name__ == "__main__":
     torch.manual_seed(0)
     only = sys.argv[1] if len(sys.argv) > 1 else "all"
     good = (matmul_cases() if only in ("all", "matmul") else True) & \
-        (norm_and_gate_cases() if only in ("all", "norms") else True)
+        (norm_and_gate_cases() if only in ("all", "norms") else True) & \
+        (fused_cases() if only in ("all", "fused") else True)
     torch.cuda.synchronize()
     print("all kernel results correct" if good else "WRONG RESULTS")
     sys.exit(0 if good else 1)

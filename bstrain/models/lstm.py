@@ -11,6 +11,9 @@ per timestep t, with x_t the embedded byte and h the previous hidden state,
 All recurrent matrices (W_hm, W_d, W_mg) are block-sparse on small-world layouts, or dense
 ``nn.Linear`` when ``sparse=False`` (the same code otherwise). Layer norm follows each recurrent
 matmul unless ``layer_norm=False``. The input projections are dense (the input is small).
+
+On CUDA a step launches one kernel per line above: the first line is layer_norm's fused ``mul``,
+the last two are :func:`bstrain.ops.lstm_cell.fused_lstm_cell`.
 """
 from __future__ import annotations
 
@@ -29,6 +32,8 @@ from bstrain import layout as layouts
 from bstrain.nn import BlockSparseLinear, block_sparse_layouts
 from bstrain.ops import ew, norms
 from bstrain.ops.embed import embedding_lookup
+from bstrain.ops.grouping import param_grad_group
+from bstrain.ops.lstm_cell import fused_lstm_cell
 
 VOCAB = 256
 
@@ -203,6 +208,9 @@ class SparseLSTM(nn.Module):
         self.norm_gates = _Norm(4 * H, segments=4, enabled=ln)
         self.gate_bias = nn.Parameter(torch.zeros(4 * H))
         self.head = nn.Linear(H, VOCAB)
+        # on the kernel path (CUDA), fuse each step's layer norms with their neighbours (_fused_steps);
+        # False runs the same math op by op (tests and benchmarks compare the two)
+        self.fused = True
 
     def _recurrent(self, fan_in: int, fan_out: int, index: int, square: bool) -> nn.Module:
         cfg = self.cfg
@@ -254,24 +262,50 @@ class SparseLSTM(nn.Module):
         # per-timestep views by unbind: its backward stacks the T gradients once, where indexing
         # [t] would build and add a full-size gradient at every timestep
         xm_t, xg_t = xm.unbind(0), xg.unbind(0)
-        # parameters cast once per sequence rather than at every timestep
-        p_hm, p_gates = self.norm_hm.cast(dt, x.device), self.norm_gates.cast(dt, x.device)
-        p_deep = [norm.cast(dt, x.device) for norm in self.norm_deep]
-        # the gates kernel adds an fp32 bias to 16-bit gates as it is
-        bias = (lambda: self.gate_bias) if x.is_cuda else shared_cast(self.gate_bias, dt)
         outputs = []
         with contextlib.ExitStack() as stack:
             for layer in self.sparse_layers():
                 stack.enter_context(layer.grad_group())
-            for t in range(T):
-                m = xm_t[t] * self.norm_hm(_as(self.w_hm(h), dt), p_hm)                   # (B, H)
-                for w_d, norm, p in zip(self.deep, self.norm_deep, p_deep):
-                    m = norm(_as(w_d(m), dt), p)
-                gates = xg_t[t] + self.norm_gates(_as(self.w_mg(m), dt), p_gates)        # (B, 4H)
-                c, h = ew.fused_lstm_gates(c, gates, bias=bias())
-                outputs.append(h)
+            steps = self._fused_steps if self.fused and self.cfg.layer_norm and ew.use_kernels(xg) else self._steps
+            c, h = steps(xm_t, xg_t, c, h, outputs)
         hs = torch.stack(outputs)                                           # (T, B, H)
         return self.head(hs).transpose(0, 1), (c, h)                        # (B, T, 256)
+
+    def _steps(self, xm_t, xg_t, c, h, outputs):
+        """The time loop op by op (the PyTorch path; on the kernel path without layer norm, or with
+        ``fused`` off). Appends each step's h to outputs; returns the last (c, h)."""
+        dt, device = h.dtype, h.device
+        # parameters cast once per sequence rather than at every timestep
+        p_hm, p_gates = self.norm_hm.cast(dt, device), self.norm_gates.cast(dt, device)
+        p_deep = [norm.cast(dt, device) for norm in self.norm_deep]
+        # the gates kernel adds an fp32 bias to 16-bit gates as it is
+        bias = (lambda: self.gate_bias) if device.type == "cuda" else shared_cast(self.gate_bias, dt)
+        for t in range(len(xm_t)):
+            m = xm_t[t] * self.norm_hm(_as(self.w_hm(h), dt), p_hm)                   # (B, H)
+            for w_d, norm, p in zip(self.deep, self.norm_deep, p_deep):
+                m = norm(_as(w_d(m), dt), p)
+            gates = xg_t[t] + self.norm_gates(_as(self.w_mg(m), dt), p_gates)        # (B, 4H)
+            c, h = ew.fused_lstm_gates(c, gates, bias=bias())
+            outputs.append(h)
+        return c, h
+
+    def _fused_steps(self, xm_t, xg_t, c, h, outputs):
+        """The kernel path's time loop, one launch each way per matmul, per LN(h·W_hm)·xm (layer_norm's
+        mul), per deep update's LN + ReLU and per LN4 + input add + gates (fused_lstm_cell): six a
+        step forward at depth 2. The layer-norm parameters and the gate bias take their gradients
+        once a sequence (ParamGradGroup): no per-step reduction or accumulation launches in
+        backward. The matmul outputs are in h's dtype already (the autocast dtype, or the model's)."""
+        hm, cell = self.norm_hm, self.norm_gates
+        g_hm = param_grad_group(hm.g, hm.b)
+        g_cell = param_grad_group(cell.g, cell.b, self.gate_bias, rows=(0, 1, 1))
+        deep = [(w_d, norm.g, norm.b, param_grad_group(norm.g, norm.b)) for w_d, norm in zip(self.deep, self.norm_deep)]
+        for t in range(len(xm_t)):
+            m = norms.layer_norm(self.w_hm(h), hm.g, hm.b, mul=xm_t[t], grad_group=g_hm)      # (B, H)
+            for w_d, g, b, group in deep:
+                m = norms.layer_norm(w_d(m), g, b, relu=True, grad_group=group)
+            c, h = fused_lstm_cell(c, self.w_mg(m), xg_t[t], cell.g, cell.b, self.gate_bias, grad_group=g_cell)
+            outputs.append(h)
+        return c, h
 
     def num_params(self) -> int:
         return sum(p.numel() for p in self.parameters())

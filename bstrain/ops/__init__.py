@@ -2,7 +2,8 @@
 
 ``import bstrain.ops as bs`` gives the names ``import blocksparse as bs`` gave, for the ops bstrain
 provides (docs/seed.md lists the seed names it does not). The submodules stay importable:
-``bstrain.ops.matmul``, ``.ew``, ``.norms``, ``.embed``, ``.proj``, ``.transformer``, ``.conv``.
+``bstrain.ops.matmul``, ``.ew``, ``.norms``, ``.lstm_cell``, ``.grouping``, ``.embed``, ``.proj``,
+``.transformer``, ``.conv``.
 """
 from bstrain.ops.conv import BlocksparseConv, BlocksparseDeconv, cwise_linear
 from bstrain.ops.embed import embedding_lookup
@@ -11,6 +12,7 @@ from bstrain.ops.ew import (
     float_cast, fused_lstm_gates, gelu, log, maximum, minimum, multiply, negative, reciprocal, reduce_mul, relu,
     scale_tensor, sigmoid, softmax_cross_entropy, split4, sqrt, square, subtract, swish, tanh,
 )
+from bstrain.ops.lstm_cell import fused_lstm_cell
 from bstrain.ops.matmul import BlocksparseMatMul, GradGroup, SparseProj, bsmm_ref
 from bstrain.ops.norms import batch_norm, batch_norm_inference, layer_norm
 from bstrain.ops.transformer import BlocksparseTransformer
@@ -21,6 +23,6 @@ __all__ = [
     "add", "multiply", "subtract", "divide", "maximum", "minimum", "negative", "reciprocal", "square", "sqrt",
     "exp", "log", "sigmoid", "tanh", "relu", "elu", "gelu", "swish", "fast_gelu", "bias_relu",
     "filter_tensor", "scale_tensor", "float_cast", "dropout", "add_n8", "add_n",
-    "split4", "concat4", "fused_lstm_gates", "softmax_cross_entropy", "embedding_lookup",
+    "split4", "concat4", "fused_lstm_gates", "fused_lstm_cell", "softmax_cross_entropy", "embedding_lookup",
     "layer_norm", "batch_norm", "batch_norm_inference", "ceil_div", "reduce_mul",
 ]

@@ -20,6 +20,8 @@ from bstrain.ops.tables import eager
 
 __all__ = ["layer_norm", "layer_norm_ref", "batch_norm", "batch_norm_inference"]
 
+_KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
 
 # --- reference --------------------------------------------------------------------------------------
 def _groups(x: Tensor, axis: int) -> Tensor:
@@ -35,20 +37,25 @@ def layer_norm_stats_ref(x: Tensor, axis: int, eps: float, segments: int) -> tup
     return mean, torch.rsqrt(var + eps)
 
 
-def layer_norm_ref(x, g, b, axis: int = 1, epsilon: float = 1e-6, relu: bool = False, segments: int = 1):
-    """PyTorch layer norm of a 2-D x over the feature axis, per segment, with optional ReLU: the
-    CPU path and the tests' oracle. Statistics and math in fp32 (fp64 for fp64 x)."""
+def layer_norm_ref(x, g, b, axis: int = 1, epsilon: float = 1e-6, relu: bool = False, segments: int = 1,
+                   mul=None):
+    """PyTorch layer norm of a 2-D x over the feature axis, per segment, with optional ReLU, times
+    ``mul`` (a tensor like x) if given: the CPU path and the tests' oracle. Statistics and math in
+    fp32 (fp64 for fp64 x); the result in x's dtype."""
     mean, rstd = layer_norm_stats_ref(x, axis, epsilon, segments)
     xr = _groups(x, axis)
     xhat = ((xr.reshape(xr.shape[0], segments, -1).to(mean.dtype) - mean[..., None]) * rstd[..., None])
     y = xhat.reshape(xr.shape) * g.to(mean.dtype) + b.to(mean.dtype)
-    y = (torch.relu(y) if relu else y).to(x.dtype)
+    y = torch.relu(y) if relu else y
+    if mul is not None:
+        y = y * _groups(mul, axis).to(mean.dtype)
+    y = y.to(x.dtype)
     return y if axis == 1 else y.t()
 
 
-def layer_norm_bwd_ref(dy, x, g, b, mean, rstd, axis: int, relu: bool, segments: int):
-    """(dx like x, dg, db) of :func:`layer_norm_ref`, by the formulas (the custom op's CPU backward
-    runs below autograd)."""
+def layer_norm_bwd_ref(dy, x, g, b, mean, rstd, axis: int, relu: bool, segments: int, mul=None):
+    """(dx like x, dg, db, dm like mul or None) of :func:`layer_norm_ref`, by the formulas (the
+    custom ops' CPU backward runs below autograd)."""
     work = mean.dtype
     xr, dyr = _groups(x, axis).to(work), _groups(dy, axis).to(work)
     n, c = xr.shape
@@ -56,23 +63,30 @@ def layer_norm_bwd_ref(dy, x, g, b, mean, rstd, axis: int, relu: bool, segments:
     gw = g.to(work)
     if relu:
         dyr = dyr * ((xhat * gw + b.to(work)) > 0)
+    dm = None
+    if mul is not None:
+        dm = (dyr * (xhat * gw + b.to(work))).to(mul.dtype)
+        dm = (dm if axis == 1 else dm.t()).contiguous()
+        dyr = dyr * _groups(mul, axis).to(work)
     dg, db = (dyr * xhat).sum(0), dyr.sum(0)
     dxhat = (dyr * gw).reshape(n, segments, -1)
     xh = xhat.reshape(n, segments, -1)
     dx = (dxhat - dxhat.mean(-1, keepdim=True) - xh * (dxhat * xh).mean(-1, keepdim=True)) * rstd[..., None]
     dx = dx.reshape(n, c).to(x.dtype)
-    return (dx if axis == 1 else dx.t()).contiguous(), dg.to(g.dtype), db.to(b.dtype)
+    return (dx if axis == 1 else dx.t()).contiguous(), dg.to(g.dtype), db.to(b.dtype), dm
 
 
 # --- custom ops (traced calls) -------------------------------------------------------------------------
-def _check_ln(x: Tensor, g: Tensor, b: Tensor, axis: int, segments: int) -> None:
+def _check_ln(x: Tensor, g: Tensor, b: Tensor, axis: int, segments: int, mul: Tensor | None = None,
+              relu: bool = False) -> None:
     """The kernel's contract: x contiguous 2-D, features on axis 0 or 1 splitting into segments
-    of at most MAX_SEGMENT; g and b (C,) contiguous on x's device."""
+    of at most MAX_SEGMENT; g and b (C,) contiguous on x's device; mul None or contiguous like x
+    (and no relu with it)."""
     from bstrain.kernels.norms import MAX_SEGMENT
     if x.dim() != 2 or axis not in (0, 1) or not x.is_contiguous():
         raise ValueError(f"x: expected a contiguous 2-D tensor with features on axis 0 or 1, got shape "
                          f"{tuple(x.shape)}, axis {axis}")
-    if x.dtype not in (torch.float32, torch.float16, torch.bfloat16):
+    if x.dtype not in _KERNEL_DTYPES:
         raise TypeError(f"x: expected float32, float16 or bfloat16, got {x.dtype}")
     C = x.shape[axis]
     if segments < 1 or C % segments or C // segments > MAX_SEGMENT:
@@ -82,23 +96,51 @@ def _check_ln(x: Tensor, g: Tensor, b: Tensor, axis: int, segments: int) -> None
         if p.shape != (C,) or not p.is_contiguous() or p.device != x.device:
             raise ValueError(f"{name}: expected a contiguous ({C},) tensor on {x.device}, got "
                              f"{tuple(p.shape)} on {p.device}")
+    if mul is not None:
+        if relu:
+            raise ValueError("mul: expected no relu with a multiplicative operand, got relu=True")
+        if mul.dtype not in _KERNEL_DTYPES:
+            raise TypeError(f"mul: expected float32, float16 or bfloat16, got {mul.dtype}")
+        if mul.shape != x.shape or not mul.is_contiguous() or mul.device != x.device:
+            raise ValueError(f"mul: expected a contiguous {tuple(x.shape)} tensor on {x.device} (as x), got "
+                             f"{tuple(mul.shape)} on {mul.device}")
+
+
+def _ln_impl(x, g, b, mul, axis, eps, relu, segments):
+    """The forward ops' body: (y, mean, rstd). CUDA: the kernel; CPU: the reference."""
+    if x.is_cuda:
+        from bstrain.kernels.norms import layer_norm_forward
+        _check_ln(x, g, b, axis, segments, mul, relu)
+        return layer_norm_forward(x, g, b, axis, eps, relu, segments, mul)
+    mean, rstd = layer_norm_stats_ref(x, axis, eps, segments)
+    return layer_norm_ref(x, g, b, axis, eps, relu, segments, mul).contiguous(), mean, rstd
+
+
+def _ln_bwd_impl(dy, x, g, b, mul, mean, rstd, axis, relu, segments):
+    """The backward ops' body: (dx, dg, db, dm or None), outputs of separate storage."""
+    if not x.is_cuda:
+        return layer_norm_bwd_ref(dy, x, g, b, mean, rstd, axis, relu, segments, mul)
+    from bstrain.kernels.norms import layer_norm_backward
+    _check_ln(x, g, b, axis, segments, mul, relu)
+    if dy.shape != x.shape:
+        raise ValueError(f"dy: expected shape {tuple(x.shape)} (as x), got {tuple(dy.shape)}")
+    dx, dg, db, dm = layer_norm_backward(dy.contiguous(), x, g, b, mean, rstd, axis, relu, segments, mul)
+    if dg.untyped_storage().data_ptr() == db.untyped_storage().data_ptr():
+        db = db.clone()                                 # views of one sum: outputs may not share storage
+    return dx, dg, db, dm
 
 
 @torch.library.custom_op("bstrain::layer_norm", mutates_args=())
-def _layer_norm_op(x: Tensor, g: Tensor, b: Tensor, axis: int, eps: float, relu: bool,
-                   segments: int) -> tuple[Tensor, Tensor, Tensor]:
-    """x: contiguous (N, C) (axis=1) or (C, N) (axis=0); g, b: (C,). Returns (y, mean, rstd); the
-    statistics are (groups, segments) fp32. CUDA: the kernel; CPU: the reference."""
-    if x.is_cuda:
-        from bstrain.kernels.norms import layer_norm_forward
-        _check_ln(x, g, b, axis, segments)
-        return layer_norm_forward(x, g, b, axis, eps, relu, segments)
-    mean, rstd = layer_norm_stats_ref(x, axis, eps, segments)
-    return layer_norm_ref(x, g, b, axis, eps, relu, segments).contiguous(), mean, rstd
+def _layer_norm_op(x: Tensor, g: Tensor, b: Tensor, axis: int, eps: float, relu: bool, segments: int,
+                   mul: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
+    """x: contiguous (N, C) (axis=1) or (C, N) (axis=0); g, b: (C,); mul: None, or a contiguous
+    tensor like x (any float dtype, not with relu) to multiply the output by. Returns (y, mean,
+    rstd); the statistics are (groups, segments) fp32. CUDA: the kernel; CPU: the reference."""
+    return _ln_impl(x, g, b, mul, axis, eps, relu, segments)
 
 
 @_layer_norm_op.register_fake
-def _(x, g, b, axis, eps, relu, segments):
+def _(x, g, b, axis, eps, relu, segments, mul=None):
     groups = x.shape[1 - axis]
     stats = x.new_empty((groups, segments), dtype=torch.promote_types(x.dtype, torch.float32))
     return torch.empty_like(x, memory_format=torch.contiguous_format), stats, stats.clone()
@@ -108,16 +150,7 @@ def _(x, g, b, axis, eps, relu, segments):
 def _layer_norm_bwd_op(dy: Tensor, x: Tensor, g: Tensor, b: Tensor, mean: Tensor, rstd: Tensor, axis: int,
                        relu: bool, segments: int) -> tuple[Tensor, Tensor, Tensor]:
     """(dx like x, dg, db in g's and b's dtypes)."""
-    if x.is_cuda:
-        from bstrain.kernels.norms import layer_norm_backward
-        _check_ln(x, g, b, axis, segments)
-        if dy.shape != x.shape:
-            raise ValueError(f"dy: expected shape {tuple(x.shape)} (as x), got {tuple(dy.shape)}")
-        dx, dg, db = layer_norm_backward(dy.contiguous(), x, g, b, mean, rstd, axis, relu, segments)
-        if dg.untyped_storage().data_ptr() == db.untyped_storage().data_ptr():
-            db = db.clone()                                 # views of one sum: outputs may not share storage
-        return dx, dg, db
-    return layer_norm_bwd_ref(dy, x, g, b, mean, rstd, axis, relu, segments)
+    return _ln_bwd_impl(dy, x, g, b, None, mean, rstd, axis, relu, segments)[:3]
 
 
 @_layer_norm_bwd_op.register_fake
@@ -125,18 +158,35 @@ def _(dy, x, g, b, mean, rstd, axis, relu, segments):
     return torch.empty_like(x, memory_format=torch.contiguous_format), torch.empty_like(g), torch.empty_like(b)
 
 
+@torch.library.custom_op("bstrain::layer_norm_mul_bwd", mutates_args=())
+def _layer_norm_mul_bwd_op(dy: Tensor, x: Tensor, g: Tensor, b: Tensor, mul: Tensor, mean: Tensor, rstd: Tensor,
+                           axis: int, segments: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """(dx like x, dg, db in g's and b's dtypes, dmul like mul)."""
+    return _ln_bwd_impl(dy, x, g, b, mul, mean, rstd, axis, False, segments)
+
+
+@_layer_norm_mul_bwd_op.register_fake
+def _(dy, x, g, b, mul, mean, rstd, axis, segments):
+    return (torch.empty_like(x, memory_format=torch.contiguous_format), torch.empty_like(g), torch.empty_like(b),
+            torch.empty_like(mul, memory_format=torch.contiguous_format))
+
+
 def _ln_setup(ctx, inputs, output):
-    x, g, b, axis, eps, relu, segments = inputs
+    x, g, b, axis, eps, relu, segments, mul = inputs
     _, mean, rstd = output
-    ctx.save_for_backward(x, g, b, mean, rstd)
+    ctx.save_for_backward(x, g, b, mul, mean, rstd)
     ctx.config = (axis, relu, segments)
     ctx.mark_non_differentiable(mean, rstd)
 
 
 def _ln_backward(ctx, dy, _dmean, _drstd):
-    x, g, b, mean, rstd = ctx.saved_tensors
-    dx, dg, db = _layer_norm_bwd_op(dy, x, g, b, mean, rstd, *ctx.config)
-    return dx, dg, db, None, None, None, None
+    x, g, b, mul, mean, rstd = ctx.saved_tensors
+    axis, relu, segments = ctx.config
+    if mul is None:
+        dx, dg, db = _layer_norm_bwd_op(dy, x, g, b, mean, rstd, axis, relu, segments)
+        return dx, dg, db, None, None, None, None, None
+    dx, dg, db, dm = _layer_norm_mul_bwd_op(dy, x, g, b, mul, mean, rstd, axis, segments)
+    return dx, dg, db, None, None, None, None, dm
 
 
 _layer_norm_op.register_autograd(_ln_backward, setup_context=_ln_setup)
@@ -144,31 +194,36 @@ _layer_norm_op.register_autograd(_ln_backward, setup_context=_ln_setup)
 
 # --- eager autograd -------------------------------------------------------------------------------------
 class _LayerNorm(torch.autograd.Function):
-    """The custom op's kernels without the dispatcher's round trip."""
+    """The custom ops' kernels without the dispatcher's round trip. With a ParamGradGroup, g and b
+    are the group's views and the backward kernel adds dg and db into the group's workspace."""
 
     @staticmethod
-    def forward(ctx, x, g, b, axis, epsilon, relu, segments):
+    def forward(ctx, x, g, b, mul, axis, epsilon, relu, segments, group):
         from bstrain.kernels.norms import layer_norm_forward
         x = x.contiguous()
-        y, mean, rstd = layer_norm_forward(x, g.contiguous(), b.contiguous(), axis, epsilon, relu, segments)
-        ctx.save_for_backward(x, g, b, mean, rstd)
+        mul = mul.contiguous() if mul is not None else None
+        y, mean, rstd = layer_norm_forward(x, g.contiguous(), b.contiguous(), axis, epsilon, relu, segments, mul)
+        ctx.save_for_backward(x, g, b, mul, mean, rstd)
         ctx.config = (axis, relu, segments)
+        ctx.group = group
         return y
 
     @staticmethod
     def backward(ctx, dy):
         from bstrain.kernels.norms import layer_norm_backward
-        x, g, b, mean, rstd = ctx.saved_tensors
-        axis, relu, segments = ctx.config
-        dx, dg, db = layer_norm_backward(dy.contiguous(), x, g.contiguous(), b.contiguous(), mean, rstd,
-                                         axis, relu, segments)
-        return dx, dg, db, None, None, None, None
+        x, g, b, mul, mean, rstd = ctx.saved_tensors
+        group = ctx.group
+        dx, dg, db, dm = layer_norm_backward(dy.contiguous(), x, g.contiguous(), b.contiguous(), mean, rstd,
+                                             *ctx.config, mul, None if group is None else
+                                             lambda shape: group.workspace(shape, x.device))
+        return dx, dg, db, dm, None, None, None, None, None
 
 
 # --- seed API -------------------------------------------------------------------------------------------
 def layer_norm(x: torch.Tensor, g: torch.Tensor, b: torch.Tensor, axis: int = 1, segments: int = 1,
                epsilon: float = 1e-6, relu: bool = False, atomics: bool = True, bench: int = 0,
-               use_tf: bool = False, *, backend: str = "auto") -> torch.Tensor:
+               use_tf: bool = False, *, mul: torch.Tensor | None = None, grad_group=None,
+               backend: str = "auto") -> torch.Tensor:
     """The seed's layer norm, with the seed's signature.
 
     Args:
@@ -181,6 +236,12 @@ def layer_norm(x: torch.Tensor, g: torch.Tensor, b: torch.Tensor, axis: int = 1,
             (e.g. the four LSTM gates); g and b still span all C.
         relu: apply ReLU to the output (fused).
         atomics, bench, use_tf: the seed's tuning switches; accepted, without effect.
+        mul: a tensor shaped like x (any float dtype) to multiply the output by, fused:
+            y = LN(x)·mul, rounded once to x's dtype (not with relu).
+        grad_group: a :class:`bstrain.ops.grouping.ParamGradGroup` of (g, b), made once per
+            sequence by a model that calls this at every timestep: the eager kernel path then adds
+            dg and db into it instead of handing them to autograd at every step. Other paths
+            ignore it.
         backend: "auto" (the kernel on CUDA where it pays, PyTorch otherwise), "triton" (the
             kernel; on CPU under TRITON_INTERPRET=1) or "torch".
     Returns a tensor like x (same shape and dtype). Statistics are computed in fp32.
@@ -195,30 +256,54 @@ def layer_norm(x: torch.Tensor, g: torch.Tensor, b: torch.Tensor, axis: int = 1,
     g, b = check_param("g", g, x, C), check_param("b", b, x, C)
     if isinstance(segments, bool) or not isinstance(segments, int) or segments < 1 or C % segments:
         raise ValueError(f"segments: expected a positive divisor of the {C} features, got {segments!r}")
+    if mul is not None:
+        _check_mul(x, mul, relu)
+    if grad_group is not None and not grad_group.matches((g, b), (0, 1)):
+        raise ValueError("grad_group: expected a group of these g and b (param_grad_group(g, b)), got one of "
+                         "other parameters")
     kernel = use_kernels(x, backend)
     if x.dim() == 2:                                           # (N, C) or (C, N) as they are: no views
-        return _layer_norm_2d(x, g, b, axis, epsilon, relu, segments, kernel)
+        return _layer_norm_2d(x, g, b, axis, epsilon, relu, segments, kernel, mul, grad_group)
     if axis == 0:                                              # features first: (C, N)
-        return _layer_norm_2d(x.reshape(C, -1), g, b, 0, epsilon, relu, segments, kernel).reshape(x.shape)
-    moved = x if axis == x.dim() - 1 else x.movedim(axis, -1)  # features last: (N, C)
-    y = _layer_norm_2d(moved.reshape(-1, C), g, b, 1, epsilon, relu, segments, kernel).reshape(moved.shape)
-    return y if moved is x else y.movedim(-1, axis)
+        def to_2d(t):
+            return t.reshape(C, -1)
+    else:                                                      # features last: (N, C)
+        def to_2d(t):
+            return (t if axis == t.dim() - 1 else t.movedim(axis, -1)).reshape(-1, C)
+    y = _layer_norm_2d(to_2d(x), g, b, 1 if axis else 0, epsilon, relu, segments, kernel,
+                       None if mul is None else to_2d(mul), grad_group)
+    if axis == 0 or axis == x.dim() - 1:
+        return y.reshape(x.shape)
+    return y.reshape(x.movedim(axis, -1).shape).movedim(-1, axis)
 
 
-def _layer_norm_2d(x, g, b, axis: int, epsilon: float, relu: bool, segments: int, kernel: bool) -> torch.Tensor:
-    """x: (N, C) for axis=1 or (C, N) for axis=0; g, b: (C,)."""
-    if axis == 1 and not relu and segments == 1 and (g.dtype == x.dtype or not kernel):
+def _check_mul(x: torch.Tensor, mul, relu: bool) -> None:
+    _check_tensor("mul", mul)
+    if mul.shape != x.shape or mul.device != x.device:
+        raise ValueError(f"mul: expected shape {tuple(x.shape)} on {x.device} (as x), got {tuple(mul.shape)} on "
+                         f"{mul.device}")
+    if relu:
+        raise ValueError("mul: expected no relu with a multiplicative operand, got relu=True")
+
+
+def _layer_norm_2d(x, g, b, axis: int, epsilon: float, relu: bool, segments: int, kernel: bool, mul=None,
+                   grad_group=None) -> torch.Tensor:
+    """x: (N, C) for axis=1 or (C, N) for axis=0; g, b: (C,); mul: None or like x."""
+    if mul is None and axis == 1 and not relu and segments == 1 and (g.dtype == x.dtype or not kernel):
         if g.dtype == x.dtype:
             return F.layer_norm(x, (x.shape[1],), g, b, eps=epsilon)
         return F.layer_norm(x.float(), (x.shape[1],), g, b, eps=epsilon).to(x.dtype)  # fp32 params
-    if kernel:                  # fp32 params with 16-bit x too: one kernel instead of three casts around torch's
+    if kernel and (mul is None or mul.dtype in _KERNEL_DTYPES):
+        # fp32 params with 16-bit x too: one kernel instead of three casts around torch's
         from bstrain.kernels.norms import MAX_SEGMENT
         if x.shape[axis] // segments <= MAX_SEGMENT:
             if eager(x):
-                return _LayerNorm.apply(x, g, b, axis, float(epsilon), bool(relu), segments)
+                if grad_group is not None:
+                    g, b = grad_group.views
+                return _LayerNorm.apply(x, g, b, mul, axis, float(epsilon), bool(relu), segments, grad_group)
             return torch.ops.bstrain.layer_norm(x.contiguous(), g.contiguous(), b.contiguous(), axis, float(epsilon),
-                                                bool(relu), segments)[0]
-    return layer_norm_ref(x, g, b, axis, epsilon, relu, segments)
+                                                bool(relu), segments, None if mul is None else mul.contiguous())[0]
+    return layer_norm_ref(x, g, b, axis, epsilon, relu, segments, mul)
 
 
 def _check_batch_norm(x, **params) -> list[torch.Tensor]:

@@ -121,3 +121,91 @@ def test_shared_cast_sums_timestep_gradients_in_fp32():
     want = xs.double().sum(0)                     # each step's gradient is x_t, exact in bf16
     torch.testing.assert_close(p.grad.double(), want, rtol=1e-5, atol=1e-5)
     assert shared_cast(p, torch.float32)() is p   # same dtype: the parameter itself
+
+
+def _randomised(cfg: LSTMConfig, dtype=torch.float32) -> SparseLSTM:
+    """A model with non-trivial layer-norm parameters and gate bias."""
+    model = SparseLSTM(cfg).to(dtype)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() == 1:
+                p.add_(torch.randn_like(p) * 0.3)
+    return model
+
+
+def _run(model, x, c0, h0, dl):
+    """((logits, c, h), parameter gradients) of a loss on all three outputs, in dl's dtype."""
+    logits, (c, h) = model(x, (c0, h0))
+    work = dl.dtype
+    loss = (logits.to(work) * dl).sum() + c.to(work).sum() + h.to(work).square().sum()
+    return (logits, c, h), torch.autograd.grad(loss, list(model.parameters()))
+
+
+@pytest.mark.triton
+@pytest.mark.parametrize("block_size", [16, 32], ids=["bs16", "bs32"])
+def test_fused_steps_match_the_op_by_op_path(block_size, monkeypatch):
+    """The kernel path's fused time loop (LN·xm, LN4 + add + gates, grouped parameter gradients)
+    against the same kernels' op-by-op loop, in the interpreter: outputs, state and every
+    gradient. The matmuls run in PyTorch here (their kernels have tests of their own), so the
+    launches counted are the fused loop's own: one per layer norm and one per cell a step, each
+    way, and no torch reduction or accumulation per step in backward."""
+    from bstrain.kernels import launch
+    monkeypatch.setenv("BSTRAIN_FORCE_TRITON", "1")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    cfg = LSTMConfig(hidden=64, embed=16, block_size=block_size, depth=2, density=0.5 if block_size == 16 else 1.0,
+                     layout="random")
+    model = _randomised(cfg)
+    for layer in model.sparse_layers():
+        layer.op.backend = "torch"
+    set_grad_group(model, 2)
+    B, T = 3, 4
+    x = torch.randint(0, 256, (B, T))
+    c0, h0 = torch.randn(B, 64), torch.randn(B, 64)
+    dl = torch.randn(B, T, 256)
+    model.fused = False
+    want, want_grads = _run(model, x, c0, h0, dl)
+    model.fused = True
+    before = launch.stats["jit"]
+    got, got_grads = _run(model, x, c0, h0, dl)
+    assert launch.stats["jit"] - before == 2 * T * cfg.depth + 2 * T      # LN·xm, deep LNs, cells; both ways
+    for name, a, r in zip(("logits", "c", "h"), got, want):
+        torch.testing.assert_close(a, r, rtol=1e-5, atol=1e-5, msg=lambda m, n=name: f"{n}: {m}")
+    for (name, _), a, r in zip(model.named_parameters(), got_grads, want_grads):
+        torch.testing.assert_close(a, r, rtol=1e-4, atol=1e-4, msg=lambda m, n=name: f"{n}: {m}")
+
+
+@pytest.mark.gpu
+def test_fused_bf16_step_is_as_accurate_as_op_by_op():
+    """bf16 under autocast on CUDA, fused and op by op, each against the float64 recurrence: the
+    fused loop's error is at most 2x the op-by-op loop's (plus bf16's floor), outputs and
+    gradients (the tolerance rule of tests/conftest.py).
+
+    depth=1: a deep update's ReLU makes the gradient discontinuous, so two 16-bit paths that round
+    differently may take different ReLU decisions and both be right (its kernel has tests of its
+    own). The state starts away from zero, where a layer norm of h·W_hm = 0 has rstd = 1/sqrt(eps)
+    and magnifies every rounding difference a thousandfold."""
+    from tests.conftest import TOL_FLOOR
+    torch.manual_seed(2)
+    cfg = LSTMConfig(hidden=256, embed=32, block_size=32, depth=1, density=0.3, layout="random")
+    ref_model = _randomised(cfg, torch.float64)
+    model = SparseLSTM(cfg)
+    model.load_state_dict(ref_model.state_dict())
+    model = model.cuda()
+    set_grad_group(model, 4)
+    B, T = 16, 12
+    x = torch.randint(0, 256, (B, T))
+    c0, h0 = torch.randn(B, 256, dtype=torch.float64), torch.randn(B, 256, dtype=torch.float64) * 0.5
+    dl = torch.randn(B, T, 256, dtype=torch.float64)
+    ref, ref_grads = _run(ref_model, x, c0, h0, dl)
+    runs = {}
+    for fused in (True, False):
+        model.fused = fused
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            runs[fused] = _run(model, x.cuda(), c0.float().cuda(), h0.float().cuda(), dl.float().cuda())
+    names = ["logits", "c", "h"] + [n for n, _ in model.named_parameters()]
+    for i, name in enumerate(names):
+        r = (ref[i] if i < 3 else ref_grads[i - 3]).detach()
+        fused, plain = ((out[i] if i < 3 else grads[i - 3]).double().cpu() for out, grads in (runs[True], runs[False]))
+        err, base = (fused - r).abs().max().item(), (plain - r).abs().max().item()
+        assert err <= 2 * base + TOL_FLOOR[torch.bfloat16] * r.abs().max().item(), \
+            f"{name}: fused error {err:.3g}, op-by-op {base:.3g}"

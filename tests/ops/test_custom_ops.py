@@ -67,6 +67,31 @@ def test_opcheck_lstm_gates(device, bias):
     torch.library.opcheck(OPS.lstm_gates_bwd.default, (*args, None, d[1], 1.0))
 
 
+@pytest.mark.parametrize("device", DEVICES)
+def test_opcheck_layer_norm_mul(device):
+    x = _rand(6, 32, device=device, grad=True)
+    g, b = (1 + 0.1 * _rand(32, device=device)).requires_grad_(), _rand(32, device=device, grad=True)
+    m = _rand(6, 32, device=device, grad=True)
+    torch.library.opcheck(OPS.layer_norm.default, (x, g, b, 1, 1e-5, False, 4, m))
+    y, mean, rstd = OPS.layer_norm(x.detach(), g.detach(), b.detach(), 1, 1e-5, False, 4, m.detach())
+    torch.library.opcheck(OPS.layer_norm_mul_bwd.default, (torch.randn_like(y), x.detach(), g.detach(), b.detach(),
+                                                           m.detach(), mean, rstd, 1, 4))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_opcheck_lstm_cell(device):
+    c, z, xg = _rand(5, 8, device=device, grad=True), _rand(5, 32, device=device, grad=True), \
+        _rand(5, 32, device=device, grad=True)
+    g, b, bias = (1 + 0.1 * _rand(32, device=device)).requires_grad_(), _rand(32, device=device, grad=True), \
+        _rand(32, device=device, grad=True)
+    torch.library.opcheck(OPS.lstm_cell.default, (c, z, xg, g, b, bias, 1.0, 1e-6))
+    _, _, mean, rstd = OPS.lstm_cell(*(t.detach() for t in (c, z, xg, g, b, bias)), 1.0, 1e-6)
+    args = tuple(t.detach() for t in (c, z, xg, g, b, bias)) + (mean, rstd)
+    d = torch.randn_like(c)
+    torch.library.opcheck(OPS.lstm_cell_bwd.default, (*args, d, torch.randn_like(c), 1.0))
+    torch.library.opcheck(OPS.lstm_cell_bwd.default, (*args, None, d, 1.0))
+
+
 # --- the ops' numbers against float64 references (CPU: the references; GPU: the kernels) ----------
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("axis", [0, 1])
@@ -130,6 +155,26 @@ def test_lstm_gates_op_matches_float64(device, bias):
     got = torch.autograd.grad(OPS.lstm_gates(c, *h.chunk(4, dim=1), b, 1.0)[0], h, dc)[0]
     want = torch.autograd.grad(fused_lstm_gates_ref(c64, *gates, forget_bias=1.0)[0], h64, dc.double().cpu())[0]
     assert_close(got, want, None, torch.float32, "dh (new_c only)")
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_lstm_cell_op_matches_float64(device):
+    from bstrain.ops.lstm_cell import fused_lstm_cell_ref
+    c, z, xg = _rand(6, 24, device=device, grad=True), _rand(6, 96, device=device, grad=True), \
+        _rand(6, 96, device=device, grad=True)
+    g, b, bias = (1 + 0.2 * _rand(96, device=device)).requires_grad_(), _rand(96, device=device, grad=True), \
+        _rand(96, device=device, grad=True)
+    args = [c, z, xg, g, b, bias]
+    cn, hn, _, _ = OPS.lstm_cell(*args, 0.5, 1e-6)
+    args64 = [t.detach().double().cpu().requires_grad_() for t in args]
+    cn64, hn64 = fused_lstm_cell_ref(*args64, forget_bias=0.5)
+    assert_close(cn, cn64, None, torch.float32, "new_c")
+    assert_close(hn, hn64, None, torch.float32, "new_h")
+    dc, dh = torch.randn_like(cn), torch.randn_like(hn)
+    got = torch.autograd.grad((cn, hn), args, (dc, dh))
+    want = torch.autograd.grad((cn64, hn64), args64, (dc.double().cpu(), dh.double().cpu()))
+    for name, a, r in zip(("dc", "dz", "dxg", "dg", "db", "dbias"), got, want):
+        assert_close(a, r, None, torch.float32, name)
 
 
 def test_unregistered_layout_is_a_clear_error():
@@ -240,8 +285,9 @@ def test_compile_inductor(dev):
 
 @pytest.mark.triton
 def test_compile_sparse_lstm_training_step(dev):
-    """The mLSTM forward + loss in one graph: block-sparse matmuls, segmented layer norm and the
-    LSTM gates as custom ops, no graph break, no recompilation; gradients as in eager."""
+    """The mLSTM forward + loss in one graph: block-sparse matmuls, the layer norms (one with its
+    fused multiplicative operand) and the fused cell as custom ops, no graph break, no
+    recompilation; gradients as in eager."""
     from bstrain.models.lstm import SparseLSTM
     torch._dynamo.reset()
     model = _to_kernels(SparseLSTM(hidden=32, embed=8, block_size=16, density=0.5, depth=2)).to(dev)
@@ -253,8 +299,10 @@ def test_compile_sparse_lstm_training_step(dev):
     x = torch.randint(0, 256, (3, 4), device=dev)
     breaks, _, code = _explain(step, x, *state)
     assert breaks == 0
-    for name in ("bstrain.bsmm", "bstrain.layer_norm", "bstrain.lstm_gates"):
+    for name in ("bstrain.bsmm", "bstrain.layer_norm(", "bstrain.lstm_cell"):
         assert name in code, name
+    steps = x.shape[1]                       # a step: LN(h·W_hm)·xm and the deep update's LN, then the cell
+    assert code.count("bstrain.layer_norm(") == 2 * steps and code.count("bstrain.lstm_cell(") == steps
     compiled, counter = _compile_counted(step)
 
     def loss_check(fn):

@@ -71,6 +71,33 @@ def test_layer_norm_any_rank_and_axis(backend, shape, axis, segments, relu, monk
         assert_close(got.grad, want.grad, None, torch.float32, name)
 
 
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("dtype", kernel_dtypes(), ids=lambda d: DTYPE_IDS[d])
+@pytest.mark.parametrize("shape, axis, segments", [((13, 20), 1, 1), ((20, 13), 0, 4), ((3, 20, 5), 1, 2)],
+                         ids=["NC", "CN-seg4", "middle-seg2"])
+def test_layer_norm_mul(backend, dtype, shape, axis, segments):
+    """y = LN(x)·mul, fused: outputs and dx, dg, db, dmul against float64 (mul fp32 with 16-bit x
+    on the 2-D cases, fp32 gain and bias with 16-bit x)."""
+    dev = kernel_device() if backend == "triton" else "cpu"
+    C = shape[axis]
+    x = (torch.randn(shape, device=dev) + 0.5).to(dtype).requires_grad_()
+    m = torch.randn(shape, device=dev).to(torch.float32 if len(shape) == 2 else dtype).requires_grad_()
+    g, b = (torch.rand(C, device=dev) + 0.5).requires_grad_(), torch.randn(C, device=dev).requires_grad_()
+    y = norms.layer_norm(x, g, b, axis=axis, segments=segments, mul=m, backend=backend)
+    assert y.shape == x.shape and y.dtype == dtype
+    x64, g64, b64, m64 = (t.detach().cpu().double().requires_grad_() for t in (x, g, b, m))
+    moved = x64.movedim(axis, -1)
+    ref = seed_layer_norm(moved.reshape(-1, C), g64, b64, 1, 1e-6, False, segments).reshape(moved.shape)
+    ref = ref.movedim(-1, axis) * m64
+    assert_close(y, ref, None, dtype, "y")
+    dy = torch.randn(shape, dtype=torch.float64)
+    got = torch.autograd.grad((y.cpu().double() * dy).sum(), (x, g, b, m))
+    want = torch.autograd.grad((ref * dy).sum(), (x64, g64, b64, m64))
+    for name, a, r, t in zip(("dx", "dg", "db", "dmul"), got, want, (x, g, b, m)):
+        assert a.dtype == t.dtype, name
+        assert_close(a, r, None, dtype, name)
+
+
 def test_layer_norm_seed_positional_order():
     """layer_norm(x, g, b, axis, segments, epsilon, relu): the seed's fifth argument is segments."""
     x, g, b = torch.randn(6, 8, dtype=torch.float64), torch.randn(8, dtype=torch.float64), torch.randn(8, dtype=torch.float64)
@@ -104,6 +131,12 @@ def test_layer_norm_fp32_params_with_16_bit_x(backend, dtype, axis, relu, monkey
     assert_close(b.grad, b64.grad, None, dtype, "db")
 
 
+def _group_of_others():
+    from bstrain.ops.grouping import param_grad_group
+    g, b = torch.ones(4, requires_grad=True), torch.zeros(4, requires_grad=True)
+    return param_grad_group(g, b)
+
+
 @pytest.mark.parametrize("call, exc, match", [
     (lambda: norms.layer_norm(torch.ones(2, 4), torch.ones(3), torch.ones(4)), ValueError, r"g: expected 4 elements"),
     (lambda: norms.layer_norm(torch.ones(2, 4), torch.ones(4), torch.ones(4), segments=3), ValueError,
@@ -116,12 +149,33 @@ def test_layer_norm_fp32_params_with_16_bit_x(backend, dtype, axis, relu, monkey
      "g: expected dtype torch.float32"),
     (lambda: norms.layer_norm(torch.ones(2, 4).half(), torch.ones(4).double(), torch.ones(4).half()), TypeError,
      "g: expected dtype torch.float16"),
+    (lambda: norms.layer_norm(torch.ones(2, 4), torch.ones(4), torch.ones(4), mul=torch.ones(4, 2)), ValueError,
+     r"mul: expected shape \(2, 4\)"),
+    (lambda: norms.layer_norm(torch.ones(2, 4), torch.ones(4), torch.ones(4), mul=[1.0]), TypeError,
+     "mul: expected a torch.Tensor"),
+    (lambda: norms.layer_norm(torch.ones(2, 4), torch.ones(4), torch.ones(4), relu=True, mul=torch.ones(2, 4)),
+     ValueError, "mul: expected no relu"),
+    (lambda: norms.layer_norm(torch.ones(2, 4), torch.ones(4), torch.ones(4), grad_group=_group_of_others()),
+     ValueError, "grad_group: expected a group of these g and b"),
     (lambda: norms.batch_norm(torch.ones(2, 3, 4), torch.ones(2), torch.ones(3)), ValueError, r"g: expected 3 elements"),
     (lambda: norms.batch_norm(torch.ones(3), torch.ones(3), torch.ones(3)), ValueError, "x: expected"),
 ])
 def test_bad_input(call, exc, match):
     with pytest.raises(exc, match=match):
         call()
+
+
+@pytest.mark.triton
+def test_mul_errors_come_before_any_kernel(monkeypatch):
+    from bstrain.kernels import launch
+    monkeypatch.setattr(launch.Launch, "__call__", lambda *a: pytest.fail("a kernel was launched"))
+    x, g, b = torch.ones(2, 4), torch.ones(4), torch.zeros(4)
+    with pytest.raises(ValueError, match="mul: expected shape"):
+        norms.layer_norm(x, g, b, mul=torch.ones(2, 5), backend="triton")
+    with pytest.raises(ValueError, match="mul: expected no relu"):
+        norms.layer_norm(x, g, b, relu=True, mul=torch.ones(2, 4), backend="triton")
+    with pytest.raises(TypeError, match="mul: expected a floating tensor"):
+        norms.layer_norm(x, g, b, mul=torch.ones(2, 4, dtype=torch.int64), backend="triton")
 
 
 @pytest.mark.parametrize("shape", [(4, 3, 5, 6), (2, 3, 2, 3, 4)], ids=["NCHW", "NCDHW"])
