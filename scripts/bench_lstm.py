@@ -139,6 +139,12 @@ def cmd_eager(args) -> None:
     for _ in range(2):                                   # compile and load every kernel, build the plans
         fn()
     kernels, api = step_launches(fn)
+    if args.host_profile:                                # where the eager step's host time goes, by op
+        from torch.profiler import ProfilerActivity, profile
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            fn()
+            torch.cuda.synchronize()
+        print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25, max_name_column_width=60))
     import triton
     eager = triton.testing.do_bench(fn, warmup=100, rep=1000, return_mode="median")
     del model, fn
@@ -371,6 +377,7 @@ def main():
     ap.add_argument("--modes", default="graph,eager", help="steptime: graph and/or eager")
     ap.add_argument("--append", action="store_true", help="steptime: add rows to an existing JSON")
     ap.add_argument("--unfused", action="store_true", help="eager: time the mLSTM's op-by-op loop (model.fused=False)")
+    ap.add_argument("--host-profile", action="store_true", help="eager: the host time by op of one step")
     ap.add_argument("--group", type=int, default=0, help="eager: gradient group size (default: trainer.group_size)")
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
