@@ -22,7 +22,8 @@ def readme(containing: str) -> dict:
 def test_seed_readme_example_runs(capsys):
     runpy.run_path(str(REPO / "examples" / "seed_readme.py"), run_name="__main__")
     out = capsys.readouterr().out
-    assert "y (64, 4096), dW (" in out and "on cpu" in out
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    assert "y (64, 4096), dW (" in out and f"on {device}" in out
 
 
 def test_readme_op_library_example_runs():
@@ -44,10 +45,12 @@ def test_readme_op_library_example_runs():
     torch.testing.assert_close(seg, ref, atol=1e-5, rtol=1e-5)
 
 
-def test_readme_conv_example_runs():
-    """The seed's BlocksparseConv block: the shapes in its comments, and l2_normalize gives each
+def test_seed_doc_conv_example_runs():
+    """The seed's BlocksparseConv block (docs/seed.md): the shapes in its comments, and l2_normalize gives each
     block's filter unit norm per output channel."""
-    ns = readme("bs.BlocksparseConv(")
+    from tests.test_readme import SEED_DOC, python_blocks, run_block
+    (line, code), = [b for b in python_blocks(SEED_DOC) if "bs.BlocksparseConv(" in b[1]]
+    ns = run_block(line, code, SEED_DOC)
     conv, F, x = ns["conv"], ns["F"], ns["x"]
     assert conv.blocks == 3 and x.shape == (16, 8, 32, 32)
     assert all(f.shape == (4, 4, 3, 3) for f in F)                  # (output, input, kh, kw) channels

@@ -61,6 +61,6 @@ def test_cli_trains_without_triton(tmp_path):
         runpy.run_module("bstrain", run_name="__main__", alter_sys=True)
     """, "train", "model.hidden=64", "model.embed=16", "model.block_size=16", "data.seq_len=8",
         "data.batch_size=2", "trainer.max_steps=2", "trainer.eval_every=2", "trainer.eval_batches=1",
-        "trainer.progress=false", f"hydra.run.dir={tmp_path / 'run'}")
+        "trainer.progress=false", "trainer.device=cpu", f"hydra.run.dir={tmp_path / 'run'}")
     assert out.returncode == 0, out.stderr[-3000:]
     assert (tmp_path / "run" / "ckpt" / "step_00000002.pt").is_file()

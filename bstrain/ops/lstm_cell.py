@@ -113,7 +113,7 @@ def _lstm_cell_bwd_op(c: Tensor, z: Tensor, xg: Tensor, g: Tensor, b: Tensor, bi
             raise ValueError(f"{name}: expected shape {tuple(c.shape)} (as c), got {tuple(d.shape)}")
     dc, dz, dxg, dg, db = lstm_cell_backward(c, z, xg, g, b, bias, mean, rstd, dc_new, dh_new, forget_bias)
     # dg and db are views of one sum: outputs may not share storage
-    return dc, dz, dxg, dg.to(g.dtype, copy=True), db.to(b.dtype), db.to(bias.dtype, copy=True)
+    return dc, dz, dxg, dg.to(g.dtype, copy=True), db.to(b.dtype, copy=True), db.to(bias.dtype, copy=True)
 
 
 @_lstm_cell_bwd_op.register_fake

@@ -298,6 +298,8 @@ def build(cfg: DictConfig, run_dir: Path, device: torch.device, world: World) ->
     optimizer = make_optimizer(model, cfg.optim, device, capturable=graphed)
     scaler = torch.amp.GradScaler(device.type, init_scale=2.0**16, growth_interval=t_cfg.loss_scale_window,
                                   enabled=_value(t_cfg.precision) == "fp16")
+    if scaler.is_enabled():
+        scaler._lazy_init_scale_growth_tracker(device)     # now: so that a skip at the first step is counted too
     ema = None
     if cfg.optim.ema > 0:
         from torch.optim.swa_utils import AveragedModel
@@ -356,7 +358,8 @@ def one_step(run: Run, x: torch.Tensor, y: torch.Tensor, fresh: bool):
         loss, grad_norm, metrics, skipped = run.captured.step(x, y, reset_state=run.state is None)
         # the graph's outputs are overwritten by the next replay
         loss, grad_norm, metrics = loss.clone(), grad_norm.clone(), {k: v.clone() for k, v in metrics.items()}
-        run.skipped = run.skipped + skipped
+        if run.scaler.is_enabled():
+            run.skipped = run.skipped + skipped
         run.state = run.captured.state
     else:                                               # eager (or a batch of another shape than the graph's)
         scale = run.scaler._scale.clone() if run.scaler.is_enabled() and run.scaler._scale is not None else None
