@@ -146,7 +146,6 @@ def measure_mlp(args) -> list[dict]:
                     torch.cuda.synchronize()
                     row["jit_per_step"] = launch.stats["jit"] / 5
                     row["direct_per_step"] = launch.stats["direct"] / 5
-                    rt = launch._RT
                     if mode == "compile-lean":
                         impl_time[:] = [0.0, 0]
                         for _ in range(10):
@@ -177,7 +176,6 @@ def measure_dispatch(args) -> list[dict]:
     (M=64, 4096 x 4096 at 10%, blocks of 64, bf16; the GPU work is a few µs)."""
     from bstrain.kernels.matmul import bsmm_forward
     from bstrain.nn import BlockSparseLinear
-    from bstrain.ops.matmul import _BlocksparseMatMulFn  # noqa: F401  (the eager path)
     from bstrain.ops.tables import lookup
     dev = torch.device("cuda")
     layer = BlockSparseLinear(4096, 4096, block_size=64, density=0.1, seed=0, device=dev, dtype=torch.bfloat16)

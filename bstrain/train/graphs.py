@@ -68,7 +68,6 @@ class Snapshot:
                 self._keep([v for p in params for v in obj.state.get(p, {}).values() if isinstance(v, torch.Tensor)])
                 self._keep([g["lr"] for g in obj.param_groups if isinstance(g["lr"], torch.Tensor)])
             elif isinstance(obj, torch.amp.GradScaler):
-                self.scaler = obj
                 self._keep([t for t in (obj._scale, obj._growth_tracker) if t is not None])
             elif obj is not None:
                 raise TypeError(f"restore: expected modules, optimizers or GradScalers, got {type(obj).__name__}")
@@ -264,8 +263,9 @@ def graphed(fn, *example_args, warmup: int = 3, restore=(), pool=None) -> Graphe
 
 
 # --- the trainer's step ------------------------------------------------------------------------------------
-def check_graph_config(device: torch.device, precision: str = "bf16", world_size: int = 1) -> str | None:
-    """Why the trainer cannot capture its step here, or None."""
+def check_graph_config(device: torch.device) -> str | None:
+    """Why the trainer cannot capture its step on ``device``, or None. (fp16, DDP and compiled
+    models are captured too; what else stops a capture is found at the first step.)"""
     if device.type != "cuda":
         return f"needs a CUDA device, got device {device.type!r}"
     return None
@@ -353,13 +353,10 @@ class CapturedStep:
             self.scaler._lazy_init_scale_growth_tracker(self.device)
         objects = [self.model, self.optimizer, self.scaler, self.ema]
         snapshot = Snapshot(objects, self.device, extra=state_tensors(self.state))
-
-        def once():
-            return self._step()
         self.optimizer.zero_grad(set_to_none=True)
         try:
             # under DDP, NCCL's watchdog thread queries events during the capture: flag this thread's calls only
-            self.graph, self.outputs = _capture(self._warm_then_step(once), self.warmup, self.device, snapshot,
+            self.graph, self.outputs = _capture(self._warm_then_step(self._step), self.warmup, self.device, snapshot,
                                                 [self.model], error_mode="thread_local" if self.ddp else "global")
         finally:
             if self.graph is None:
