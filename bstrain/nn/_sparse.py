@@ -45,6 +45,14 @@ class BlockLayoutModule(nn.Module):
     def _use_layout(self, layout: np.ndarray) -> None:
         raise NotImplementedError
 
+    def _filled(self, dense: nn.Module) -> nn.Module:
+        """``dense`` (the nn twin of this layer, built by ``to_dense``) with this layer's weights."""
+        with torch.no_grad():
+            dense.weight.copy_(self.dense_weight())
+            if self.bias is not None:
+                dense.bias.copy_(self.bias)
+        return dense
+
     def _layout_tables(self):
         raise NotImplementedError
 

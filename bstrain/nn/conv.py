@@ -243,13 +243,9 @@ class BlockSparseConv2d(BlockLayoutModule):
             raise ValueError(f"to_dense: padding='same' at stride {self.stride} follows TensorFlow's rule (the "
                              f"padding depends on the input size, the extra element after), which nn.Conv2d "
                              f"cannot express; build the layer with explicit padding")
-        conv = nn.Conv2d(self.in_channels, self.out_channels, self.kernel_size, self.stride, self.padding,
-                         self.dilation, bias=self.bias is not None, device=self.weight.device, dtype=self.weight.dtype)
-        with torch.no_grad():
-            conv.weight.copy_(self.dense_weight())
-            if self.bias is not None:
-                conv.bias.copy_(self.bias)
-        return conv
+        return self._filled(nn.Conv2d(self.in_channels, self.out_channels, self.kernel_size, self.stride,
+                                      self.padding, self.dilation, bias=self.bias is not None,
+                                      device=self.weight.device, dtype=self.weight.dtype))
 
     @classmethod
     def from_dense(cls, conv: nn.Conv2d, *, block_size: int = 16, density: float | None = None, layout=None,

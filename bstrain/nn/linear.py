@@ -140,13 +140,8 @@ class BlockSparseLinear(BlockLayoutModule):
 
     def to_dense(self) -> nn.Linear:
         """An nn.Linear computing the same function on (*, C) inputs, on this layer's device and dtype."""
-        linear = nn.Linear(self.in_features, self.out_features, bias=self.bias is not None,
-                           device=self.weight.device, dtype=self.weight.dtype)
-        with torch.no_grad():
-            linear.weight.copy_(self.dense_weight())
-            if self.bias is not None:
-                linear.bias.copy_(self.bias)
-        return linear
+        return self._filled(nn.Linear(self.in_features, self.out_features, bias=self.bias is not None,
+                                      device=self.weight.device, dtype=self.weight.dtype))
 
     @classmethod
     def from_dense(cls, linear: nn.Linear, *, block_size: int = 32, density: float | None = None,

@@ -23,8 +23,9 @@ import contextlib
 import logging
 
 import torch
+from torch.utils._pytree import tree_map
 
-from bstrain.train.step import Forward, state_tensors, train_step
+from bstrain.train.step import Forward, state_tensors, train_step, unwrap
 
 log = logging.getLogger("bstrain")
 
@@ -136,8 +137,6 @@ def _capture(run_once, warmup: int, device: torch.device, snapshot: Snapshot | N
                     torch.cuda.set_sync_debug_mode("error")
                 run_once()
         torch.cuda.current_stream(device).wait_stream(side)
-    except CaptureError:
-        raise
     except Exception as exc:
         torch.cuda.synchronize(device)
         if snapshot is not None:
@@ -336,11 +335,14 @@ class CapturedStep:
                 raise ValueError(f"optimizer: param group {i} needs capturable=True and a CUDA tensor lr for "
                                  f"graph capture, got capturable={g.get('capturable')}, lr={lr!r}")
 
+    def _state_buffers(self, batch_size: int) -> None:
+        """The static buffers of a stateful model's carried state, made once."""
+        if self.forward.stateful and self.state is None:
+            self.state = unwrap(self.forward.net).init_state(batch_size, self.device)
+
     def _buffers(self, x: torch.Tensor, y: torch.Tensor) -> None:
         self.x, self.y = torch.empty_like(x), torch.empty_like(y)
-        if self.forward.stateful and self.state is None:
-            from bstrain.train.step import unwrap
-            self.state = unwrap(self.forward.net).init_state(x.shape[0], self.device)
+        self._state_buffers(x.shape[0])
 
     def prepare(self, x: torch.Tensor, y: torch.Tensor) -> None:
         """Captures the step for batches shaped like (x, y); CaptureError names why it cannot."""
@@ -387,9 +389,7 @@ class CapturedStep:
 
     def load_state(self, state, batch_like: torch.Tensor) -> None:
         """Copies a carried state (from a checkpoint) into the static buffers."""
-        if self.state is None and self.forward.stateful:
-            from bstrain.train.step import unwrap
-            self.state = unwrap(self.forward.net).init_state(batch_like.shape[0], self.device)
+        self._state_buffers(batch_like.shape[0])
         for buf, s in zip(state_tensors(self.state), state_tensors(state)):
             buf.copy_(s)
 
@@ -431,7 +431,7 @@ class GraphedForward:
 
     def _make(self, x, state, key):
         sx = x.detach().clone()
-        sstate = None if state is None else _clone_state(state)
+        sstate = None if state is None else tree_map(lambda t: t.detach().clone(), state)
 
         def once():
             with torch.no_grad():
@@ -444,9 +444,3 @@ class GraphedForward:
             return None
         self.graphs[key] = (sx, sstate, out, graph)
         return self.graphs[key]
-
-
-def _clone_state(state):
-    if isinstance(state, torch.Tensor):
-        return state.detach().clone()
-    return type(state)(_clone_state(s) for s in state)

@@ -78,12 +78,17 @@ def test_opcheck_layer_norm_mul(device):
                                                            m.detach(), mean, rstd, 1, 4))
 
 
+def _cell_inputs(n: int, H: int, gain_spread: float, device):
+    """(c, z, xg, g, b, bias) of the LSTM cell op, all requiring grad: c (n, H), the rest 4H wide."""
+    c, z, xg = _rand(n, H, device=device, grad=True), _rand(n, 4 * H, device=device, grad=True), \
+        _rand(n, 4 * H, device=device, grad=True)
+    g = (1 + gain_spread * _rand(4 * H, device=device)).requires_grad_()
+    return c, z, xg, g, _rand(4 * H, device=device, grad=True), _rand(4 * H, device=device, grad=True)
+
+
 @pytest.mark.parametrize("device", DEVICES)
 def test_opcheck_lstm_cell(device):
-    c, z, xg = _rand(5, 8, device=device, grad=True), _rand(5, 32, device=device, grad=True), \
-        _rand(5, 32, device=device, grad=True)
-    g, b, bias = (1 + 0.1 * _rand(32, device=device)).requires_grad_(), _rand(32, device=device, grad=True), \
-        _rand(32, device=device, grad=True)
+    c, z, xg, g, b, bias = _cell_inputs(5, 8, 0.1, device)
     torch.library.opcheck(OPS.lstm_cell.default, (c, z, xg, g, b, bias, 1.0, 1e-6))
     _, _, mean, rstd = OPS.lstm_cell(*(t.detach() for t in (c, z, xg, g, b, bias)), 1.0, 1e-6)
     args = tuple(t.detach() for t in (c, z, xg, g, b, bias)) + (mean, rstd)
@@ -160,10 +165,7 @@ def test_lstm_gates_op_matches_float64(device, bias):
 @pytest.mark.parametrize("device", DEVICES)
 def test_lstm_cell_op_matches_float64(device):
     from bstrain.ops.lstm_cell import fused_lstm_cell_ref
-    c, z, xg = _rand(6, 24, device=device, grad=True), _rand(6, 96, device=device, grad=True), \
-        _rand(6, 96, device=device, grad=True)
-    g, b, bias = (1 + 0.2 * _rand(96, device=device)).requires_grad_(), _rand(96, device=device, grad=True), \
-        _rand(96, device=device, grad=True)
+    c, z, xg, g, b, bias = _cell_inputs(6, 24, 0.2, device)
     args = [c, z, xg, g, b, bias]
     cn, hn, _, _ = OPS.lstm_cell(*args, 0.5, 1e-6)
     args64 = [t.detach().double().cpu().requires_grad_() for t in args]
