@@ -20,6 +20,9 @@ from torch import nn
 
 from bstrain import layout as layouts
 from bstrain.nn import BlockSparseAttention, BlockSparseLinear, block_sparse_layouts
+from bstrain.ops.bias_act import bias_gelu
+from bstrain.ops.residual_norm import add_layer_norm
+from bstrain.ops.rotary import apply_rotary, rotary_tables
 
 VOCAB = 256
 PATTERNS = ("causal", "local", "strided", "fixed", "dense")
@@ -57,6 +60,9 @@ class TransformerConfig:
     layout_seed: int = field(default=0, metadata={"help": "seed of the sparse FFN layouts"})
     backend: Backend = field(default=Backend.auto, metadata={
         "help": "attention backend: auto (the fused kernels on CUDA, PyTorch on CPU) | torch | triton"})
+    fused: bool = field(default=True, metadata={
+        "help": "fused glue: the stream in the autocast dtype, residual add + layer norm in one op, rotary on "
+                "q and k in one op from cached tables (kernels on CUDA); false: plain PyTorch modules"})
 
 
 def pattern_mask(name: str, window: int, summary: int):
@@ -85,7 +91,8 @@ def _one_pattern(name: str, window: int, summary: int):
 
 
 def rotary(x: torch.Tensor, heads: int) -> torch.Tensor:
-    """Rotary position embedding of (B, T, heads·D) activations, per head (D even)."""
+    """Rotary position embedding of (B, T, heads·D) activations, per head (D even), recomputed per
+    call in fp32: the unfused path (``fused=False``); the fused one is :func:`bstrain.ops.rotary.apply_rotary`."""
     B, T, HD = x.shape
     D = HD // heads
     half = D // 2
@@ -118,21 +125,39 @@ class SparseSelfAttention(nn.Module):
             per_head="+" in pattern, backend=_value(cfg.backend))
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
-        q, k, v = self.qkv(h).chunk(3, dim=-1)
-        if _value(self.cfg.positions) == "rotary":
-            q, k = rotary(q, self.cfg.n_head), rotary(k, self.cfg.n_head)
+        return self.proj(self.attend(h))
+
+    def attend(self, h: torch.Tensor) -> torch.Tensor:
+        """The heads' outputs (B, T, d), before the output projection."""
+        cfg = self.cfg
+        if _value(cfg.positions) == "rotary" and cfg.fused:    # q and k turned in one op, with the bias
+            D = cfg.d_model // cfg.n_head
+            cos, sin = rotary_tables(cfg.context, D, h.device)
+            qkv = apply_rotary(F.linear(h, self.qkv.weight), cos, sin, D, rotated=2 * cfg.n_head, bias=self.qkv.bias,
+                               backend=_value(cfg.backend))                # (B, T, 3·d)
+        else:
+            qkv = self.qkv(h)
+        q, k, v = qkv.chunk(3, dim=-1)
+        if _value(cfg.positions) == "rotary" and not cfg.fused:
+            q, k = rotary(q, cfg.n_head), rotary(k, cfg.n_head)
         if self.attention is None:
             B, T, _ = q.shape
             qh, kh, vh = (t.view(B, T, self.cfg.n_head, -1).transpose(1, 2) for t in (q, k, v))
             out = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True)
-            return self.proj(out.transpose(1, 2).reshape(B, T, -1))
-        return self.proj(self.attention(q, k, v))
+            return out.transpose(1, 2).reshape(B, T, -1)
+        return self.attention(q, k, v)
 
 
 class Block(nn.Module):
+    """A pre-LN block. ``forward(h, r, c) -> (h', r', c')``: the residual stream is h + r + c, where r
+    is the output of the sublayer before and c its projection's bias, not yet added (None at the
+    first block), so that the adds run fused with the next layer norm (``cfg.fused``; then the
+    dense projections run bias-free and their biases ride in the fused ops)."""
+
     def __init__(self, cfg: TransformerConfig, pattern: str, index: int):
         super().__init__()
         d, f = cfg.d_model, cfg.ffn_mult * cfg.d_model
+        self.fused, self.backend = cfg.fused, _value(cfg.backend)
         self.ln1, self.ln2 = nn.LayerNorm(d), nn.LayerNorm(d)
         self.attn = SparseSelfAttention(cfg, pattern)
         if cfg.ffn_density < 1:
@@ -142,9 +167,23 @@ class Block(nn.Module):
         else:
             self.fc1, self.fc2 = nn.Linear(d, f), nn.Linear(f, d)
 
-    def forward(self, h: torch.Tensor) -> torch.Tensor:
-        h = h + self.attn(self.ln1(h))
-        return h + self.fc2(F.gelu(self.fc1(self.ln2(h))))
+    def forward(self, h: torch.Tensor, r: torch.Tensor | None = None, c: torch.Tensor | None = None):
+        if not self.fused:
+            h = h if r is None else h + r
+            h = h + self.attn(self.ln1(h))
+            return h, self.fc2(F.gelu(self.fc1(self.ln2(h)))), None
+        y, h = add_layer_norm(h, r, self.ln1.weight, self.ln1.bias, self.ln1.eps, residual_bias=c,
+                              backend=self.backend)
+        proj = self.attn.proj
+        y, h = add_layer_norm(h, F.linear(self.attn.attend(y), proj.weight), self.ln2.weight, self.ln2.bias,
+                              self.ln2.eps, residual_bias=proj.bias, backend=self.backend)
+        if isinstance(self.fc1, BlockSparseLinear):
+            f = F.gelu(self.fc1(y))
+        else:                                                      # the bias rides into the GELU
+            f = bias_gelu(F.linear(y, self.fc1.weight), self.fc1.bias, backend=self.backend)
+        if isinstance(self.fc2, BlockSparseLinear):
+            return h, self.fc2(f), None
+        return h, F.linear(f, self.fc2.weight), self.fc2.bias
 
 
 def _value(v):
@@ -223,9 +262,19 @@ class SparseTransformer(nn.Module):
         h = self.embed(x)
         if self.pos is not None:
             h = h + self.pos[:T]
+        r = c = None
+        if not self.cfg.fused:
+            for blk in self.blocks:
+                h, r, c = blk(h, r, c)
+            return self.head(self.norm(h + r))
+        dev = h.device.type
+        if torch.is_autocast_enabled(dev):      # the stream in the compute dtype: no fp32 round trips
+            h = h.to(torch.get_autocast_dtype(dev))
         for blk in self.blocks:
-            h = blk(h)
-        return self.head(self.norm(h))
+            h, r, c = blk(h, r, c)
+        y, _ = add_layer_norm(h, r, self.norm.weight, self.norm.bias, self.norm.eps, residual_bias=c,
+                              backend=_value(self.cfg.backend))
+        return self.head(y)
 
     def num_params(self) -> int:
         return sum(p.numel() for p in self.parameters())

@@ -604,9 +604,8 @@ def softmax_cross_entropy(logits: torch.Tensor, labels: torch.Tensor) -> torch.T
             with logits.numel() // V elements.
     Returns the fp32 loss of shape logits.shape[:-1]. Works in fp32 internally, so fp16/bf16
     logits of vocabularies up to 65,536 (and beyond) never overflow; the gradient comes back in
-    the logits' dtype. This is PyTorch's cross_entropy: a hand-written Triton kernel did not beat
-    torch.compile of it (benchmarks/ops.md), so wrap your loss in torch.compile for the fused
-    speed at large V.
+    the logits' dtype. On CUDA the fused kernel of :func:`bstrain.ops.cross_entropy.cross_entropy`
+    (no fp32 copy of the logits), elsewhere PyTorch's cross_entropy.
     """
     _check_tensor("logits", logits)
     if logits.dim() < 1:
@@ -619,5 +618,8 @@ def softmax_cross_entropy(logits: torch.Tensor, labels: torch.Tensor) -> torch.T
     if labels.device != logits.device:
         raise ValueError(f"labels: expected device {logits.device} (as logits), got {labels.device}")
     labels = as_index("labels", labels, logits.shape[-1])
+    if use_kernels(logits):                      # the fused kernel (bstrain.ops.cross_entropy)
+        from bstrain.ops.cross_entropy import cross_entropy
+        return cross_entropy(logits, labels.reshape(rows))
     flat = softmax_cross_entropy_ref(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1))
     return flat.reshape(rows)

@@ -9,7 +9,7 @@ from omegaconf import open_dict
 from bstrain.nn import BlockSparseLinear
 from bstrain.models.transformer import PATTERNS, SparseTransformer
 from bstrain.train.trainer import train
-from tests.conftest import killed_then_resumed
+from tests.conftest import kernel_device, killed_then_resumed
 
 SMALL = dict(d_model=32, n_layer=2, n_head=2, context=64, block_size=16, window=16, summary=4)
 
@@ -115,6 +115,48 @@ def test_dense_layers_match_the_causal_pattern():
     assert "blocks.0.attn" not in b.block_sparse_layouts()
     with pytest.raises(ValueError, match="'dense' takes a whole layer"):
         SparseTransformer(**SMALL, attention="dense+strided")
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_fused_glue_matches_the_plain_modules(backend):
+    """fused=True (rotary from cached tables in one op, residual add + layer norm in one op; the
+    kernels with backend="triton") gives the plain modules' outputs and gradients in fp32, from
+    the same state dict."""
+    torch.manual_seed(0)
+    dev = kernel_device() if backend == "triton" else "cpu"
+    kw = dict(SMALL, attention="strided+local,fixed", positions="rotary")
+    plain = SparseTransformer(**kw, fused=False).to(dev)
+    fused = SparseTransformer(**kw, fused=True, backend=backend).to(dev)
+    fused.load_state_dict(plain.state_dict())
+    x = torch.randint(0, 256, (2, 50), device=dev)
+    ya, yb = plain(x), fused(x)
+    torch.testing.assert_close(yb, ya, rtol=1e-4, atol=1e-4)
+    ga = torch.autograd.grad(ya.square().mean(), list(plain.parameters()))
+    gb = torch.autograd.grad(yb.square().mean(), list(fused.parameters()))
+    for (name, _), p, q in zip(plain.named_parameters(), ga, gb):
+        torch.testing.assert_close(q, p, rtol=1e-3, atol=1e-5, msg=lambda m: f"{name}: {m}")
+
+
+def test_fused_glue_keeps_the_stream_in_the_autocast_dtype(monkeypatch):
+    """Under bf16 autocast the residual stream, the norms' outputs and the logits are bf16, and
+    the loss is close to fp32's."""
+    import bstrain.models.transformer as tm
+    torch.manual_seed(0)
+    m = SparseTransformer(**SMALL, attention="local", positions="rotary")
+    seen = []
+
+    def spy(x, r, *args, **kwargs):
+        y, h = tm_add(x, r, *args, **kwargs)
+        seen.append((x.dtype, None if r is None else r.dtype, y.dtype, h.dtype))
+        return y, h
+    tm_add = tm.add_layer_norm
+    monkeypatch.setattr(tm, "add_layer_norm", spy)
+    x = torch.randint(0, 256, (2, 64))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y = m(x)
+    bf = torch.bfloat16
+    assert y.dtype == bf and seen == [(bf, None, bf, bf)] + [(bf, bf, bf, bf)] * 4
+    torch.testing.assert_close(y.float(), m(x), rtol=0.1, atol=0.1)
 
 
 def test_meta_construction_to_empty_and_load():

@@ -115,6 +115,26 @@ def test_embedding_and_cross_entropy():
     _check(_fwd_bwd(fn, [emb, head]), make)
 
 
+def test_transformer_glue():
+    """Residual add (with a bias) + layer norm, rotary on a qkv projection (with its bias), bias +
+    GELU, and the fused cross-entropy."""
+    from bstrain.ops.bias_act import bias_gelu
+    from bstrain.ops.cross_entropy import cross_entropy
+    from bstrain.ops.residual_norm import add_layer_norm
+    from bstrain.ops.rotary import apply_rotary, rotary_tables
+    w = (1 + 0.1 * torch.randn(96, device=DEV)).requires_grad_()
+    b, c, qb, head = _x(96), _x(96), _x(96), _x(96, 256, dtype=torch.bfloat16)
+    cos, sin = rotary_tables(64, 32, DEV)
+
+    def fn(x, r, labels):
+        y, h = add_layer_norm(x, r, w, b, residual_bias=c)
+        y = apply_rotary(y.view(2, 64, 96), cos, sin, 32, rotated=2, bias=qb).view(128, 96)
+        return cross_entropy(bias_gelu(y, b) @ head, labels).mean() + h.float().square().mean()
+    make = lambda: (_x(128, 96, dtype=torch.bfloat16), _x(128, 96, dtype=torch.bfloat16),  # noqa: E731
+                    torch.randint(0, 256, (128,), device=DEV))
+    _check(_fwd_bwd(fn, [w, b, c, qb, head]), make, rtol=2e-2, atol=2e-2)
+
+
 def test_elementwise_ops():
     b = _x(64)
 

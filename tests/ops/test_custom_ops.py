@@ -97,6 +97,43 @@ def test_opcheck_lstm_cell(device):
     torch.library.opcheck(OPS.lstm_cell_bwd.default, (*args, None, d, 1.0))
 
 
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("residual, rbias", [(True, False), (False, False), (True, True)],
+                         ids=["res", "nores", "res+bias"])
+def test_opcheck_add_layer_norm(device, residual, rbias):
+    x = _rand(6, 40, device=device, grad=True)
+    r = _rand(6, 40, device=device, grad=True) if residual else None
+    c = _rand(40, device=device, grad=True) if rbias else None
+    w, b = (1 + 0.1 * _rand(40, device=device)).requires_grad_(), _rand(40, device=device, grad=True)
+    torch.library.opcheck(OPS.add_layer_norm.default, (x, r, c, w, b, 1e-5))
+    y, h, mean, rstd = OPS.add_layer_norm(x.detach(), None if r is None else r.detach(),
+                                          None if c is None else c.detach(), w.detach(), b.detach(), 1e-5)
+    stream = x.detach() if r is None else h
+    for dh in (None, torch.randn_like(y)):
+        torch.library.opcheck(OPS.add_layer_norm_bwd.default,
+                              (torch.randn_like(y), dh, stream, w.detach(), mean, rstd, torch.float32))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_opcheck_rotary_and_cross_entropy(device):
+    from bstrain.ops.rotary import rotary_tables
+    cos, sin = rotary_tables(7, 8, device)
+    x = _rand(2, 7, 32, device=device, grad=True)
+    bias = _rand(32, device=device, grad=True)
+    for inverse in (False, True):
+        torch.library.opcheck(OPS.rotary.default, (x, cos, sin, None, 8, 3, inverse))
+        torch.library.opcheck(OPS.rotary.default, (x, cos, sin, bias, 8, 3, inverse))
+        torch.library.opcheck(OPS.rotary_bwd.default, (x.detach(), cos, sin, 8, 3, inverse))
+    torch.library.opcheck(OPS.bias_gelu.default, (_rand(5, 24, device=device, grad=True), bias[:24].detach()))
+    torch.library.opcheck(OPS.bias_gelu_bwd.default, (_rand(5, 24, device=device), _rand(5, 24, device=device),
+                                                      bias[:24].detach()))
+    logits = _rand(9, 20, device=device, grad=True)
+    labels = torch.randint(0, 20, (9,), device=device)
+    torch.library.opcheck(OPS.softmax_xent.default, (logits, labels))
+    loss, lse = OPS.softmax_xent(logits.detach(), labels)
+    torch.library.opcheck(OPS.softmax_xent_bwd.default, (torch.rand_like(loss), logits.detach(), labels, lse))
+
+
 # --- the ops' numbers against float64 references (CPU: the references; GPU: the kernels) ----------
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("axis", [0, 1])
@@ -316,6 +353,25 @@ def test_compile_sparse_lstm_training_step(dev):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
         for p, q in zip(ga, gb):
             torch.testing.assert_close(p, q, rtol=1e-4, atol=1e-5)
+    assert counter.frame_count == 1
+
+
+@pytest.mark.triton
+def test_compile_transformer_fused_glue(dev):
+    """The transformer with fused glue in one graph: rotary, residual + layer norm and the
+    attention as custom ops, no graph break or recompilation; outputs and gradients as eager."""
+    from bstrain.models.transformer import SparseTransformer
+    torch._dynamo.reset()
+    model = SparseTransformer(d_model=32, n_layer=2, n_head=2, context=64, block_size=16, window=16,
+                              attention="strided,local", positions="rotary", backend="triton").to(dev)
+    x = torch.randint(0, 256, (2, 64), device=dev)
+    breaks, _, code = _explain(model, x)
+    assert breaks == 0
+    for name in ("bstrain.rotary", "bstrain.add_layer_norm", "bstrain.bst_attention", "bstrain.bias_gelu"):
+        assert name in code, name
+    assert code.count("bstrain.add_layer_norm(") == 5                   # two per block and the final norm
+    compiled, counter = _compile_counted(model)
+    _check_compiled(model, compiled, lambda: (torch.randint(0, 256, (2, 64), device=dev),), steps=2)
     assert counter.frame_count == 1
 
 

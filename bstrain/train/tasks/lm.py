@@ -4,10 +4,10 @@ from __future__ import annotations
 import logging
 
 import torch
-import torch.nn.functional as F
 
 from bstrain.data.text import BpttBatches, ByteCorpus, bits_per_byte, check_size
 from bstrain.errors import UserError
+from bstrain.ops.cross_entropy import cross_entropy
 from bstrain.train.tasks import Forward, Task, eval_progress
 
 log = logging.getLogger("bstrain")
@@ -62,7 +62,8 @@ class ByteLM(Task):
             got = tuple(logits.shape) if isinstance(logits, torch.Tensor) else type(logits).__name__
             raise TypeError(f"model output: expected (B, T, 256) logits for (B, T) = {tuple(targets.shape)} bytes, "
                             f"got {got}")
-        return F.cross_entropy(logits.float().reshape(-1, 256), targets.reshape(-1))
+        # fused on CUDA: the logits are read in their own dtype, never copied to fp32 (targets are bytes)
+        return cross_entropy(logits, targets).mean()
 
     def train_metrics(self, loss: float) -> dict:
         return {"bpb": bits_per_byte(loss)}

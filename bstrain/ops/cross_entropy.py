@@ -1,0 +1,124 @@
+"""Fused softmax cross-entropy over the last axis of logits, in the logits' own dtype.
+
+Under autocast, ``F.cross_entropy(logits.float(), y)`` makes an fp32 copy of the logits, an fp32
+log-softmax, and the same again backward. :func:`cross_entropy` reads bf16/fp16 logits once
+forward and writes their gradient once backward (:mod:`bstrain.kernels.cross_entropy`), with all
+math in fp32 registers. ``bstrain.ops.softmax_cross_entropy`` (the seed's name) runs it on CUDA.
+
+In this file's order: the reference → the custom ops ``torch.ops.bstrain.softmax_xent`` and
+``softmax_xent_bwd`` (fake, autograd) → the eager ``autograd.Function`` → the public function.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from bstrain.ops.ew import INDEX_DTYPES, _check_tensor, use_kernels
+from bstrain.ops.tables import eager
+
+__all__ = ["cross_entropy", "cross_entropy_ref"]
+
+
+# --- reference --------------------------------------------------------------------------------------
+def cross_entropy_ref(logits: Tensor, labels: Tensor) -> Tensor:
+    """Per-row loss (N,) in fp32 (fp64 for fp64 logits) of (N, V) logits: the CPU path and the oracle."""
+    work = torch.promote_types(logits.dtype, torch.float32)
+    return F.cross_entropy(logits.to(work), labels.long(), reduction="none")
+
+
+# --- custom ops (traced calls) -------------------------------------------------------------------------
+@torch.library.custom_op("bstrain::softmax_xent", mutates_args=())
+def _xent_op(logits: Tensor, labels: Tensor) -> tuple[Tensor, Tensor]:
+    """(loss, lse), each (N,) fp32, of (N, V) logits with unit column stride and (N,) labels."""
+    if logits.is_cuda:
+        from bstrain.kernels.cross_entropy import xent_forward
+        return xent_forward(logits, labels.contiguous())
+    work = torch.promote_types(logits.dtype, torch.float32)
+    return cross_entropy_ref(logits, labels), torch.logsumexp(logits.to(work), dim=1)
+
+
+@_xent_op.register_fake
+def _(logits, labels):
+    work = torch.promote_types(logits.dtype, torch.float32)
+    stat = logits.new_empty((logits.shape[0],), dtype=work)
+    return stat, stat.clone()
+
+
+@torch.library.custom_op("bstrain::softmax_xent_bwd", mutates_args=())
+def _xent_bwd_op(dloss: Tensor, logits: Tensor, labels: Tensor, lse: Tensor) -> Tensor:
+    """dlogits (N, V) in the logits' dtype: (softmax − onehot)·dloss."""
+    if logits.is_cuda:
+        from bstrain.kernels.cross_entropy import xent_backward
+        return xent_backward(dloss, logits, labels.contiguous(), lse)
+    p = torch.exp(logits.to(lse.dtype) - lse[:, None])
+    p[torch.arange(logits.shape[0], device=logits.device), labels.long()] -= 1
+    return (p * dloss.to(lse.dtype)[:, None]).to(logits.dtype)
+
+
+@_xent_bwd_op.register_fake
+def _(dloss, logits, labels, lse):
+    return logits.new_empty(logits.shape)
+
+
+def _setup(ctx, inputs, output):
+    logits, labels = inputs
+    ctx.save_for_backward(logits, labels, output[1])
+    ctx.mark_non_differentiable(output[1])
+
+
+def _backward(ctx, dloss, _dlse):
+    logits, labels, lse = ctx.saved_tensors
+    return _xent_bwd_op(dloss, logits, labels, lse), None
+
+
+_xent_op.register_autograd(_backward, setup_context=_setup)
+
+
+# --- eager autograd -------------------------------------------------------------------------------------
+class _CrossEntropy(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, logits, labels):
+        from bstrain.kernels.cross_entropy import xent_forward
+        loss, lse = xent_forward(logits, labels)
+        ctx.save_for_backward(logits, labels, lse)
+        return loss
+
+    @staticmethod
+    def backward(ctx, dloss):
+        from bstrain.kernels.cross_entropy import xent_backward
+        logits, labels, lse = ctx.saved_tensors
+        return xent_backward(dloss, logits, labels, lse), None
+
+
+# --- public function ------------------------------------------------------------------------------------
+def cross_entropy(logits: Tensor, labels: Tensor, *, backend: str = "auto") -> Tensor:
+    """Per-row softmax cross-entropy ``logsumexp(logits) − logits[label]`` over the last axis.
+
+    Args:
+        logits: (..., V) fp32/fp16/bf16.
+        labels: integer ids (int64/32/16, uint16, uint8), one per row: logits.shape[:-1].
+        backend: "auto" (the kernel on CUDA), "triton" (also on CPU under TRITON_INTERPRET=1) or "torch".
+    Returns the fp32 loss, shape logits.shape[:-1]; the gradient comes back in the logits' dtype.
+    Labels are not range-checked here (that would cost a host sync per call): an id outside
+    [0, V) gives NaN on the kernel path and an error on the PyTorch one. The seed's
+    ``softmax_cross_entropy`` checks them first.
+    """
+    _check_tensor("logits", logits)
+    if logits.dim() < 1 or logits.shape[-1] == 0:
+        raise ValueError(f"logits: expected (..., V) with V >= 1, got shape {tuple(logits.shape)}")
+    rows = logits.shape[:-1]
+    if not isinstance(labels, Tensor) or labels.shape != rows or labels.dtype not in INDEX_DTYPES:
+        got = f"{tuple(labels.shape)} {labels.dtype}" if isinstance(labels, Tensor) else type(labels).__name__
+        raise ValueError(f"labels: expected integer ids of shape {tuple(rows)} (logits.shape[:-1]), got {got}")
+    if labels.device != logits.device:
+        raise ValueError(f"labels: expected device {logits.device} (as logits), got {labels.device}")
+    V = logits.shape[-1]
+    flat, ids = logits.reshape(-1, V), labels.reshape(-1)
+    if not use_kernels(logits, backend):
+        return cross_entropy_ref(flat, ids).reshape(rows)
+    flat = flat if flat.stride(1) == 1 else flat.contiguous()
+    ids = ids.contiguous() if ids.dtype in (torch.int64, torch.int32) else ids.to(torch.int32)
+    if eager(logits):
+        return _CrossEntropy.apply(flat, ids).reshape(rows)
+    return torch.ops.bstrain.softmax_xent(flat, ids)[0].reshape(rows)
