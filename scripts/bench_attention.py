@@ -200,6 +200,10 @@ def main() -> None:
     if args.tiles:
         from tune_attention import apply
         apply(args.tiles)
+    from bstrain.kernels import attention as K
+    forms = args.backward.split(",")
+    if any(f != "split" for f in forms) and not hasattr(K, "BACKWARD"):
+        raise SystemExit(f"--backward {args.backward}: this checkout has only the split attention backward")
     if args.cpu_smoke:
         args.seq, args.dims, args.batch, args.heads, args.block = [256], [16], 1, 2, [32]
     os.makedirs(args.out, exist_ok=True)
