@@ -36,7 +36,9 @@ def products(name: str) -> int:
         return PRODUCTS[name]
     low = name.lower()
     if "flash" in low or "fmha" in low or "sdpa" in low or "cudnn" in low:
-        return 5 if ("bwd" in low or "backward" in low or "dgrad" in low) else 2
+        if "dot_do_o" in low or "convert_dq" in low:           # flash's delta and dQ-cast kernels
+            return 0
+        return 5 if any(w in low for w in ("bwd", "bprop", "backward", "dgrad")) else 2
     return 0
 
 
