@@ -351,8 +351,8 @@ def test_compile_sparse_lstm_training_step(dev):
         x = torch.randint(0, 256, (3, 4), device=dev)
         (a, ga), (b, gb) = loss_check(compiled), loss_check(step)
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
-        for p, q in zip(ga, gb):
-            torch.testing.assert_close(p, q, rtol=1e-4, atol=1e-5)
+        for p, q in zip(ga, gb):        # fp32 sums in another order, through 4 steps of 2 layers
+            torch.testing.assert_close(p, q, rtol=1e-4, atol=1e-4 * float(q.abs().max()))
     assert counter.frame_count == 1
 
 
