@@ -280,8 +280,8 @@ def _check_compiled(model, compiled, make_inputs, steps=3):
         got = compiled(*args)
         got_grads = torch.autograd.grad(got.float().sum(), params)
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
-        for a, b in zip(got_grads, want_grads):
-            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+        for a, b in zip(got_grads, want_grads):      # fp32 sums in another order: relative to the largest
+            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4 * max(1.0, float(b.abs().max())))
 
 
 def _compile_counted(model, **kwargs):
