@@ -25,6 +25,7 @@ When M is small the reduction is split over a second grid axis into an fp32 work
 from __future__ import annotations
 
 import functools
+import os
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -98,6 +99,47 @@ def _bsmm_ds_kernel(
         acc = tl.dot(a, w, acc, input_precision=PRECISION)
     y_ptr = Y + split * stride_ys + offs_m[:, None] * stride_ym + (col * BS + n)[None, :] * stride_yn
     tl.store(y_ptr, acc.to(Y.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
+
+
+@triton.jit
+def _bsmm_panel_kernel(
+    A, W, Y, grp_ptr, grp_blk, grp_idx, grp_col, order,
+    M, n_groups,
+    stride_am, stride_ak, stride_wr, stride_wc, stride_ym, stride_yn,
+    BS: tl.constexpr, NB: tl.constexpr, BLOCK_M: tl.constexpr, GROUP_M: tl.constexpr, PRECISION: tl.constexpr,
+):
+    """Output blocks that share their list of input blocks, NB at a time: one program owns a
+    BLOCK_M x (NB*bs) panel of them and loads each A tile once for all NB (the one-block kernel
+    loads it once per output block). grp_idx (entries, NB) and grp_col (groups, NB): the weight
+    block of each slot and its output block, -1 where a group has fewer than NB."""
+    pid = tl.program_id(0)
+    num_m = tl.cdiv(M, BLOCK_M)
+    width = GROUP_M * n_groups
+    first_m = (pid // width) * GROUP_M
+    group_rows = tl.minimum(num_m - first_m, GROUP_M)
+    m_tile = first_m + (pid % width) % group_rows
+    grp = tl.load(order + (pid % width) // group_rows)    # heaviest groups first
+    start = tl.load(grp_ptr + grp)
+    end = tl.load(grp_ptr + grp + 1)
+
+    offs_m = m_tile * BLOCK_M + tl.arange(0, BLOCK_M)
+    mask_m = offs_m < M
+    t = tl.arange(0, BS)
+    n = tl.arange(0, NB * BS)
+    slot = n // BS
+    col = tl.load(grp_col + grp * NB + slot)                               # (NB*BS,) output block of each lane
+    acc = tl.zeros((BLOCK_M, NB * BS), dtype=tl.float32)
+    for entry in range(start, end):
+        blk = tl.load(grp_blk + entry)
+        idx = tl.load(grp_idx + entry * NB + slot)                         # (NB*BS,) weight block per lane
+        k_off = tl.max_contiguous(tl.multiple_of(blk * BS + t, BS), BS)
+        a = tl.load(A + offs_m[:, None] * stride_am + k_off[None, :] * stride_ak,
+                    mask=mask_m[:, None], other=0.0)                       # (BLOCK_M, BS)
+        w = tl.load(W + idx[None, :] * (BS * BS) + t[:, None] * stride_wr + (n % BS)[None, :] * stride_wc,
+                    mask=(idx >= 0)[None, :], other=0.0)                   # (BS, NB*BS)
+        acc = tl.dot(a, w, acc, input_precision=PRECISION)
+    y_ptr = Y + offs_m[:, None] * stride_ym + (col * BS + n % BS)[None, :] * stride_yn
+    tl.store(y_ptr, acc.to(Y.dtype.element_ty), mask=mask_m[:, None] & (col >= 0)[None, :])
 
 
 @triton.jit
@@ -245,10 +287,78 @@ class SegmentLut:
     packed: torch.Tensor  # (nnz,) int32: idx * n_in + blk, one load per entry
     n_in: int
     plans: dict = field(default_factory=dict)    # launch plans by argument shape/layout (launch.plan)
+    panels: object = field(default=False, repr=False)   # PanelLut, None (no shared lists), False (not built)
 
     @property
     def n_out(self) -> int:
         return self.order.numel()
+
+
+@dataclass
+class PanelLut:
+    """Output blocks of a SegmentLut whose input-block lists are equal, in groups of up to ``nb``
+    (:func:`_bsmm_panel_kernel`), and the rest (``single``, heaviest first) for the one-block
+    kernels. A tiled layout (the mLSTM's four gates share one pattern) has groups of 4."""
+    nb: int
+    ptr: torch.Tensor     # (n_groups + 1,) int32: entries of each group
+    blk: torch.Tensor     # (entries,) int32: input block of each entry
+    idx: torch.Tensor     # (entries, nb) int32: weight block of each slot, -1 if none
+    col: torch.Tensor     # (n_groups, nb) int32: output block of each slot, -1 if none
+    order: torch.Tensor   # (n_groups,) int32: heaviest groups first
+    single: SegmentLut    # the SegmentLut restricted (by its order) to the ungrouped output blocks
+    share: float          # share of the entries that the groups hold
+    plans: dict = field(default_factory=dict)
+
+    @property
+    def n_groups(self) -> int:
+        return self.order.numel()
+
+
+PANEL_WIDTH = 128        # most output columns a panel program holds (nb * bs)
+
+
+def panel_lut(lut: SegmentLut, bs: int) -> PanelLut | None:
+    """The panels of ``lut`` (None when no two output blocks share an input-block list)."""
+    ptr = lut.ptr.cpu().numpy()
+    blk, idx = lut.blk.cpu().numpy(), lut.idx.cpu().numpy()
+    by_rows: dict[bytes, list[int]] = {}
+    for j in range(len(ptr) - 1):
+        if ptr[j + 1] > ptr[j]:
+            by_rows.setdefault(blk[ptr[j]:ptr[j + 1]].tobytes(), []).append(j)
+    sizes = [len(cols) for cols in by_rows.values() if len(cols) > 1]
+    if not sizes or bs < 16:
+        return None
+    nb = min(PANEL_WIDTH // bs, triton.next_power_of_2(max(sizes)))
+    if nb < 2:
+        return None
+    g_ptr, g_blk, g_idx, g_col, grouped = [0], [], [], [], set()
+    for cols in by_rows.values():
+        for i in range(0, len(cols) - 1, nb):              # a trailing single column stays single
+            part = cols[i:i + nb]
+            if len(part) < 2:
+                continue
+            first = ptr[part[0]]
+            count = ptr[part[0] + 1] - first
+            g_blk.extend(blk[first:first + count])
+            slots = np.full((count, nb), -1, dtype=np.int64)
+            for s, j in enumerate(part):
+                slots[:, s] = idx[ptr[j]:ptr[j + 1]]
+            g_idx.append(slots)
+            g_col.append(part + [-1] * (nb - len(part)))
+            g_ptr.append(g_ptr[-1] + count)
+            grouped.update(part)
+    dev = lut.ptr.device
+    counts = np.diff(g_ptr)
+
+    def as_t(v):
+        return torch.as_tensor(np.ascontiguousarray(v), dtype=torch.int32, device=dev)
+    order = lut.order.cpu().numpy()
+    single = [j for j in order if j not in grouped]
+    rest = SegmentLut(lut.ptr, lut.blk, lut.idx, as_t(np.asarray(single, dtype=np.int64)), lut.max_count, lut.packed,
+                      lut.n_in)
+    grouped_entries = sum(int(ptr[j + 1] - ptr[j]) for j in grouped)
+    return PanelLut(nb, as_t(g_ptr), as_t(g_blk), as_t(np.concatenate(g_idx)), as_t(g_col),
+                    as_t(np.argsort(-counts, kind="stable")), rest, grouped_entries / max(1, int(ptr[-1])))
 
 
 @dataclass
@@ -517,6 +627,36 @@ def _ds_plan(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, lut: SegmentLu
     return run_split
 
 
+def _panel_plan(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, pl: PanelLut, bs: int, transpose_w: bool):
+    """The panel kernel over the grouped output blocks, then the one-block kernel (unsplit: it
+    must write only its own columns) over the rest."""
+    M = a.shape[0]
+    block_m, warps, stages = (128, 8, 3) if a.is_cuda else (32, 4, 1)
+    wr, wc = (1, bs) if transpose_w else (bs, 1)
+    launch = Launch(_bsmm_panel_kernel, (triton.cdiv(M, block_m) * pl.n_groups,), a.device, dict(
+        BS=bs, NB=pl.nb, BLOCK_M=block_m, GROUP_M=GROUP_M, PRECISION=_precision(a.dtype)), num_warps=warps,
+        num_stages=_fit_stages(stages, (block_m + pl.nb * bs) * bs * a.element_size()))
+    ints = (M, pl.n_groups, a.stride(0), a.stride(1), wr, wc, out.stride(0), out.stride(1))
+    rest = _ds_plan(a, w, out, pl.single, bs, transpose_w, 1) if pl.single.n_out else None
+
+    def run(a, w, out):
+        launch(a, w, out, pl.ptr, pl.blk, pl.idx, pl.col, pl.order, *ints)
+        if rest is not None:
+            rest(a, w, out)
+    return run
+
+
+def _panels(lut: SegmentLut, bs: int) -> PanelLut | None:
+    if lut.panels is False:
+        lut.panels = panel_lut(lut, bs)
+    return lut.panels
+
+
+# Panels (output blocks that share their input-block lists, computed together): opt-in until timed
+# on a GPU (env BSTRAIN_BSMM_PANEL=1).
+PANELS = os.environ.get("BSTRAIN_BSMM_PANEL", "0") == "1"
+
+
 def _launch_ds(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, lut: SegmentLut, bs: int,
                transpose_w: bool, split: int | None) -> None:
     """out (M, n_out*bs) = a (M, n_in*bs) @ sparse; both given as (rows, features) views."""
@@ -524,6 +664,10 @@ def _launch_ds(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, lut: Segment
         split = 0                                          # one launch, pointer kernel
     key = (a.shape[0], a.dtype, a.stride(0), a.stride(1), out.stride(0), out.stride(1), transpose_w, split,
            aligned(a, w, out), a.device, a.dtype == torch.float32 and torch.backends.cuda.matmul.allow_tf32)
+    if PANELS and split is None and a.shape[0] > SMALL_M and _panels(lut, bs) is not None:
+        pl = lut.panels
+        plan(pl.plans, key, lambda: _panel_plan(a, w, out, pl, bs, transpose_w))(a, w, out)
+        return
     plan(lut.plans, key, lambda: _ds_plan(a, w, out, lut, bs, transpose_w, split))(a, w, out)
 
 

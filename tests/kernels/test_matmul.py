@@ -183,3 +183,57 @@ def test_gpu_sizes(dtype, bs, axis, n):
     full = (rows(x, axis).t() @ rows(dy, axis)).reshape(cb, bs, kb, bs)[c_idx, :, k_idx, :]
     base = torch_mm(rows(x, axis).t(), rows(dy, axis), dtype).reshape(cb, bs, kb, bs)[c_idx, :, k_idx, :]
     assert_close(dw, full, base, dtype, "dw")
+
+
+# --- panels: output blocks that share their input-block lists, computed together --------------------
+def _tiled_layout(seed: int, cb: int = 4, kb0: int = 3, copies: int = 4) -> np.ndarray:
+    """The mLSTM's gate layout: one (cb, kb0) pattern tiled ``copies`` times along the columns,
+    plus one column of its own and one empty column (both left to the one-block kernel)."""
+    rng = np.random.default_rng(seed)
+    subsets = rng.choice(np.arange(1, 2**cb), kb0 + 1, replace=False)     # distinct, non-empty row sets
+    cols = (subsets[None, :] >> np.arange(cb)[:, None]) & 1 == 1          # (cb, kb0 + 1)
+    base, own = cols[:, :kb0], cols[:, kb0:]
+    return np.concatenate([np.tile(base, (1, copies)), own, np.zeros((cb, 1), bool)], axis=1)
+
+
+def test_panel_lut_groups_equal_columns():
+    lay = _tiled_layout(0)
+    luts = kernels.make_luts(lay, 16, "cpu")
+    pl = kernels.panel_lut(luts.fwd, 16)
+    assert pl is not None and pl.nb == 4 and pl.n_groups == 3          # 3 pattern columns x 4 copies
+    cols = pl.col.numpy()
+    assert sorted(cols.ravel().tolist()) == list(range(12))
+    assert all(len({tuple(np.nonzero(lay[:, j])[0]) for j in g}) == 1 for g in cols)
+    assert sorted(pl.single.order.tolist()) == [12, 13]
+    for g, group in enumerate(cols):                   # every slot's weight block sits at (entry row, slot column)
+        for e in range(int(pl.ptr[g]), int(pl.ptr[g + 1])):
+            for s, j in enumerate(group):
+                assert tuple(np.argwhere(lay)[int(pl.idx[e, s])]) == (int(pl.blk[e]), j), (g, e, s)
+    assert kernels.panel_lut(kernels.make_luts(np.eye(4, dtype=bool), 16, "cpu").fwd, 16) is None
+
+
+@DT
+@params("bs", (16, 32), ids=lambda b: f"bs{b}")
+@AX
+def test_panel_products(dtype, bs, axis, monkeypatch):
+    """With panels on: forward over a tiled layout (panels and single columns, an empty one) and
+    dX over its transpose (rows that share lists), against float64, into poisoned outputs."""
+    monkeypatch.setattr(kernels, "PANELS", True)
+    n = kernels.SMALL_M + 11                              # panels serve large M only
+    lay = _tiled_layout(fresh_seed())
+    for layout, product in ((lay, "fwd"), (lay.T.copy(), "dx")):
+        luts = kernels.make_luts(layout, bs, kernel_device())
+        dev = kernel_device()
+        cb, kb = layout.shape
+        w = (torch.randn(luts.nnz, bs, bs, device=dev) / bs**0.5).to(dtype)
+        wd = dense_weight(layout, w)
+        feats_in, dense, launch = (cb * bs, wd, kernels.bsmm_forward) if product == "fwd" else \
+            (kb * bs, wd.t(), kernels.bsmm_dx)
+        src = torch.randn((n, feats_in) if axis == 1 else (feats_in, n), device=dev).to(dtype)
+        feats = dense.shape[1]
+        out = torch.full((n, feats) if axis == 1 else (feats, n), float("nan"), device=dev, dtype=dtype)
+        got = launch(src, w, luts, axis, out=out)
+        table = luts.fwd if product == "fwd" else luts.bwd
+        assert table.panels is not None and table.panels.n_groups == 3, product
+        assert_close(rows(got, axis), rows(src, axis) @ dense, torch_mm(rows(src, axis), dense, dtype), dtype,
+                     product)
