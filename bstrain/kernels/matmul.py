@@ -43,6 +43,17 @@ _INT32_MAX = 2**31 - 1
 
 
 @triton.jit
+def _swizzle(pid, M, units, BLOCK_M: tl.constexpr, GROUP_M: tl.constexpr):
+    """Program pid's (row tile, unit) when ``units`` column units sweep groups of GROUP_M row
+    tiles (each row tile of A stays in L2 while the columns pass)."""
+    num_m = tl.cdiv(M, BLOCK_M)
+    width = GROUP_M * units
+    first_m = (pid // width) * GROUP_M
+    group_rows = tl.minimum(num_m - first_m, GROUP_M)
+    return first_m + (pid % width) % group_rows, (pid % width) // group_rows
+
+
+@triton.jit
 def _bsmm_ds_kernel(
     A, W, Y, seg_ptr, seg_blk, seg_idx, order,
     M, n_out, n_split,
@@ -51,14 +62,9 @@ def _bsmm_ds_kernel(
     BLOCK_M: tl.constexpr, GROUP_M: tl.constexpr, PRECISION: tl.constexpr,
 ):
     """A: (M, n_in*bs) by strides; W: (nnz, bs, bs); Y: (n_split, M, n_out*bs) by strides."""
-    pid = tl.program_id(0)
     split = tl.program_id(1)
-    num_m = tl.cdiv(M, BLOCK_M)
-    width = GROUP_M * n_out
-    first_m = (pid // width) * GROUP_M
-    group_rows = tl.minimum(num_m - first_m, GROUP_M)
-    m_tile = first_m + (pid % width) % group_rows
-    col = tl.load(order + (pid % width) // group_rows)  # heaviest output blocks first
+    m_tile, unit = _swizzle(tl.program_id(0), M, n_out, BLOCK_M, GROUP_M)
+    col = tl.load(order + unit)                          # heaviest output blocks first
     start = tl.load(seg_ptr + col)
     count = tl.load(seg_ptr + col + 1) - start
     if G == 1:
@@ -112,13 +118,8 @@ def _bsmm_panel_kernel(
     BLOCK_M x (NB*bs) panel of them and loads each A tile once for all NB (the one-block kernel
     loads it once per output block). grp_idx (entries, NB) and grp_col (groups, NB): the weight
     block of each slot and its output block, -1 where a group has fewer than NB."""
-    pid = tl.program_id(0)
-    num_m = tl.cdiv(M, BLOCK_M)
-    width = GROUP_M * n_groups
-    first_m = (pid // width) * GROUP_M
-    group_rows = tl.minimum(num_m - first_m, GROUP_M)
-    m_tile = first_m + (pid % width) % group_rows
-    grp = tl.load(order + (pid % width) // group_rows)    # heaviest groups first
+    m_tile, unit = _swizzle(tl.program_id(0), M, n_groups, BLOCK_M, GROUP_M)
+    grp = tl.load(order + unit)                           # heaviest groups first
     start = tl.load(grp_ptr + grp)
     end = tl.load(grp_ptr + grp + 1)
 
@@ -198,13 +199,8 @@ def _bsmm_ds_tma_kernel(
     """
     SUB: tl.constexpr = BS // KC
     NSUB: tl.constexpr = BS // BN
-    pid = tl.program_id(0)
-    num_m = tl.cdiv(M, BLOCK_M)
-    width = GROUP_M * n_out * NSUB
-    first_m = (pid // width) * GROUP_M
-    group_rows = tl.minimum(num_m - first_m, GROUP_M)
-    m0 = (first_m + (pid % width) % group_rows) * BLOCK_M
-    unit = (pid % width) // group_rows
+    m_tile, unit = _swizzle(tl.program_id(0), M, n_out * NSUB, BLOCK_M, GROUP_M)
+    m0 = m_tile * BLOCK_M
     col = tl.load(order + unit // NSUB)                      # heaviest output blocks first
     n0 = (unit % NSUB) * BN
     start = tl.load(seg_ptr + col)
