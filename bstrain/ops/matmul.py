@@ -14,6 +14,7 @@ on CPU tensors needs ``TRITON_INTERPRET=1`` set before triton is imported.
 from __future__ import annotations
 
 import os
+import warnings
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -291,7 +292,16 @@ class BlocksparseMatMul:
     The weight is not owned by the op: several weights of ``w_shape`` may share one layout.
     """
 
-    def __init__(self, layout, block_size: int = 32, feature_axis: int = 1, backend: str = "auto"):
+    def __init__(self, layout, block_size: int = 32, feature_axis: int = 1, z_order: bool = True,
+                 name: str | None = None, *, backend: str = "auto"):
+        if isinstance(z_order, str):           # the 4th positional argument was backend before the seed's z_order
+            warnings.warn("BlocksparseMatMul: pass backend= by keyword; the 4th positional argument is now the seed's "
+                          "z_order", DeprecationWarning, stacklevel=2)
+            backend, z_order = z_order, True
+        if not isinstance(z_order, bool):
+            raise TypeError(f"z_order: expected a bool, got {z_order!r}")
+        # z_order (the seed's Morton numbering of weight blocks) has no effect: bstrain numbers them row-major
+        # (from_seed_order / to_seed_order convert weights); name (a TensorFlow op name) neither
         self.layout = as_layout(layout)                          # (Cb, Kb) bool
         self.block_size = check_block_size(block_size)
         if feature_axis not in (0, 1) or isinstance(feature_axis, bool):
@@ -321,11 +331,11 @@ class BlocksparseMatMul:
     def o_shape(self, N: int) -> tuple[int, int]:
         return (N, self.K) if self.feature_axis == 1 else (self.K, N)
 
-    def block_coord(self, i: int) -> tuple[int, int]:
-        """(c, k) layout coordinates of weight block i."""
-        if not -self.blocks <= i < self.blocks:
-            raise IndexError(f"i: expected a block index in [0, {self.blocks}), got {i}")
-        return int(self._coords[0, i]), int(self._coords[1, i])
+    def block_coord(self, block: int) -> tuple[int, int]:
+        """(c, k) layout coordinates of weight block ``block`` (row-major numbering)."""
+        if not -self.blocks <= block < self.blocks:
+            raise IndexError(f"block: expected a block index in [0, {self.blocks}), got {block}")
+        return int(self._coords[0, block]), int(self._coords[1, block])
 
     @property
     def coords(self) -> torch.Tensor:
@@ -487,13 +497,18 @@ class BlocksparseMatMul:
             return Y
         return Y.reshape(*I.shape[:-1], self.K) if self.feature_axis == 1 else Y.reshape(self.K, *I.shape[1:])
 
-    def __call__(self, I: torch.Tensor, W: torch.Tensor, dw_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    def __call__(self, I: torch.Tensor, W: torch.Tensor, dw_dtype: torch.dtype = torch.float32, *, gate=None,
+                 gate_grad: bool = True, dw_gated: bool = False, name: str | None = None, bench=0) -> torch.Tensor:
         """Y = I·W with autograd. I: (*, C) with feature_axis=1 ((C, *) with feature_axis=0),
         e.g. i_shape(N); W: w_shape; returns (*, K) (or (K, *)) in I's dtype.
 
         W may be I's dtype or float32 (master weights; cast on the fly). dw_dtype is the dtype the
-        kernel writes dW in (accumulation is fp32); autograd hands it on in W's dtype.
+        kernel writes dW in (accumulation is fp32); autograd hands it on in W's dtype. The seed's
+        ``name`` and ``bench`` are accepted and ignored; its block gating (``gate``) is not provided.
         """
+        if gate is not None:
+            raise NotImplementedError("gate: the seed's gated block-sparse matmul is not provided; multiply W's "
+                                      "blocks by the gates instead (W * gate.view(-1, 1, 1))")
         self._check_call(I, W, dw_dtype)
         I = _autocast_input(I)
         X = self._as_2d(I)
