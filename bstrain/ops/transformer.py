@@ -334,6 +334,9 @@ class BlocksparseTransformer:
         self.heads, self.q_blocks, self.k_blocks = self.layout.shape
         self.q_ctx, self.k_ctx = self.q_blocks * bs, self.k_blocks * bs   # positions
         self.blocks = int(self.layout.sum())
+        # the seed's attribute names
+        self.name, self.blk_size, self.ctx_blks_q, self.ctx_blks_k = name, bs, self.q_blocks, self.k_blocks
+        self.lut_heads = 1 if shared else self.heads
         self._partial_idx, self._pmasks = _element_masks(self.layout, bs, mask_callback, shared)
         # shared by equal layouts; real CPU tensors now, one copy per device (bstrain.ops.tables)
         self._tables = layout_tables("attention", self.layout, bs, self._partial_idx, self._pmasks)

@@ -172,3 +172,28 @@ def test_sparse_proj_follows_torch_manual_seed():
     torch.manual_seed(3)
     b = bs.SparseProj(256, nproj=64).gather_lut
     assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("axis", [0, 1])
+def test_blocksparse_matmul_seed_references(axis):
+    """The seed's attributes and float64 numpy references (fprop/bprop/updat/l2_normalize _test),
+    which its tests read, agree with the op and its gradients."""
+    from bstrain.layout import random
+    op = bs.BlocksparseMatMul(random((3, 4), 0.5, seed=fresh_seed()), 8, axis)
+    assert (op.CB, op.KB, op.bsize, op.axis) == (3, 4, 8, axis)
+    assert op.sparsity == round(op.blocks / 12, 3) and op.flops == op.blocks * 128
+    assert op.updat_list == [op.block_coord(i) for i in range(op.blocks)]
+    assert sorted(w for _, lut in op.fprop_list for _, w in lut) == list(range(op.blocks))
+    x = torch.randn(op.i_shape(5), dtype=torch.float64, requires_grad=True)
+    w = torch.randn(op.w_shape, dtype=torch.float64, requires_grad=True)
+    y = op(x, w)
+    e = torch.randn_like(y)
+    dx, dw = torch.autograd.grad(y, (x, w), e)
+    np.testing.assert_allclose(op.fprop_test(x, w), y.detach().numpy(), rtol=1e-10, atol=1e-10)
+    np.testing.assert_allclose(op.bprop_test(e, w), dx.numpy(), rtol=1e-10, atol=1e-10)
+    np.testing.assert_allclose(op.updat_test(x, e), dw.numpy(), rtol=1e-10, atol=1e-10)
+    wn = op.l2_normalize(w)
+    np.testing.assert_allclose(op.l2_normalize_test(w), wn.detach().numpy(), rtol=1e-10, atol=1e-10)
+    u = torch.randn_like(wn)
+    (g,) = torch.autograd.grad(wn, w, u)
+    np.testing.assert_allclose(op.l2_normalize_grad_test(w, u), g.numpy(), rtol=1e-8, atol=1e-10)
