@@ -36,6 +36,7 @@ from omegaconf import DictConfig, OmegaConf
 from bstrain.errors import RunAborted, RunInterrupted, UserError
 from bstrain.nn import block_sparse_layouts, set_grad_group
 from bstrain.train import checkpoint as ckpt_io
+from bstrain.train import sparsity
 from bstrain.train.checkpoint import (checkpoint_path, latest_checkpoint, load_checkpoint, prune_checkpoints,
                                       save_checkpoint)
 from bstrain.train.distributed import (World, barrier, broadcast, check_same_layouts, device_for, finish, gather,
@@ -266,6 +267,7 @@ class Run:
     valid_history: list = field(default_factory=list)
     stop: str | None = None               # the signal that asked the run to stop
     skipped: Any = 0                      # fp16 steps skipped since the last log (a device tensor)
+    sparsity: Any = None                  # the dynamic-sparsity policy (bstrain.sparsity), None if static
 
 
 def build(cfg: DictConfig, run_dir: Path, device: torch.device, world: World) -> Run:
@@ -312,10 +314,13 @@ def build(cfg: DictConfig, run_dir: Path, device: torch.device, world: World) ->
         run.captured = CapturedStep(forward, task.loss, optimizer, cfg.optim.grad_clip, task.batch_metrics,
                                     warmup=11 if world.active else 2, scaler=scaler, ema=ema,
                                     ema_decay=cfg.optim.ema, model=model)
+    run.sparsity = sparsity.make_policy(cfg, model, optimizer, ema, t_cfg.max_steps)
     if resume is not None:
         ckpt_io.restore(run, load_checkpoint(resume))
         _match_graph_mode(optimizer, graphed, device)
         log.info("resumed from %s at step %d", resume, run.step)
+        if run.sparsity is not None:
+            run.sparsity.load_state_dict({"steps": run.step})
     return run
 
 
@@ -352,9 +357,11 @@ def one_step(run: Run, x: torch.Tensor, y: torch.Tensor, fresh: bool):
         _place_state(run, x)
     if fresh:
         run.state = None                                # the data stream restarts: so does the state
-    if run.captured is not None and run.captured.graph is None:
+    graph = run.captured is not None and not sparsity.wants_eager(run)
+    if graph and run.captured.graph is None:
         _start_graph(run, x, y)
-    if run.captured is not None and run.captured.matches(x, y):     # the whole step in one graph replay
+        graph = run.captured is not None
+    if graph and run.captured.matches(x, y):            # the whole step in one graph replay
         loss, grad_norm, metrics, skipped = run.captured.step(x, y, reset_state=run.state is None)
         # the graph's outputs are overwritten by the next replay
         loss, grad_norm, metrics = loss.clone(), grad_norm.clone(), {k: v.clone() for k, v in metrics.items()}
@@ -619,6 +626,8 @@ def fit(run: Run) -> dict:
                 x, y, fresh = run.task.next_batch(run.device)
                 window.add(*one_step(run, x, y, fresh))
                 run.step += 1
+                if run.sparsity is not None:
+                    sparsity.after_step(run, board)
                 progress.tick()
                 log_step = run.step % t_cfg.log_every == 0 or run.step == stop_at
                 out_of_time = bool(t_cfg.time_limit_s) and time.perf_counter() - t_start > t_cfg.time_limit_s

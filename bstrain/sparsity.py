@@ -1,0 +1,305 @@
+"""Dynamic block sparsity: prune and regrow the blocks of block-sparse layers while training.
+
+    policy = bstrain.sparsity.RigL(model, optimizer, every=100, fraction=0.3, stop=75_000)
+    for x, y in batches:
+        loss_fn(model(x), y).backward()
+        optimizer.step(); optimizer.zero_grad()
+        policy.step()                       # every 100 steps: a new layout for every sparse layer
+
+Every ``every`` optimizer steps (until step ``stop``), each block-sparse layer of the model
+(:class:`bstrain.nn.BlockSparseLinear`, :class:`bstrain.nn.BlockSparseConv2d`) drops the share
+``fraction_at(step)`` of its live blocks with the smallest weight norm and grows as many dead
+ones: at random (:class:`SET`) or those whose dense gradient has the largest norm (:class:`RigL`,
+Evci et al. 2020; the dense gradient X·dY of the step before the update is computed by hooks, on
+that step only). The share decays from ``fraction`` to 0 by a cosine over [0, stop].
+
+An update keeps everything consistent: the live-block count is unchanged, so the weight
+Parameter keeps its shape and stays the optimizer's. Surviving blocks keep their values and
+their optimizer state (every state tensor shaped like the weight, e.g. AdamW's moments) bit for
+bit, moved to their new place in the row-major block order; grown blocks start at zero with zero
+state. Modules named in ``also`` (an EMA copy of the model) get the same layouts and moves. The
+layout tables of the new layouts are built once and shared; the old ones are freed with the last
+op that holds them. Under torch.distributed every rank makes the same decision: the scores are
+averaged over ranks and the random draws are seeded by (seed, step).
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import torch
+from torch import nn
+
+__all__ = ["DynamicSparsity", "SET", "RigL", "sparse_layers", "POLICIES"]
+
+POLICIES = ("static", "set", "rigl")
+
+
+def sparse_layers(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """(qualified name, module) of every block-sparse layer of ``model``, in module order."""
+    from bstrain.nn._sparse import BlockLayoutModule
+    return [(name, m) for name, m in model.named_modules() if isinstance(m, BlockLayoutModule)]
+
+
+def _check(name: str, value, ok: bool, expected: str) -> None:
+    if not ok:
+        raise ValueError(f"{name}: expected {expected}, got {value!r}")
+
+
+def _int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+class DynamicSparsity:
+    """Prune the smallest-norm live blocks of each block-sparse layer every ``every`` steps and
+    grow as many dead ones, chosen by :meth:`grow_scores`.
+
+    Args:
+        model: holds the block-sparse layers (a ValueError if none).
+        optimizer: its state of each layer's weight follows the moves (None: no optimizer state).
+        every: optimizer steps between updates (>= 1).
+        fraction: share of a layer's live blocks replaced at the first update, in (0, 1).
+        stop: the last step that may update (None: never stop); the share decays by a cosine to
+            0 at ``stop``.
+        balanced: keep each row's and each column's live-block counts (prune and grow within
+            each column of blocks, then exchange none across columns).
+        seed: of the random draws (ties, SET's growth).
+        also: modules shaped like ``model`` (an EMA copy, its ``module`` when wrapped) whose
+            same-named layers take the same layouts and weight moves.
+    """
+
+    grows = "random"
+
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer | None = None, *, every: int = 100,
+                 fraction: float = 0.3, stop: int | None = None, balanced: bool = False, seed: int = 0,
+                 also: tuple[nn.Module, ...] = ()):
+        _check("every", every, _int(every) and every >= 1, "an int >= 1")
+        _check("fraction", fraction, isinstance(fraction, (int, float)) and not isinstance(fraction, bool)
+               and 0 < fraction < 1, "a share in (0, 1)")
+        _check("stop", stop, stop is None or (_int(stop) and stop >= 0), "None or an int >= 0")
+        _check("seed", seed, _int(seed), "an int")
+        self.layers = sparse_layers(model)
+        if not self.layers:
+            raise ValueError(f"model: expected a model with block-sparse layers (BlockSparseLinear, "
+                             f"BlockSparseConv2d), got a {type(model).__name__} with none")
+        self.model, self.optimizer = model, optimizer
+        self.every, self.fraction, self.stop, self.balanced, self.seed = every, float(fraction), stop, balanced, seed
+        self.also = [dict(sparse_layers(getattr(m, "module", m))) for m in also]
+        self.steps = 0                  # optimizer steps seen
+        self.history: list[dict] = []   # one entry per update: step, share changed per layer
+        self._hooks: list = []
+        self._grads: dict[str, torch.Tensor] = {}
+        self._arm()
+
+    # --- schedule ---------------------------------------------------------------------------------
+    def fraction_at(self, step: int) -> float:
+        """The share of live blocks replaced at ``step``: ``fraction`` decayed by a cosine to 0 at stop."""
+        if self.stop is None:
+            return self.fraction
+        if self.stop == 0 or step > self.stop:
+            return 0.0
+        return self.fraction * 0.5 * (1 + math.cos(math.pi * step / self.stop))
+
+    def updates_at(self, step: int) -> bool:
+        """Whether ``step`` (counted in optimizer steps) changes the layouts."""
+        return step > 0 and step % self.every == 0 and (self.stop is None or step <= self.stop)
+
+    @property
+    def armed(self) -> bool:
+        """The coming optimizer step is followed by an update that needs that step's gradients
+        (RigL): run it eagerly (hooks record the layers' inputs and output gradients)."""
+        return False
+
+    # --- the update -------------------------------------------------------------------------------
+    def step(self, step: int | None = None) -> dict | None:
+        """Call once after each optimizer step (``step``: its 1-based count; default: one more than
+        the last call's). On update steps, changes every layer's layout and returns
+        ``{"step", "changed" {name: share of live blocks replaced}, "density" {name: live share}}``;
+        else None."""
+        self.steps = self.steps + 1 if step is None else int(step)
+        info = None
+        if self.updates_at(self.steps):
+            info = self._update(self.steps)
+        self._arm()
+        return info
+
+    @torch.no_grad()
+    def _update(self, step: int) -> dict:
+        share = self.fraction_at(step)
+        gen = torch.Generator().manual_seed(self.seed * 1_000_003 + step)
+        changed, density = {}, {}
+        for name, layer in self.layers:
+            old = np.asarray(layer.block_layout(), dtype=bool)
+            new = self._new_layout(name, layer, old, share, gen)
+            changed[name] = float((new & ~old).sum() / max(1, old.sum()))
+            density[name] = float(new.mean())
+            if not np.array_equal(new, old):
+                self._move(layer, old, new, self._optimizer_states(layer.weight))
+                for other in self.also:
+                    twin = other.get(name)
+                    if twin is not None:
+                        self._move(twin, old, new, [])
+        self._grads.clear()
+        info = {"step": step, "fraction": share, "changed": changed, "density": density}
+        self.history.append(info)
+        return info
+
+    def _new_layout(self, name: str, layer: nn.Module, old: np.ndarray, share: float,
+                    gen: torch.Generator) -> np.ndarray:
+        """The layout after pruning and growing ``round(share·live)`` blocks (per column if balanced)."""
+        w = layer.weight.detach()
+        live_norm = _all_reduce_mean(w.float().flatten(1).norm(dim=1)).cpu()          # (nnz,) row-major order
+        prune_score = torch.full(old.shape, math.inf)
+        prune_score[torch.as_tensor(old)] = live_norm
+        grow_score = self.grow_scores(name, layer, old, gen)                           # (Cb, Kb), higher first
+        grow_score = grow_score.masked_fill(torch.as_tensor(old), -math.inf)
+        new = old.copy()
+        groups = [np.s_[:, j] for j in range(old.shape[1])] if self.balanced else [np.s_[:, :]]
+        for g in groups:
+            live = int(old[g].sum())
+            n = min(int(round(share * live)), int((~old[g]).sum()))
+            if n <= 0:
+                continue
+            pruned = _top(-prune_score[g], n, gen)
+            grown = _top(grow_score[g], n, gen)
+            sub = new[g]
+            sub.flat[pruned] = False
+            sub.flat[grown] = True
+            new[g] = sub
+        return new
+
+    def grow_scores(self, name: str, layer: nn.Module, old: np.ndarray, gen: torch.Generator) -> torch.Tensor:
+        """(C/bs, K/bs) scores of the dead blocks; the highest grow. SET: uniform random."""
+        return torch.rand(old.shape, generator=gen)
+
+    def _optimizer_states(self, weight: nn.Parameter) -> list[torch.Tensor]:
+        if self.optimizer is None:
+            return []
+        state = self.optimizer.state.get(weight, {})
+        return [t for t in state.values() if isinstance(t, torch.Tensor) and t.shape == weight.shape]
+
+    @staticmethod
+    def _move(layer: nn.Module, old: np.ndarray, new: np.ndarray, states: list[torch.Tensor]) -> None:
+        """Switches ``layer`` to ``new``: surviving blocks (and their optimizer state) move to their
+        place in the new row-major block order, grown blocks (and state) start at zero."""
+        old_id = np.full(old.shape, -1)
+        old_id[old] = np.arange(int(old.sum()))
+        src = torch.as_tensor(old_id[new])                                   # new block i <- old src[i] (or -1)
+        keep = src >= 0
+        dst_idx, src_idx = torch.nonzero(keep).flatten(), src[keep]
+        for t in [layer.weight, *states]:
+            moved = torch.zeros_like(t)
+            moved[dst_idx.to(t.device)] = t[src_idx.to(t.device)]
+            t.copy_(moved)
+        layer._use_layout(new)
+        layer.layout.copy_(torch.as_tensor(new, device=layer.layout.device))
+
+    # --- RigL's gradient hooks ----------------------------------------------------------------------
+    def _arm(self) -> None:
+        pass
+
+    # --- checkpoints ----------------------------------------------------------------------------------
+    def state_dict(self) -> dict:
+        """The step count and history; the layouts themselves are in the model's state dict."""
+        return {"steps": self.steps, "history": list(self.history)}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.steps = int(state["steps"])
+        self.history = list(state.get("history", []))
+        self._arm()
+
+
+class SET(DynamicSparsity):
+    """Sparse Evolutionary Training (Mocanu et al. 2018) on blocks: prune the smallest-norm live
+    blocks, grow dead blocks at random."""
+
+
+class RigL(DynamicSparsity):
+    """RigL (Evci et al. 2020) on blocks: prune the smallest-norm live blocks, grow the dead blocks
+    whose dense gradient (X·dY of the step before the update, all calls of the step summed) has
+    the largest norm. The gradient is computed by hooks on that one step only."""
+
+    grows = "gradient"
+
+    @property
+    def armed(self) -> bool:
+        return bool(self._hooks)
+
+    def _arm(self) -> None:
+        want = self.updates_at(self.steps + 1)
+        if want and not self._hooks:
+            self._hooks = [layer.register_forward_hook(self._record(name)) for name, layer in self.layers]
+        elif not want and self._hooks:
+            for h in self._hooks:
+                h.remove()
+            self._hooks = []
+
+    def _record(self, name: str):
+        def hook(layer, args, out):
+            if not torch.is_grad_enabled() or not out.requires_grad:
+                return
+            x = args[0].detach()
+
+            def on_grad(dy):
+                g = _dense_grad(layer, x, dy.detach())
+                self._grads[name] = g if name not in self._grads else self._grads[name] + g
+            out.register_hook(on_grad)
+        return hook
+
+    def grow_scores(self, name: str, layer: nn.Module, old: np.ndarray, gen: torch.Generator) -> torch.Tensor:
+        g = self._grads.get(name)
+        if g is None:                       # no gradient reached the layer: grow at random
+            return torch.rand(old.shape, generator=gen)
+        # ties (e.g. zero gradients) broken at random, below any real difference
+        return _all_reduce_mean(g).cpu() + 1e-12 * torch.rand(old.shape, generator=gen)
+
+    def _update(self, step: int) -> dict:
+        info = super()._update(step)
+        self._hooks, hooks = [], self._hooks
+        for h in hooks:
+            h.remove()
+        return info
+
+
+def _dense_grad(layer: nn.Module, x: torch.Tensor, dy: torch.Tensor) -> torch.Tensor:
+    """(C/bs, K/bs) block norms of the dense weight gradient of one call of ``layer``."""
+    from bstrain.nn.conv import BlockSparseConv2d
+    bs = layer.block_size if hasattr(layer, "block_size") else layer.op.block_size
+    if isinstance(layer, BlockSparseConv2d):
+        from bstrain.ops.conv import conv_nd
+        xb = x if x.dim() == 4 else x.unsqueeze(0)
+        dyb = dy if dy.dim() == 4 else dy.unsqueeze(0)
+        _, _, pads, _ = layer._geometry(xb.shape[2], xb.shape[3])
+        with torch.enable_grad():
+            wd = torch.zeros(layer.out_channels, layer.in_channels, *layer.kernel_size, device=x.device,
+                             dtype=torch.float32, requires_grad=True)
+            y = conv_nd(xb.float(), wd, layer.stride, layer.dilation, pads)
+            (g,) = torch.autograd.grad(y, wd, dyb.float())                    # (K, C, kh, kw)
+        K, C = g.shape[:2]
+        return g.reshape(K // bs, bs, C // bs, bs, -1).square().sum((1, 3, 4)).t().sqrt()
+    if layer.op.feature_axis == 1:
+        x2, dy2 = x.reshape(-1, x.shape[-1]).float(), dy.reshape(-1, dy.shape[-1]).float()
+        g = x2.t() @ dy2                                                        # (C, K)
+    else:
+        x2, dy2 = x.reshape(x.shape[0], -1).float(), dy.reshape(dy.shape[0], -1).float()
+        g = x2 @ dy2.t()
+    C, K = g.shape
+    return g.reshape(C // bs, bs, K // bs, bs).square().sum((1, 3)).sqrt()
+
+
+def _top(score: torch.Tensor, n: int, gen: torch.Generator) -> np.ndarray:
+    """Flat indices of the n highest scores of ``score`` (ties in a random order drawn from gen)."""
+    flat = score.flatten()
+    order = torch.randperm(flat.numel(), generator=gen)
+    best = torch.argsort(flat[order], descending=True, stable=True)[:n]
+    return order[best].numpy()
+
+
+def _all_reduce_mean(t: torch.Tensor) -> torch.Tensor:
+    """``t`` averaged over the ranks of the default process group (unchanged without one)."""
+    import torch.distributed as dist
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return t
+    t = t.clone()
+    dist.all_reduce(t)
+    return t / dist.get_world_size()

@@ -1,0 +1,219 @@
+"""bstrain.sparsity: SET and RigL on block-sparse layers. An update keeps the live-block count,
+moves surviving blocks and their optimizer state bit for bit, starts grown blocks at zero, and
+grown blocks learn at the next step; RigL grows where the dense gradient is; the schedule, the
+balanced mode, an EMA copy, convolutions, ranks that agree, and the argument checks."""
+from __future__ import annotations
+
+import copy
+import os
+
+import numpy as np
+import pytest
+import torch
+import torch.multiprocessing as mp
+from torch import nn
+
+from bstrain.nn import BlockSparseConv2d, BlockSparseLinear
+from bstrain.sparsity import SET, RigL, sparse_layers
+
+
+def mlp(seed=0, density=0.5):
+    torch.manual_seed(seed)
+    return nn.Sequential(BlockSparseLinear(64, 96, block_size=16, density=density), nn.GELU(),
+                         BlockSparseLinear(96, 64, block_size=16, density=density))
+
+
+def blocks_by_coord(layer, t=None) -> dict:
+    """{(c, k): block} of a layer's weight (or of a tensor shaped like it) by layout coordinate."""
+    t = layer.weight if t is None else t
+    coords = np.argwhere(np.asarray(layer.block_layout()))              # row-major: the weight's order
+    return {tuple(c): t[i].detach().clone() for i, c in enumerate(coords)}
+
+
+def train(model, opt, policy, steps, x=None):
+    infos = []
+    for _ in range(steps):
+        inp = torch.randn(16, 64) if x is None else x
+        model(inp).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+        infos.append(policy.step())
+    return infos
+
+
+@pytest.mark.parametrize("cls", [SET, RigL], ids=["set", "rigl"])
+def test_update_keeps_counts_and_moves_state_exactly(cls):
+    model = mlp()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    policy = cls(model, opt, every=3, fraction=0.4, seed=1)
+    train(model, opt, policy, 2)
+    model(torch.randn(16, 64)).square().mean().backward()                 # step 3, up to the update
+    opt.step()
+    opt.zero_grad()
+    before = {name: (layer.block_layout().copy(), blocks_by_coord(layer),
+                     {k: blocks_by_coord(layer, v) for k, v in opt.state[layer.weight].items() if k != "step"},
+                     layer.weight)
+              for name, layer in sparse_layers(model)}
+    info = policy.step()
+    assert info is not None and info["step"] == 3
+    for name, layer in sparse_layers(model):
+        old, w_old, states_old, param = before[name]
+        new = np.asarray(layer.block_layout())
+        assert layer.weight is param                                       # the optimizer's Parameter stays
+        assert new.sum() == old.sum() and not np.array_equal(new, old)
+        assert np.array_equal(np.asarray(layer.layout), new) and np.array_equal(layer.op.layout, new)
+        assert info["changed"][name] == pytest.approx((new & ~old).sum() / old.sum())
+        w_new = blocks_by_coord(layer)
+        states_new = {k: blocks_by_coord(layer, v) for k, v in opt.state[layer.weight].items() if k != "step"}
+        for coord, block in w_new.items():
+            if coord in w_old:                                              # a survivor: bit for bit
+                assert torch.equal(block, w_old[coord])
+                for k in states_new:
+                    assert torch.equal(states_new[k][coord], states_old[k][coord]), (name, k, coord)
+            else:                                                           # grown: zero, zero moments
+                assert not block.any()
+                for k in states_new:
+                    assert not states_new[k][coord].any(), (name, k, coord)
+
+
+def test_grown_blocks_receive_gradients_at_the_next_step():
+    """(One layer: in a stack, a block whose outputs only reach grown, still-zero blocks of the next
+    layer gets no gradient until those have moved, as in RigL's zero-initialised growth.)"""
+    torch.manual_seed(0)
+    layer = BlockSparseLinear(64, 96, block_size=16, density=0.5)
+    opt = torch.optim.SGD(layer.parameters(), lr=0.1)
+    policy = SET(layer, opt, every=1, fraction=0.5, seed=3)
+    old = layer.block_layout().copy()
+    layer(torch.randn(16, 64)).square().mean().backward()
+    opt.step()
+    opt.zero_grad()
+    policy.step()
+    grown = [tuple(c) for c in np.argwhere(layer.block_layout() & ~old)]
+    assert grown
+    layer(torch.randn(16, 64)).square().mean().backward()
+    grads = blocks_by_coord(layer, layer.weight.grad)
+    assert all(grads[c].abs().sum() > 0 for c in grown)
+
+
+def test_rigl_grows_where_the_dense_gradient_is():
+    """Inputs only in features 0..15 and a target that needs input block 0 everywhere: the
+    dense gradient lives in row 0 of the layout, so RigL grows the dead blocks of row 0."""
+    torch.manual_seed(0)
+    layer = BlockSparseLinear(64, 64, block_size=16, layout=np.eye(4, dtype=bool), bias=False)
+    with torch.no_grad():
+        layer.weight[0] *= 10                                              # block (0, 0) survives the pruning
+    opt = torch.optim.SGD(layer.parameters(), lr=0.0)                     # the weights stay: scores by gradient
+    policy = RigL(layer, opt, every=1, fraction=0.5)                       # 2 of 4 blocks replaced
+    x = torch.zeros(32, 64)
+    x[:, :16] = torch.randn(32, 16)
+    assert policy.armed
+    (layer(x) - x[:, :16].repeat(1, 4)).square().mean().backward()
+    opt.step()
+    opt.zero_grad()
+    info = policy.step()
+    new = layer.block_layout()
+    assert info is not None and new.sum() == 4
+    assert new[0].sum() == 3                                               # two grown blocks, both in row 0
+    assert not policy.armed or policy.updates_at(policy.steps + 1)
+
+
+def test_schedule_stop_and_no_update_when_frozen():
+    model = mlp()
+    policy = SET(model, None, every=2, fraction=0.5, stop=4)
+    assert policy.fraction_at(0) == 0.5 and policy.fraction_at(2) == pytest.approx(0.25)
+    assert policy.fraction_at(4) == pytest.approx(0.0) and policy.fraction_at(6) == 0.0
+    assert [policy.updates_at(s) for s in range(1, 7)] == [False, True, False, True, False, False]
+    layouts = [model[0].block_layout().copy()]
+    for _ in range(6):
+        policy.step()
+        layouts.append(model[0].block_layout().copy())
+    assert not np.array_equal(layouts[2], layouts[1])                      # step 2 changed
+    assert np.array_equal(layouts[6], layouts[4])                          # frozen after stop
+
+
+def test_balanced_keeps_each_columns_count():
+    model = mlp(density=0.5)
+    policy = SET(model, None, every=1, fraction=0.5, balanced=True, seed=5)
+    cols = [layer.block_layout().sum(0).copy() for _, layer in sparse_layers(model)]
+    policy.step()
+    for (_, layer), c in zip(sparse_layers(model), cols):
+        assert np.array_equal(layer.block_layout().sum(0), c)
+
+
+def test_ema_copy_follows_and_conv_layers_update():
+    torch.manual_seed(0)
+    model = nn.Sequential(BlockSparseConv2d(32, 32, 3, padding=1, block_size=8, density=0.5), nn.ReLU(),
+                          BlockSparseConv2d(32, 32, 3, padding=1, block_size=8, density=0.5))
+    ema = copy.deepcopy(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    policy = RigL(model, opt, every=1, fraction=0.5, also=(ema,))
+    dense_before = [layer.dense_weight().detach().clone() for _, layer in sparse_layers(model)]
+    old = [layer.block_layout().copy() for _, layer in sparse_layers(model)]
+    model(torch.randn(2, 32, 8, 8)).square().mean().backward()
+    w_step = [layer.weight.detach().clone() for _, layer in sparse_layers(model)]
+    opt.step()
+    dense_after_opt = [layer.dense_weight().detach().clone() for _, layer in sparse_layers(model)]
+    policy.step()
+    for i, (name, layer) in enumerate(sparse_layers(model)):
+        new = layer.block_layout()
+        assert new.sum() == old[i].sum() and not np.array_equal(new, old[i])
+        both = torch.as_tensor(np.kron(new & old[i], np.ones((8, 8), bool)).T)       # (K, C) survivors
+        d = layer.dense_weight().detach()
+        assert torch.equal(d[both], dense_after_opt[i][both])
+        assert np.array_equal(dict(sparse_layers(ema))[name].block_layout(), new)
+        assert w_step[i].shape == layer.weight.shape and dense_before[i].shape == d.shape
+
+
+@pytest.mark.parametrize("kw, match", [
+    (dict(fraction=0.0), r"fraction: expected a share in \(0, 1\), got 0.0"),
+    (dict(fraction=1.0), r"fraction: expected a share in \(0, 1\)"),
+    (dict(every=0), "every: expected an int >= 1, got 0"),
+    (dict(stop=-1), "stop: expected None or an int >= 0"),
+])
+def test_bad_settings(kw, match):
+    with pytest.raises(ValueError, match=match):
+        RigL(mlp(), None, **kw)
+
+
+def test_a_model_without_block_sparse_layers():
+    with pytest.raises(ValueError, match="model: expected a model with block-sparse layers"):
+        SET(nn.Linear(4, 4), None)
+
+
+def _rank(rank: int, world: int, path: str, out: dict) -> None:
+    import torch.distributed as dist
+    dist.init_process_group("gloo", init_method=f"file://{path}", rank=rank, world_size=world)
+    model = mlp(seed=0)                                   # the same start everywhere
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    policy = RigL(model, opt, every=1, fraction=0.5, seed=0)
+    torch.manual_seed(100 + rank)                          # each rank its own data: other gradients
+    train(model, opt, policy, 1)
+    out[rank] = [layer.block_layout().copy() for _, layer in sparse_layers(model)]
+    dist.destroy_process_group()
+
+
+def test_ranks_agree(tmp_path):
+    """Two gloo ranks with different data make the same layout decision (scores averaged)."""
+    with mp.Manager() as manager:
+        out = manager.dict()
+        mp.spawn(_rank, args=(2, str(tmp_path / "init"), out), nprocs=2, join=True)
+        a, b = out[0], out[1]
+    for la, lb in zip(a, b):
+        assert np.array_equal(la, lb)
+
+
+def test_compile_recompiles_once_per_update():
+    from torch._dynamo.testing import CompileCounterWithBackend
+    torch._dynamo.reset()
+    model = mlp()
+    counter = CompileCounterWithBackend("eager")
+    compiled = torch.compile(model, backend=counter)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    policy = SET(model, opt, every=2, fraction=0.5)
+    for step in range(4):
+        compiled(torch.randn(4, 64)).sum().backward()
+        opt.step()
+        opt.zero_grad()
+        policy.step()
+    assert counter.frame_count <= 1 + 2                      # the first compile, then one per update
+    assert os.environ.get("TORCHDYNAMO_DISABLE") != "1"

@@ -1,0 +1,102 @@
+"""The trainer's sparsity group: sparsity=set|rigl updates every block-sparse layer of a model the
+trainer does not name (the transformer's sparse FFN), logs to TensorBoard, resumes exactly across
+an update, and stops on bad settings with one line."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from hydra import compose, initialize_config_module
+from omegaconf import open_dict
+
+from bstrain.errors import UserError
+from bstrain.train.trainer import train
+from tests.conftest import killed_then_resumed
+
+SMALL = dict(d_model=32, n_layer=2, n_head=2, context=32, block_size=16, window=16, summary=4, ffn_density=0.5,
+             ffn_block_size=16)
+
+
+def _cfg(tmp_path, run, policy="rigl", resume=False, **sparsity):
+    from bstrain.configs.schema import register
+    register()
+    with initialize_config_module(config_module="bstrain.configs", version_base="1.3"):
+        cfg = compose(config_name="train", overrides=["config=transformer_tiny", f"sparsity={policy}"])
+    with open_dict(cfg):
+        cfg.model.update(SMALL)
+        cfg.data.seq_len, cfg.data.batch_size = 32, 4
+        cfg.trainer.update(max_steps=8, eval_every=4, ckpt_every=4, eval_batches=2, log_every=1, progress=False,
+                           run_dir=str(tmp_path / run), device="cpu", resume=resume)
+        cfg.optim.warmup_steps = 2
+        cfg.sparsity.update(dict(every=3, fraction=0.5, until=1.0), **sparsity)
+    return cfg
+
+
+def _layouts(run_dir) -> dict:
+    ckpt = torch.load(sorted(run_dir.glob("**/*.pt"))[-1], weights_only=False)
+    return {k: v.numpy() for k, v in ckpt["model"].items() if k.endswith("layout")}
+
+
+@pytest.mark.parametrize("policy", ["set", "rigl"])
+def test_layouts_change_and_resume_exactly_across_an_update(tmp_path, monkeypatch, policy):
+    """Updates at steps 3 and 6; a run killed after its step-4 checkpoint resumes onto the same
+    loss curve, through the update at step 6."""
+    full = train(_cfg(tmp_path, "full", policy))
+    static = train(_cfg(tmp_path, "static", "static"))
+    lays, base = _layouts(tmp_path / "full"), _layouts(tmp_path / "static")
+    assert set(lays) == set(base) and len(lays) == 4                     # fc1 and fc2 of both blocks
+    for k in lays:
+        assert lays[k].sum() == base[k].sum() and not np.array_equal(lays[k], base[k]), k
+    hist = dict(full["history"])
+    second = killed_then_resumed(monkeypatch, lambda resume: _cfg(tmp_path, "split", policy, resume=resume), kill_at=4)
+    got = dict(second["history"])
+    assert sorted(got) == [5, 6, 7, 8]
+    for step in got:
+        assert got[step] == pytest.approx(hist[step], rel=1e-6), step
+    assert all(np.array_equal(a, b) for a, b in zip(_layouts(tmp_path / "split").values(), lays.values()))
+
+
+def test_tensorboard_logs_the_changes(tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    train(_cfg(tmp_path, "tb"))
+    acc = EventAccumulator(str(tmp_path / "tb" / "tb"), size_guidance={"images": 0, "scalars": 0})
+    acc.Reload()
+    assert [e.step for e in acc.Scalars("sparsity/changed")] == [3, 6]
+    assert any(t.startswith("sparsity/density/") for t in acc.Tags()["scalars"])
+    assert any(len(acc.Images(t)) >= 3 for t in acc.Tags()["images"])       # at start and at each update
+
+
+@pytest.mark.parametrize("over, match", [
+    (dict(fraction=1.5), r"sparsity.fraction: expected a share in \(0, 1\), got 1.5"),
+    (dict(every=0), "sparsity.every: expected an int >= 1, got 0"),
+    (dict(until=0.0), r"sparsity.until: expected a share of trainer.max_steps in \(0, 1\]"),
+])
+def test_bad_settings_stop_at_start(tmp_path, over, match):
+    with pytest.raises(UserError, match=match):
+        train(_cfg(tmp_path, "bad", **over))
+
+
+def test_a_model_without_block_sparse_layers(tmp_path):
+    cfg = _cfg(tmp_path, "dense")
+    with open_dict(cfg):
+        cfg.model.ffn_density = 1.0
+        cfg.model.attention = "dense"
+    with pytest.raises(UserError, match="sparsity=rigl: expected a model with block-sparse layers"):
+        train(cfg)
+
+
+@pytest.mark.gpu
+def test_graphed_steps_follow_the_updates(tmp_path):
+    """On the GPU with the step in a CUDA graph: RigL's gradient step runs eagerly, each update drops
+    the graph and the next step captures it on the new tables; the loss curve is the eager run's."""
+    def cfg(run, graph):
+        c = _cfg(tmp_path, run)
+        with open_dict(c):
+            c.trainer.update(device="cuda", cuda_graph=graph)
+        return c
+    eager, graphed = train(cfg("eager", "false")), train(cfg("graph", "true"))
+    assert graphed["step_mode"].startswith("graph")
+    for (s1, a), (s2, b) in zip(eager["history"], graphed["history"]):
+        assert s1 == s2 and a == pytest.approx(b, rel=1e-4, abs=1e-5), s1
+    assert all(np.array_equal(a, b) for a, b in zip(_layouts(tmp_path / "eager").values(),
+                                                    _layouts(tmp_path / "graph").values()))
