@@ -35,10 +35,30 @@ __all__ = ["DynamicSparsity", "SET", "RigL", "sparse_layers", "POLICIES"]
 POLICIES = ("static", "set", "rigl")
 
 
-def sparse_layers(model: nn.Module) -> list[tuple[str, nn.Module]]:
+def sparse_layers(model: nn.Module | None) -> list[tuple[str, nn.Module]]:
     """(qualified name, module) of every block-sparse layer of ``model``, in module order."""
     from bstrain.nn._sparse import BlockLayoutModule
+    if model is None:
+        return []
     return [(name, m) for name, m in model.named_modules() if isinstance(m, BlockLayoutModule)]
+
+
+class _OpLayer:
+    """A :class:`bstrain.ops.BlocksparseMatMul` used directly with its weight, seen as a layer."""
+
+    def __init__(self, op, weight: nn.Parameter):
+        from bstrain.ops.matmul import BlocksparseMatMul
+        if not isinstance(op, BlocksparseMatMul) or not isinstance(weight, torch.Tensor) or \
+                tuple(weight.shape) != tuple(op.w_shape):
+            raise ValueError(f"ops: expected (BlocksparseMatMul, weight of its w_shape) pairs, got "
+                             f"({type(op).__name__}, {getattr(weight, 'shape', type(weight).__name__)})")
+        self.op, self.weight = op, weight
+
+    def block_layout(self) -> np.ndarray:
+        return self.op.layout
+
+    def _use_layout(self, layout: np.ndarray) -> None:
+        self.op.set_layout(layout)
 
 
 def _check(name: str, value, ok: bool, expected: str) -> None:
@@ -66,22 +86,25 @@ class DynamicSparsity:
         seed: of the random draws (ties, SET's growth).
         also: modules shaped like ``model`` (an EMA copy, its ``module`` when wrapped) whose
             same-named layers take the same layouts and weight moves.
+        ops: (BlocksparseMatMul, weight) pairs used directly, outside modules (``model`` may then
+            be None); each op switches layout in place (``set_layout``).
     """
 
     grows = "random"
 
-    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer | None = None, *, every: int = 100,
+    def __init__(self, model: nn.Module | None, optimizer: torch.optim.Optimizer | None = None, *, every: int = 100,
                  fraction: float = 0.3, stop: int | None = None, balanced: bool = False, seed: int = 0,
-                 also: tuple[nn.Module, ...] = ()):
+                 also: tuple[nn.Module, ...] = (), ops=()):
         _check("every", every, _int(every) and every >= 1, "an int >= 1")
         _check("fraction", fraction, isinstance(fraction, (int, float)) and not isinstance(fraction, bool)
                and 0 < fraction < 1, "a share in (0, 1)")
         _check("stop", stop, stop is None or (_int(stop) and stop >= 0), "None or an int >= 0")
         _check("seed", seed, _int(seed), "an int")
-        self.layers = sparse_layers(model)
+        self.layers = sparse_layers(model) + [(f"ops.{i}", _OpLayer(op, w)) for i, (op, w) in enumerate(ops)]
         if not self.layers:
             raise ValueError(f"model: expected a model with block-sparse layers (BlockSparseLinear, "
-                             f"BlockSparseConv2d), got a {type(model).__name__} with none")
+                             f"BlockSparseConv2d) or ops=[(BlocksparseMatMul, weight)], got a "
+                             f"{type(model).__name__} with none")
         self.model, self.optimizer = model, optimizer
         self.every, self.fraction, self.stop, self.balanced, self.seed = every, float(fraction), stop, balanced, seed
         self.also = [dict(sparse_layers(getattr(m, "module", m))) for m in also]
@@ -192,7 +215,8 @@ class DynamicSparsity:
             moved[dst_idx.to(t.device)] = t[src_idx.to(t.device)]
             t.copy_(moved)
         layer._use_layout(new)
-        layer.layout.copy_(torch.as_tensor(new, device=layer.layout.device))
+        if isinstance(getattr(layer, "layout", None), torch.Tensor):             # a module's layout buffer
+            layer.layout.copy_(torch.as_tensor(new, device=layer.layout.device))
 
     # --- RigL's gradient hooks ----------------------------------------------------------------------
     def _arm(self) -> None:
@@ -228,23 +252,30 @@ class RigL(DynamicSparsity):
     def _arm(self) -> None:
         want = self.updates_at(self.steps + 1)
         if want and not self._hooks:
-            self._hooks = [layer.register_forward_hook(self._record(name)) for name, layer in self.layers]
+            self._hooks = [self._watch(name, layer) for name, layer in self.layers]
         elif not want and self._hooks:
-            for h in self._hooks:
-                h.remove()
-            self._hooks = []
+            self._disarm()
 
-    def _record(self, name: str):
-        def hook(layer, args, out):
+    def _disarm(self) -> None:
+        for h in self._hooks:
+            h.remove()
+        self._hooks = []
+
+    def _watch(self, name: str, layer):
+        """Records (x, dY) of each call of ``layer`` on the coming step; returns a handle with remove()."""
+        def record(x, out):
             if not torch.is_grad_enabled() or not out.requires_grad:
                 return
-            x = args[0].detach()
+            x = x.detach()
 
             def on_grad(dy):
                 g = _dense_grad(layer, x, dy.detach())
                 self._grads[name] = g if name not in self._grads else self._grads[name] + g
             out.register_hook(on_grad)
-        return hook
+        if isinstance(layer, _OpLayer):
+            layer.op.observer = record
+            return _Unobserve(layer.op)
+        return layer.register_forward_hook(lambda mod, args, out: record(args[0], out))
 
     def grow_scores(self, name: str, layer: nn.Module, old: np.ndarray, gen: torch.Generator) -> torch.Tensor:
         g = self._grads.get(name)
@@ -255,10 +286,16 @@ class RigL(DynamicSparsity):
 
     def _update(self, step: int) -> dict:
         info = super()._update(step)
-        self._hooks, hooks = [], self._hooks
-        for h in hooks:
-            h.remove()
+        self._disarm()
         return info
+
+
+class _Unobserve:
+    def __init__(self, op):
+        self.op = op
+
+    def remove(self) -> None:
+        self.op.observer = None
 
 
 def _dense_grad(layer: nn.Module, x: torch.Tensor, dy: torch.Tensor) -> torch.Tensor:

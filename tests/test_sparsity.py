@@ -217,3 +217,43 @@ def test_compile_recompiles_once_per_update():
         policy.step()
     assert counter.frame_count <= 1 + 2                      # the first compile, then one per update
     assert os.environ.get("TORCHDYNAMO_DISABLE") != "1"
+
+
+@pytest.mark.parametrize("cls", [SET, RigL], ids=["set", "rigl"])
+@pytest.mark.parametrize("axis", [1, 0])
+def test_blocksparse_matmul_used_directly(cls, axis):
+    """A user's own BlocksparseMatMul and weight: the op switches layout in place, the weight's
+    surviving blocks follow, and its products stay those of the new layout's dense weight."""
+    from bstrain.layout import balanced
+    from bstrain.ops import BlocksparseMatMul
+    torch.manual_seed(0)
+    op = BlocksparseMatMul(balanced((4, 6), 0.5, seed=1), block_size=8, feature_axis=axis)
+    w = nn.Parameter(torch.randn(op.w_shape))
+    opt = torch.optim.AdamW([w], lr=1e-2)
+    policy = cls(None, opt, every=1, fraction=0.5, ops=[(op, w)])
+    old = op.layout.copy()
+    blocks_old = {tuple(c): w[i].detach().clone() for i, c in enumerate(np.argwhere(old))}
+    x = torch.randn(*op.i_shape(10))
+    op(x, w).square().mean().backward()
+    opt.step()
+    blocks_old = {tuple(c): w[i].detach().clone() for i, c in enumerate(np.argwhere(old))}
+    opt.zero_grad()
+    assert ("ops.0" in policy._grads) == (cls is RigL)                   # RigL saw X·dY through the observer
+    assert policy.step() is not None and (op.observer is not None) == policy.armed
+    new = op.layout
+    assert new.sum() == old.sum() and not np.array_equal(new, old) and tuple(w.shape) == op.w_shape
+    for i, c in enumerate(np.argwhere(new)):
+        want = blocks_old.get(tuple(c))
+        assert torch.equal(w[i], want) if want is not None else not w[i].any()
+    dense = op.to_dense(w.detach())                                       # (C, K)
+    y = op(x, w.detach())
+    torch.testing.assert_close(y, x @ dense if axis == 1 else dense.t() @ x, rtol=1e-5, atol=1e-5)
+
+
+def test_set_layout_checks_the_count():
+    from bstrain.ops import BlocksparseMatMul
+    op = BlocksparseMatMul(np.eye(4, dtype=bool), block_size=8)
+    with pytest.raises(ValueError, match=r"layout: expected a \(4, 4\) layout with 4 live blocks, got \(4, 4\) with 5"):
+        five = np.eye(4, dtype=bool)
+        five[0, 1] = True
+        op.set_layout(five)

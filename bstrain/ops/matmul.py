@@ -487,6 +487,20 @@ class BlocksparseMatMul:
             return Y
         return Y.reshape(*I.shape[:-1], self.K) if self.feature_axis == 1 else Y.reshape(self.K, *I.shape[1:])
 
+    observer = None
+    """None, or ``observer(I, Y)`` called after each product (``bstrain.sparsity.RigL`` records the
+    inputs and output gradients of the step before a layout update through it)."""
+
+    def set_layout(self, layout) -> None:
+        """Switches this op, in place, to another layout of the same shape and live-block count (so
+        a weight of w_shape stays valid; its blocks are then read in the new layout's order).
+        ``bstrain.sparsity`` moves the weights; this only changes the op and its tables."""
+        new = as_layout(layout)
+        if new.shape != self.layout.shape or int(new.sum()) != self.blocks:
+            raise ValueError(f"layout: expected a {self.layout.shape} layout with {self.blocks} live blocks, got "
+                             f"{new.shape} with {int(new.sum())}")
+        self.__init__(new, self.block_size, self.feature_axis, self.backend)
+
     def __call__(self, I: torch.Tensor, W: torch.Tensor, dw_dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """Y = I·W with autograd. I: (*, C) with feature_axis=1 ((C, *) with feature_axis=0),
         e.g. i_shape(N); W: w_shape; returns (*, K) (or (K, *)) in I's dtype.
@@ -494,6 +508,12 @@ class BlocksparseMatMul:
         W may be I's dtype or float32 (master weights; cast on the fly). dw_dtype is the dtype the
         kernel writes dW in (accumulation is fp32); autograd hands it on in W's dtype.
         """
+        Y = self._product(I, W, dw_dtype)
+        if self.observer is not None:
+            self.observer(I, Y)
+        return Y
+
+    def _product(self, I: torch.Tensor, W: torch.Tensor, dw_dtype: torch.dtype) -> torch.Tensor:
         self._check_call(I, W, dw_dtype)
         I = _autocast_input(I)
         X = self._as_2d(I)
