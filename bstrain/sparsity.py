@@ -81,8 +81,8 @@ class DynamicSparsity:
         fraction: share of a layer's live blocks replaced at the first update, in (0, 1).
         stop: the last step that may update (None: never stop); the share decays by a cosine to
             0 at ``stop``.
-        balanced: keep each row's and each column's live-block counts (prune and grow within
-            each column of blocks, then exchange none across columns).
+        balanced: keep each row's and each column's live-block counts (grow where the pruning
+            left a row and a column short), as :func:`bstrain.layout.balanced` draws them.
         seed: of the random draws (ties, SET's growth).
         also: modules shaped like ``model`` (an EMA copy, its ``module`` when wrapped) whose
             same-named layers take the same layouts and weight moves.
@@ -176,20 +176,16 @@ class DynamicSparsity:
         prune_score[torch.as_tensor(old)] = live_norm
         grow_score = self.grow_scores(name, layer, old, gen)                           # (Cb, Kb), higher first
         grow_score = grow_score.masked_fill(torch.as_tensor(old), -math.inf)
+        n = min(int(round(share * int(old.sum()))), int((~old).sum()))
+        if n <= 0:
+            return old.copy()
         new = old.copy()
-        groups = [np.s_[:, j] for j in range(old.shape[1])] if self.balanced else [np.s_[:, :]]
-        for g in groups:
-            live = int(old[g].sum())
-            n = min(int(round(share * live)), int((~old[g]).sum()))
-            if n <= 0:
-                continue
-            pruned = _top(-prune_score[g], n, gen)
-            grown = _top(grow_score[g], n, gen)
-            sub = new[g]
-            sub.flat[pruned] = False
-            sub.flat[grown] = True
-            new[g] = sub
-        return new
+        pruned = _top(-prune_score, n, gen)
+        new.flat[pruned] = False
+        if not self.balanced:
+            new.flat[_top(grow_score, n, gen)] = True
+            return new
+        return _grow_balanced(old, new, pruned, grow_score, gen)
 
     def grow_scores(self, name: str, layer: nn.Module, old: np.ndarray, gen: torch.Generator) -> torch.Tensor:
         """(C/bs, K/bs) scores of the dead blocks; the highest grow. SET: uniform random."""
@@ -322,6 +318,27 @@ def _dense_grad(layer: nn.Module, x: torch.Tensor, dy: torch.Tensor) -> torch.Te
         g = x2 @ dy2.t()
     C, K = g.shape
     return g.reshape(C // bs, bs, K // bs, bs).square().sum((1, 3)).sqrt()
+
+
+def _grow_balanced(old: np.ndarray, new: np.ndarray, pruned: np.ndarray, score: torch.Tensor,
+                   gen: torch.Generator) -> np.ndarray:
+    """Grows blocks into ``new`` (``old`` with ``pruned`` dropped) so that every row and column of
+    blocks gets its count back: the best-scored dead blocks whose row and column both still lack
+    one, then, where that leaves a gap, the just-pruned ones. If no such choice closes every gap
+    (rare), the layer keeps ``old``."""
+    rows, cols = old.sum(1) - new.sum(1), old.sum(0) - new.sum(0)        # blocks each still lacks
+    score = score.clone()
+    score.view(-1)[torch.as_tensor(pruned)] = -1e30                        # just-pruned: last resort
+    dead = torch.as_tensor(~old | ~new).flatten()
+    order = _top(score.masked_fill(~dead.view(score.shape), -math.inf), int(dead.sum()), gen)
+    out = new.copy()
+    for flat in order:
+        r, c = divmod(int(flat), old.shape[1])
+        if rows[r] > 0 and cols[c] > 0 and not out[r, c]:
+            out[r, c] = True
+            rows[r] -= 1
+            cols[c] -= 1
+    return out if not rows.any() else old.copy()
 
 
 def _top(score: torch.Tensor, n: int, gen: torch.Generator) -> np.ndarray:

@@ -131,13 +131,16 @@ def test_schedule_stop_and_no_update_when_frozen():
     assert np.array_equal(layouts[6], layouts[4])                          # frozen after stop
 
 
-def test_balanced_keeps_each_columns_count():
+@pytest.mark.parametrize("cls", [SET, RigL], ids=["set", "rigl"])
+def test_balanced_keeps_each_rows_and_columns_count(cls):
     model = mlp(density=0.5)
-    policy = SET(model, None, every=1, fraction=0.5, balanced=True, seed=5)
-    cols = [layer.block_layout().sum(0).copy() for _, layer in sparse_layers(model)]
-    policy.step()
-    for (_, layer), c in zip(sparse_layers(model), cols):
-        assert np.array_equal(layer.block_layout().sum(0), c)
+    policy = cls(model, None, every=1, fraction=0.5, balanced=True, seed=5)
+    before = [layer.block_layout().copy() for _, layer in sparse_layers(model)]
+    train(model, torch.optim.SGD(model.parameters(), lr=0.1), policy, 1)
+    for (_, layer), old in zip(sparse_layers(model), before):
+        new = layer.block_layout()
+        assert not np.array_equal(new, old)
+        assert np.array_equal(new.sum(0), old.sum(0)) and np.array_equal(new.sum(1), old.sum(1))
 
 
 def test_ema_copy_follows_and_conv_layers_update():
