@@ -260,3 +260,19 @@ def test_set_layout_checks_the_count():
         five = np.eye(4, dtype=bool)
         five[0, 1] = True
         op.set_layout(five)
+
+
+def test_old_tables_are_freed_and_the_name_is_reachable():
+    import gc
+
+    import bstrain
+    from bstrain.ops.tables import _REGISTRY
+    assert bstrain.sparsity.RigL is RigL
+    model = mlp(seed=7)
+    keys = [layer.op.key for _, layer in sparse_layers(model)]
+    policy = SET(model, None, every=1, fraction=0.5, seed=2)
+    policy.step()
+    gc.collect()
+    new = [layer.op.key for _, layer in sparse_layers(model)]
+    assert all(k not in _REGISTRY for k in keys if k not in new)
+    assert all(k in _REGISTRY for k in new)
