@@ -41,6 +41,22 @@ def make_policy(cfg, model, optimizer, ema, max_steps: int):
         raise UserError(f"sparsity.{msg}") from None
 
 
+def allow_recompiles(policy) -> None:
+    """Each layout update makes torch.compile trace the model once more (the layouts are constants
+    of the graph); dynamo's recompile limit (8 per frame) would otherwise send the model back to
+    eager after the eighth update. Raised to the run's number of updates, plus margin."""
+    import torch._dynamo.config as dynamo
+    updates = (policy.stop or 0) // policy.every + 8
+    for name in ("recompile_limit", "cache_size_limit"):
+        if hasattr(dynamo, name):
+            setattr(dynamo, name, max(getattr(dynamo, name), updates))
+            break
+    for name in ("accumulated_recompile_limit", "accumulated_cache_size_limit"):
+        if hasattr(dynamo, name):
+            setattr(dynamo, name, max(getattr(dynamo, name), 4 * updates))
+            break
+
+
 def wants_eager(run) -> bool:
     """The coming step must run eagerly (RigL reads its gradients through hooks)."""
     return run.sparsity is not None and run.sparsity.armed

@@ -315,6 +315,8 @@ def build(cfg: DictConfig, run_dir: Path, device: torch.device, world: World) ->
                                     warmup=11 if world.active else 2, scaler=scaler, ema=ema,
                                     ema_decay=cfg.optim.ema, model=model)
     run.sparsity = sparsity.make_policy(cfg, model, optimizer, ema, t_cfg.max_steps)
+    if run.sparsity is not None and compiled:
+        sparsity.allow_recompiles(run.sparsity)
     if resume is not None:
         ckpt_io.restore(run, load_checkpoint(resume))
         _match_graph_mode(optimizer, graphed, device)

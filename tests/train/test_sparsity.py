@@ -100,3 +100,26 @@ def test_graphed_steps_follow_the_updates(tmp_path):
         assert s1 == s2 and a == pytest.approx(b, rel=1e-4, abs=1e-5), s1
     assert all(np.array_equal(a, b) for a, b in zip(_layouts(tmp_path / "eager").values(),
                                                     _layouts(tmp_path / "graph").values()))
+
+
+def test_compiled_training_follows_every_update(tmp_path, caplog):
+    """trainer.compile=true with an update every step for 12 steps: more updates than dynamo's
+    default recompile limit (8; on CUDA, where the custom ops name their layout, each update
+    is a new graph), and the run never reports the limit and matches the eager run."""
+    import torch._dynamo.config as dynamo
+    limit = dynamo.recompile_limit
+    try:
+        def cfg(run, compiled):
+            c = _cfg(tmp_path, run, "set", every=1)
+            with open_dict(c):
+                c.trainer.update(max_steps=12, ckpt_every=0, eval_every=0, compile=compiled)
+            return c
+        eager, compiled = train(cfg("eager", False)), train(cfg("compiled", True))
+        assert dynamo.recompile_limit >= 12
+        assert not any("recompile_limit" in r.getMessage() or "cache_size_limit" in r.getMessage()
+                       for r in caplog.records)
+        for (s1, a), (s2, b) in zip(eager["history"], compiled["history"]):
+            assert s1 == s2 and a == pytest.approx(b, rel=1e-4, abs=1e-5), s1
+    finally:
+        dynamo.recompile_limit = limit
+        torch._dynamo.reset()
