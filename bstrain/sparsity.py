@@ -310,12 +310,14 @@ def _dense_grad(layer: nn.Module, x: torch.Tensor, dy: torch.Tensor) -> torch.Te
             (g,) = torch.autograd.grad(y, wd, dyb.float())                    # (K, C, kh, kw)
         K, C = g.shape[:2]
         return g.reshape(K // bs, bs, C // bs, bs, -1).square().sum((1, 3, 4)).t().sqrt()
+    # in the activations' dtype (bf16 under autocast: the GEMM accumulates in fp32; the scores only rank)
+    dt = x.dtype if x.dtype == dy.dtype and x.is_cuda else torch.float32
     if layer.op.feature_axis == 1:
-        x2, dy2 = x.reshape(-1, x.shape[-1]).float(), dy.reshape(-1, dy.shape[-1]).float()
-        g = x2.t() @ dy2                                                        # (C, K)
+        x2, dy2 = x.reshape(-1, x.shape[-1]).to(dt), dy.reshape(-1, dy.shape[-1]).to(dt)
+        g = (x2.t() @ dy2).float()                                              # (C, K)
     else:
-        x2, dy2 = x.reshape(x.shape[0], -1).float(), dy.reshape(dy.shape[0], -1).float()
-        g = x2 @ dy2.t()
+        x2, dy2 = x.reshape(x.shape[0], -1).to(dt), dy.reshape(dy.shape[0], -1).to(dt)
+        g = (x2 @ dy2.t()).float()
     C, K = g.shape
     return g.reshape(C // bs, bs, K // bs, bs).square().sum((1, 3)).sqrt()
 
