@@ -123,3 +123,15 @@ def test_compiled_training_follows_every_update(tmp_path, caplog):
     finally:
         dynamo.recompile_limit = limit
         torch._dynamo.reset()
+
+
+def test_ema_copy_takes_the_new_layouts(tmp_path):
+    cfg = _cfg(tmp_path, "ema", "set")
+    with open_dict(cfg):
+        cfg.optim.ema = 0.9
+    train(cfg)
+    ckpt = torch.load(sorted((tmp_path / "ema").glob("**/*.pt"))[-1], weights_only=False)
+    model, ema = ckpt["model"], ckpt["ema"]
+    for k, v in model.items():
+        if k.endswith("layout"):
+            assert torch.equal(ema["module." + k], v), k
