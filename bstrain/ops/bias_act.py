@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from bstrain.ops.ew import _check_tensor, check_param, use_kernels
+from bstrain.ops.ew import _check_tensor, check_param, unit_columns, use_kernels
 from bstrain.ops.tables import eager
 
 __all__ = ["bias_gelu", "bias_gelu_ref"]
@@ -41,9 +41,9 @@ def _bwd_ref(dy: Tensor, x: Tensor, bias: Tensor) -> tuple[Tensor, Tensor]:
 @torch.library.custom_op("bstrain::bias_gelu", mutates_args=())
 def _bias_gelu_op(x: Tensor, bias: Tensor) -> Tensor:
     """x (N, C) with unit column stride, bias (C,) -> gelu(x + bias) (N, C) contiguous in x's dtype."""
-    if x.is_cuda:
+    if x.is_cuda:                             # (a compiler may hand over any strides: the kernel needs unit columns)
         from bstrain.kernels.bias_act import bias_gelu_forward
-        return bias_gelu_forward(x, bias)
+        return bias_gelu_forward(unit_columns(x), bias.contiguous())
     return bias_gelu_ref(x, bias).contiguous()
 
 
@@ -57,7 +57,7 @@ def _bias_gelu_bwd_op(dy: Tensor, x: Tensor, bias: Tensor) -> tuple[Tensor, Tens
     """(dx in x's dtype, dbias (C,) in fp32; fp64 for fp64 x)."""
     if x.is_cuda:
         from bstrain.kernels.bias_act import bias_gelu_backward
-        return bias_gelu_backward(dy.contiguous(), x, bias)
+        return bias_gelu_backward(dy.contiguous(), unit_columns(x), bias.contiguous())
     return _bwd_ref(dy, x, bias)
 
 

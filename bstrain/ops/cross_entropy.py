@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from bstrain.ops.ew import INDEX_DTYPES, _check_tensor, use_kernels
+from bstrain.ops.ew import INDEX_DTYPES, _check_tensor, unit_columns, use_kernels
 from bstrain.ops.tables import eager
 
 __all__ = ["cross_entropy", "cross_entropy_ref"]
@@ -31,9 +31,9 @@ def cross_entropy_ref(logits: Tensor, labels: Tensor) -> Tensor:
 @torch.library.custom_op("bstrain::softmax_xent", mutates_args=())
 def _xent_op(logits: Tensor, labels: Tensor) -> tuple[Tensor, Tensor]:
     """(loss, lse), each (N,) fp32, of (N, V) logits with unit column stride and (N,) labels."""
-    if logits.is_cuda:
+    if logits.is_cuda:                        # (a compiler may hand over any strides: the kernel needs unit columns)
         from bstrain.kernels.cross_entropy import xent_forward
-        return xent_forward(logits, labels.contiguous())
+        return xent_forward(unit_columns(logits), labels.contiguous())
     work = torch.promote_types(logits.dtype, torch.float32)
     return cross_entropy_ref(logits, labels), torch.logsumexp(logits.to(work), dim=1)
 
@@ -50,7 +50,7 @@ def _xent_bwd_op(dloss: Tensor, logits: Tensor, labels: Tensor, lse: Tensor) -> 
     """dlogits (N, V) in the logits' dtype: (softmax − onehot)·dloss."""
     if logits.is_cuda:
         from bstrain.kernels.cross_entropy import xent_backward
-        return xent_backward(dloss, logits, labels.contiguous(), lse)
+        return xent_backward(dloss, unit_columns(logits), labels.contiguous(), lse)
     p = torch.exp(logits.to(lse.dtype) - lse[:, None])
     p[torch.arange(logits.shape[0], device=logits.device), labels.long()] -= 1
     return (p * dloss.to(lse.dtype)[:, None]).to(logits.dtype)

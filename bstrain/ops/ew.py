@@ -77,6 +77,12 @@ def check_index_range(name: str, idx: torch.Tensor, n: int) -> None:
             raise ValueError(f"{name}: expected values in [0, {n}), got [{lo}, {hi}]")
 
 
+def unit_columns(t: torch.Tensor) -> torch.Tensor:
+    """t with unit stride along its last axis (a copy only if it has another): what the row kernels
+    take. Custom-op bodies call it, since a compiler may hand them inputs of any strides."""
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
 def _check_tensor(name: str, x) -> None:
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"{name}: expected a torch.Tensor, got {type(x).__name__}")

@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from bstrain.ops.ew import _check_tensor, check_param, use_kernels
+from bstrain.ops.ew import _check_tensor, check_param, unit_columns, use_kernels
 from bstrain.ops.tables import eager
 
 __all__ = ["add_layer_norm", "add_layer_norm_ref"]
@@ -66,9 +66,11 @@ def _add_ln_op(x: Tensor, r: Tensor | None, rb: Tensor | None, w: Tensor, b: Ten
     """x, r: (N, C), unit feature stride; rb (r's bias, only with r), w, b: (C,). Returns (y, h,
     mean, rstd): y and h (N, C) in x's dtype (h (0, C) when r is None: the stream is x),
     statistics (N,) fp32 (fp64 for fp64 x). CUDA: the kernel; CPU: the reference."""
-    if x.is_cuda:
+    if x.is_cuda:                             # (a compiler may hand over any strides: the kernel needs unit columns)
         from bstrain.kernels.residual_norm import add_layer_norm_forward
-        y, h, mean, rstd = add_layer_norm_forward(x, r, w, b, eps, rb=rb)
+        x, r = unit_columns(x), None if r is None else unit_columns(r)
+        y, h, mean, rstd = add_layer_norm_forward(x, r, w.contiguous(), b.contiguous(), eps,
+                                                  rb=None if rb is None else rb.contiguous())
         return y, x.new_empty((0, x.shape[1])) if h is None else h, mean, rstd
     y, h = add_layer_norm_ref(x, r, w, b, eps, rb)
     mean, rstd = _stats_ref(h, eps)
@@ -90,8 +92,8 @@ def _add_ln_bwd_op(dy: Tensor, dh: Tensor | None, h: Tensor, w: Tensor, mean: Te
     if not h.is_cuda:
         return _bwd_ref(dy, dh, h, w, mean, rstd, dx_dtype)
     from bstrain.kernels.residual_norm import add_layer_norm_backward
-    return add_layer_norm_backward(dy.contiguous(), None if dh is None else dh.contiguous(), h, w, mean, rstd,
-                                   dx_dtype)
+    return add_layer_norm_backward(dy.contiguous(), None if dh is None else dh.contiguous(), unit_columns(h),
+                                   w.contiguous(), mean, rstd, dx_dtype)
 
 
 @_add_ln_bwd_op.register_fake
