@@ -20,6 +20,7 @@ import triton.language as tl
 from bstrain.kernels.alloc import empty
 from bstrain.kernels.launch import Launch, aligned, plan
 from bstrain.kernels.matmul import _sm_count
+from bstrain.kernels.norms import _input_grad
 
 TILE = 4096       # fp32 elements a program holds at once
 
@@ -77,9 +78,7 @@ def _add_layer_norm_bwd_kernel(H, W, DY, DH, DX, MEAN, RSTD, DW_PART, DB_PART, D
         dw += tl.sum(dy * xhat, axis=0)
         db += tl.sum(dy, axis=0)
         dxhat = dy * w[None, :]
-        c1 = tl.sum(dxhat * xhat, axis=1) / C
-        c2 = tl.sum(dxhat, axis=1) / C
-        dx = (dxhat - xhat * c1[:, None] - c2[:, None]) * rstd[:, None]
+        dx = _input_grad(dxhat, xhat, rstd, dxhat * xhat, dxhat, C)
         if HAS_DH:
             dx += tl.load(DH + r64 * C + cols[None, :], mask=mask, other=0.0).to(tl.float32)
         tl.store(DX + r64 * C + cols[None, :], dx.to(DX.dtype.element_ty), mask=mask)
