@@ -218,6 +218,20 @@ class SparseTransformer(nn.Module):
                 nn.init.normal_(self.pos, std=0.02)
             for blk in self.blocks:            # residual projections scaled down with depth (GPT-2)
                 blk.attn.proj.weight.mul_(1 / math.sqrt(2 * cfg.n_layer))
+        self._warm_rotary()
+
+    def _warm_rotary(self) -> None:
+        """Makes the rotary tables of this model's device now (they are cached per device), so that
+        a forward never builds them: not even the first one traced by torch.compile, which would
+        otherwise compute them inside the graph at every step."""
+        dev = self.head.weight.device
+        if self.cfg.positions == Positions.rotary and self.cfg.fused and dev.type != "meta":
+            rotary_tables(self.cfg.context, self.cfg.d_model // self.cfg.n_head, dev)
+
+    def _apply(self, fn, recurse: bool = True):
+        out = super()._apply(fn, recurse)                 # .to(), .cuda(), to_empty(): tables follow once
+        self._warm_rotary()
+        return out
 
     @staticmethod
     def _check(cfg: TransformerConfig) -> TransformerConfig:
