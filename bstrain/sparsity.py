@@ -57,8 +57,8 @@ class _OpLayer:
     def block_layout(self) -> np.ndarray:
         return self.op.layout
 
-    def _use_layout(self, layout: np.ndarray) -> None:
-        self.op.set_layout(layout)
+    def _switch_layout(self, layout: np.ndarray) -> None:
+        self.op.set_layout(layout)                  # (it makes the new tables where the old ones were)
 
 
 def _check(name: str, value, ok: bool, expected: str) -> None:
@@ -210,7 +210,7 @@ class DynamicSparsity:
             moved = torch.zeros_like(t)
             moved[dst_idx.to(t.device)] = t[src_idx.to(t.device)]
             t.copy_(moved)
-        layer._use_layout(new)
+        layer._switch_layout(new)
         if isinstance(getattr(layer, "layout", None), torch.Tensor):             # a module's layout buffer
             layer.layout.copy_(torch.as_tensor(new, device=layer.layout.device))
 

@@ -494,12 +494,17 @@ class BlocksparseMatMul:
     def set_layout(self, layout) -> None:
         """Switches this op, in place, to another layout of the same shape and live-block count (so
         a weight of w_shape stays valid; its blocks are then read in the new layout's order).
-        ``bstrain.sparsity`` moves the weights; this only changes the op and its tables."""
+        ``bstrain.sparsity`` moves the weights; this only changes the op and its tables. The new
+        tables are made at once on every GPU the old ones were on, so that a graph traced later
+        finds them (a traced build would give the PyTorch path data-dependent sizes)."""
         new = as_layout(layout)
         if new.shape != self.layout.shape or int(new.sum()) != self.blocks:
             raise ValueError(f"layout: expected a {self.layout.shape} layout with {self.blocks} live blocks, got "
                              f"{new.shape} with {int(new.sum())}")
+        devices = [d for d in self._tables.devices if d.type == "cuda"]
         self.__init__(new, self.block_size, self.feature_axis, self.backend)
+        for d in devices:
+            self._tables.on(d)
 
     def __call__(self, I: torch.Tensor, W: torch.Tensor, dw_dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """Y = I·W with autograd. I: (*, C) with feature_axis=1 ((C, *) with feature_axis=0),

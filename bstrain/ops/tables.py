@@ -112,6 +112,11 @@ class LayoutTables:
             tables = self._on[device] = _BUILDERS[self.family](*self.spec, device=device)
         return tables
 
+    @property
+    def devices(self) -> list[torch.device]:
+        """The devices these tables have been made on (the CPU always)."""
+        return list(self._on)
+
     def __reduce__(self):
         return layout_tables, (self.family, *self.spec)
 
