@@ -371,6 +371,8 @@ def one_step(run: Run, x: torch.Tensor, y: torch.Tensor, fresh: bool):
             run.skipped = run.skipped + skipped
         run.state = run.captured.state
     else:                                               # eager (or a batch of another shape than the graph's)
+        if run.captured is not None:                    # a replay leaves its gradients in .grad: not added to
+            run.optimizer.zero_grad(set_to_none=True)
         scale = run.scaler._scale.clone() if run.scaler.is_enabled() and run.scaler._scale is not None else None
         loss, grad_norm, run.state, metrics = train_step(run.forward, run.task.loss, x, y, run.state, run.optimizer,
                                                          run.params, run.cfg.optim.grad_clip, run.scaler,

@@ -96,6 +96,33 @@ def test_graphed_step_follows_the_eager_trajectory(make_cfg, precision, ema):
     assert graphed["valid_bpb"] == pytest.approx(eager["valid_bpb"], rel=tol)
 
 
+@gpu
+def test_an_eager_step_between_replays_does_not_add_the_replays_gradients(make_cfg, monkeypatch):
+    """A step the graph does not take (a batch of another shape) runs eagerly after replays that
+    left their gradients in the parameters' .grad: it starts from none, as the eager loop does."""
+    from bstrain.train.graphs import CapturedStep
+    common = dict(trainer__max_steps=6, trainer__device="cuda", trainer__eval_every=0)
+    eager = train(make_cfg(**common, trainer__cuda_graph=False, run="eager"))
+    real_step, real_matches = CapturedStep.step, CapturedStep.matches
+    seen = {"replays": 0, "forced": 0}
+
+    def step(self, *args, **kwargs):
+        seen["replays"] += 1
+        return real_step(self, *args, **kwargs)
+
+    def matches(self, x, y):                            # the third batch does not fit the graph
+        if seen["replays"] == 2 and not seen["forced"]:
+            seen["forced"] = 1
+            return False
+        return real_matches(self, x, y)
+    monkeypatch.setattr(CapturedStep, "step", step)
+    monkeypatch.setattr(CapturedStep, "matches", matches)
+    mixed = train(make_cfg(**common, run="mixed"))
+    assert seen == {"replays": 5, "forced": 1} and mixed["step_mode"] == "graph"
+    for s, want in _losses(eager).items():
+        assert _losses(mixed)[s] == pytest.approx(want, rel=1e-4), f"step {s}"
+
+
 def _with_model(cfg, target: str):
     from omegaconf import OmegaConf, open_dict
     with open_dict(cfg):

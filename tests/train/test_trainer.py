@@ -18,6 +18,7 @@ import torch
 
 from bstrain.train import checkpoint as ckpt_mod
 from bstrain.train import trainer as trainer_mod
+from bstrain.train.tasks import lm as lm_task
 from bstrain.errors import UserError
 from bstrain.train.trainer import train
 from tests.conftest import killed_then_resumed
@@ -125,14 +126,15 @@ def test_sigkill_mid_training_resumes_from_last_complete_checkpoint(tmp_path):
 
 def test_fp16_overflow_skips_the_step_and_never_writes_nan(make_cfg, monkeypatch):
     def final_state(inject: bool, run: str) -> dict:
-        real_ce = torch.nn.functional.cross_entropy
+        real_ce = lm_task.cross_entropy
         calls = {"n": 0}
 
         def maybe_overflowing_ce(*args, **kwargs):
             calls["n"] += 1
             loss = real_ce(*args, **kwargs)
             return loss * float("inf") if inject and calls["n"] == 3 else loss    # step 3 overflows
-        monkeypatch.setattr(torch.nn.functional, "cross_entropy", maybe_overflowing_ce)
+        # the LM task's loss (bstrain's fused cross-entropy on CUDA, F.cross_entropy on the CPU)
+        monkeypatch.setattr(lm_task, "cross_entropy", maybe_overflowing_ce)
         # eager: the overflow is injected from Python, which a captured step would not re-run
         # (tests/train/test_graphs.py checks the skip inside a graph)
         cfg = make_cfg(trainer__max_steps=5, trainer__precision="fp16", trainer__eval_every=0,
