@@ -57,8 +57,8 @@ class _OpLayer:
     def block_layout(self) -> np.ndarray:
         return self.op.layout
 
-    def _switch_layout(self, layout: np.ndarray) -> None:
-        self.op.set_layout(layout)                  # (it makes the new tables where the old ones were)
+    def _switch_layout(self, layout: np.ndarray) -> bool:
+        return self.op.set_layout(layout)           # (it makes the new tables where the old ones were)
 
 
 def _check(name: str, value, ok: bool, expected: str) -> None:
@@ -108,6 +108,10 @@ class DynamicSparsity:
         self.model, self.optimizer = model, optimizer
         self.every, self.fraction, self.stop, self.balanced, self.seed = every, float(fraction), stop, balanced, seed
         self.also = [dict(sparse_layers(getattr(m, "module", m))) for m in also]
+        for _, layer in self.layers:        # tables of their own: balanced updates rewrite them in place
+            op = getattr(layer, "op", None)
+            if hasattr(op, "make_private"):
+                op.make_private()
         self.steps = 0                  # optimizer steps seen
         self.history: list[dict] = []   # one entry per update: step, share changed per layer
         self._hooks: list = []
@@ -137,7 +141,8 @@ class DynamicSparsity:
     def step(self, step: int | None = None) -> dict | None:
         """Call once after each optimizer step (``step``: its 1-based count; default: one more than
         the last call's). On update steps, changes every layer's layout and returns
-        ``{"step", "changed" {name: share of live blocks replaced}, "density" {name: live share}}``;
+        ``{"step", "changed" {name: share of live blocks replaced}, "density" {name: live share},
+        "in_place" (every changed layer's tables rewritten in place: graphs made before stay valid)}``;
         else None."""
         self.steps = self.steps + 1 if step is None else int(step)
         info = None
@@ -150,20 +155,20 @@ class DynamicSparsity:
     def _update(self, step: int) -> dict:
         share = self.fraction_at(step)
         gen = torch.Generator().manual_seed(self.seed * 1_000_003 + step)
-        changed, density = {}, {}
+        changed, density, in_place = {}, {}, True
         for name, layer in self.layers:
             old = np.asarray(layer.block_layout(), dtype=bool)
             new = self._new_layout(name, layer, old, share, gen)
             changed[name] = float((new & ~old).sum() / max(1, old.sum()))
             density[name] = float(new.mean())
             if not np.array_equal(new, old):
-                self._move(layer, old, new, self._optimizer_states(layer.weight))
+                in_place &= self._move(layer, old, new, self._optimizer_states(layer.weight))
                 for other in self.also:
                     twin = other.get(name)
                     if twin is not None:
                         self._move(twin, old, new, [])
         self._grads.clear()
-        info = {"step": step, "fraction": share, "changed": changed, "density": density}
+        info = {"step": step, "fraction": share, "changed": changed, "density": density, "in_place": in_place}
         self.history.append(info)
         return info
 
@@ -198,9 +203,10 @@ class DynamicSparsity:
         return [t for t in state.values() if isinstance(t, torch.Tensor) and t.shape == weight.shape]
 
     @staticmethod
-    def _move(layer: nn.Module, old: np.ndarray, new: np.ndarray, states: list[torch.Tensor]) -> None:
+    def _move(layer: nn.Module, old: np.ndarray, new: np.ndarray, states: list[torch.Tensor]) -> bool:
         """Switches ``layer`` to ``new``: surviving blocks (and their optimizer state) move to their
-        place in the new row-major block order, grown blocks (and state) start at zero."""
+        place in the new row-major block order, grown blocks (and state) start at zero. True when
+        the layer's tables were rewritten in place."""
         old_id = np.full(old.shape, -1)
         old_id[old] = np.arange(int(old.sum()))
         src = torch.as_tensor(old_id[new])                                   # new block i <- old src[i] (or -1)
@@ -210,9 +216,10 @@ class DynamicSparsity:
             moved = torch.zeros_like(t)
             moved[dst_idx.to(t.device)] = t[src_idx.to(t.device)]
             t.copy_(moved)
-        layer._switch_layout(new)
+        in_place = layer._switch_layout(new)
         if isinstance(getattr(layer, "layout", None), torch.Tensor):             # a module's layout buffer
             layer.layout.copy_(torch.as_tensor(new, device=layer.layout.device))
+        return in_place
 
     # --- RigL's gradient hooks ----------------------------------------------------------------------
     def _arm(self) -> None:

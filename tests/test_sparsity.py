@@ -5,7 +5,6 @@ balanced mode, an EMA copy, convolutions, ranks that agree, and the argument che
 from __future__ import annotations
 
 import copy
-import os
 
 import numpy as np
 import pytest
@@ -206,22 +205,24 @@ def test_ranks_agree(tmp_path):
 
 
 @pytest.mark.triton
-def test_compile_recompiles_once_per_update(monkeypatch):
+@pytest.mark.parametrize("balanced", [False, True], ids=["new-tables", "in-place"])
+def test_compile_recompiles_once_per_update(monkeypatch, balanced):
     """On the kernel path (the custom op names its layout) each update makes one new graph, and
     the compiled layer computes the new layout's product; on the CPU path (the tables are graph
-    inputs) none is needed."""
+    inputs) none is needed; balanced updates (tables rewritten in place, the key kept) need none
+    on either."""
     from torch._dynamo.testing import CompileCounterWithBackend
     if not torch.cuda.is_available():
         monkeypatch.setenv("TRITON_INTERPRET", "1")
     dev = "cuda" if torch.cuda.is_available() else "cpu"
-    for backend, per_update in (("triton", 1), ("torch", 0)):
+    for backend, per_update in (("triton", 0 if balanced else 1), ("torch", 0)):
         torch._dynamo.reset()
         torch.manual_seed(0)
         layer = BlockSparseLinear(64, 64, block_size=16, density=0.5).to(dev)
         layer.op.backend = backend
         counter = CompileCounterWithBackend("aot_eager")
         compiled = torch.compile(layer, backend=counter, fullgraph=True)
-        policy = SET(layer, None, every=1, fraction=0.5)
+        policy = SET(layer, None, every=1, fraction=0.5, balanced=balanced)
         x = torch.randn(4, 64, device=dev)
         for updates in range(3):
             with torch.no_grad():
@@ -287,3 +288,94 @@ def test_old_tables_are_freed_and_the_name_is_reachable():
     new = [layer.op.key for _, layer in sparse_layers(model)]
     assert all(k not in _REGISTRY for k in keys if k not in new)
     assert all(k in _REGISTRY for k in new)
+
+
+# --- in-place updates: balanced layouts keep every table's length, so graphs stay valid ----------------
+def _swapped(layout: np.ndarray, swaps: int, seed: int) -> np.ndarray:
+    """``layout`` with ``swaps`` 2x2 swaps (live (c1,k1), (c2,k2) -> (c1,k2), (c2,k1)): every block
+    row and column keeps its count."""
+    rng = np.random.default_rng(seed)
+    new, done = layout.copy(), 0
+    while done < swaps:
+        (c1, k1), (c2, k2) = np.argwhere(new)[rng.choice(int(new.sum()), 2, replace=False)]
+        if not new[c1, k2] and not new[c2, k1]:
+            new[c1, k1] = new[c2, k2] = False
+            new[c1, k2] = new[c2, k1] = True
+            done += 1
+    return new
+
+
+def _lut_tensors(op, dev):
+    t = op._tables.on(dev)
+    luts = t.luts
+    return [t.c_idx, t.k_idx] + [getattr(s, n) for s in (luts.fwd, luts.bwd) for n in ("ptr", "blk", "idx", "packed")]
+
+
+@pytest.mark.triton
+def test_a_private_op_switches_a_balanced_layout_in_place():
+    """make_private + set_layout with the same row and column counts: the same table tensors (and
+    key) now hold the new layout, so a launch plan made before the switch computes the new
+    product; another op that had the same layout keeps it; other counts get new tables."""
+    from bstrain.layout import balanced
+    from bstrain.ops import BlocksparseMatMul
+    from bstrain.ops.matmul import bsmm_ref
+    torch.manual_seed(0)
+    old = balanced((4, 6), 0.5, seed=1)
+    op, twin = BlocksparseMatMul(old, 16, backend="triton"), BlocksparseMatMul(old, 16, backend="triton")
+    assert op.key == twin.key
+    op.make_private()
+    assert op.key != twin.key and op._tables.private
+    dev = torch.device("cpu")
+    x = torch.randn(op.i_shape(9), dtype=torch.float32, requires_grad=True)
+    w = torch.randn(op.w_shape, requires_grad=True)
+    op(x, w).sum().backward()                                    # plans made on the old layout
+    tensors = [t.data_ptr() for t in _lut_tensors(op, dev)]
+    key = op.key
+    new = _swapped(old, 3, seed=2)
+    assert op.set_layout(new) is True
+    assert op.key == key and np.array_equal(op.layout, new) and np.array_equal(twin.layout, old)
+    assert [t.data_ptr() for t in _lut_tensors(op, dev)] == tensors
+    assert torch.equal(op.coords, torch.as_tensor(np.stack(np.nonzero(new))))
+    for layer, lay in ((op, new), (twin, old)):                   # kernels (interpreter) against float64
+        xd = x.detach().double().requires_grad_()
+        wd = w.detach().double().requires_grad_()
+        c, k = (torch.as_tensor(a) for a in np.nonzero(lay))
+        ref = bsmm_ref(xd, wd, c, k, layer.K)
+        g = torch.randn_like(ref)
+        ref_dx, ref_dw = torch.autograd.grad(ref, (xd, wd), g)
+        xk, wk = x.detach().clone().requires_grad_(), w.detach().clone().requires_grad_()
+        y = layer(xk, wk)
+        dx, dw = torch.autograd.grad(y, (xk, wk), g.float())
+        for got, want in ((y, ref), (dx, ref_dx), (dw, ref_dw)):
+            torch.testing.assert_close(got.double(), want, rtol=1e-4, atol=1e-4)
+    other = balanced((4, 6), 0.5, seed=3)
+    if not (np.array_equal(other.sum(0), new.sum(0)) and np.array_equal(other.sum(1), new.sum(1))):
+        assert op.set_layout(other) is False and op.key != key and op._tables.private
+    with pytest.raises(ValueError, match="live blocks"):
+        op.set_layout(np.ones((4, 6), bool))
+
+
+def test_shared_tables_are_never_rewritten():
+    from bstrain.ops import BlocksparseMatMul
+    op = BlocksparseMatMul(np.eye(4, dtype=bool), 16)
+    with pytest.raises(RuntimeError, match="shared tables"):
+        op._tables.rewrite(np.eye(4, dtype=bool)[::-1].copy(), 16)
+    op.make_private()
+    with pytest.raises(ValueError, match="same live-block count"):
+        op._tables.rewrite(np.eye(4, dtype=bool)[:, [0, 0, 2, 3]] | np.eye(4, dtype=bool), 16)
+    assert np.array_equal(op.layout, np.eye(4, dtype=bool))
+
+
+@pytest.mark.parametrize("cls", [SET, RigL], ids=["set", "rigl"])
+def test_balanced_policy_updates_in_place(cls):
+    """balanced=True: each layer keeps its op and key (its tables rewritten in place), and the
+    update says so; the products are those of the new layouts."""
+    model = mlp(density=0.5)
+    policy = cls(model, None, every=1, fraction=0.5, balanced=True, seed=5)
+    ops = [(layer.op, layer.op.key) for _, layer in sparse_layers(model)]
+    (info,) = train(model, torch.optim.SGD(model.parameters(), lr=0.1), policy, 1)
+    assert info["in_place"] is True and any(v > 0 for v in info["changed"].values())
+    for (_, layer), (op, key) in zip(sparse_layers(model), ops):
+        assert layer.op is op and op.key == key
+        x = torch.randn(3, layer.in_features)
+        torch.testing.assert_close(layer(x), x @ layer.dense_weight().t() + layer.bias, rtol=1e-5, atol=1e-5)

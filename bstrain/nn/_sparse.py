@@ -42,15 +42,19 @@ class BlockLayoutModule(nn.Module):
     def block_layout(self) -> np.ndarray:
         raise NotImplementedError
 
-    def _use_layout(self, layout: np.ndarray) -> None:
+    def _use_layout(self, layout: np.ndarray) -> bool:
+        """Switches to ``layout``; True when the op's tables were rewritten in place (graphs made
+        before stay valid)."""
         raise NotImplementedError
 
-    def _switch_layout(self, layout: np.ndarray) -> None:
+    def _switch_layout(self, layout: np.ndarray) -> bool:
         """:meth:`_use_layout`, then the new tables made on the weight's GPU at once (as ``.to()``
-        does), so that a graph traced later finds them instead of building them inside the trace."""
-        self._use_layout(layout)
+        does), so that a graph traced later finds them instead of building them inside the trace.
+        True when the switch was made in place."""
+        in_place = bool(self._use_layout(layout))
         if self.weight.device.type == "cuda":
             self._layout_tables().on(self.weight.device)
+        return in_place
 
     def _filled(self, dense: nn.Module) -> nn.Module:
         """``dense`` (the nn twin of this layer, built by ``to_dense``) with this layer's weights."""

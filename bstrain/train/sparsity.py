@@ -68,9 +68,10 @@ def after_step(run, board) -> dict | None:
     info = run.sparsity.step(run.step)
     if info is None:
         return None
-    if run.captured is not None:
-        run.captured.graph = None                  # captured again at the next step, on the new tables
-    run.eval_forwards.clear()
+    if not info["in_place"]:                       # new tables: the graphs made on the old ones go
+        if run.captured is not None:
+            run.captured.graph = None              # captured again at the next step, on the new tables
+        run.eval_forwards.clear()
     changed = sum(info["changed"].values()) / max(1, len(info["changed"]))
     log.info("sparsity: step %d, %.1f%% of the live blocks replaced (share %.3f)", run.step, 100 * changed,
              info["fraction"])

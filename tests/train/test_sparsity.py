@@ -42,7 +42,7 @@ def test_layouts_change_and_resume_exactly_across_an_update(tmp_path, monkeypatc
     """Updates at steps 3 and 6; a run killed after its step-4 checkpoint resumes onto the same
     loss curve, through the update at step 6."""
     full = train(_cfg(tmp_path, "full", policy))
-    static = train(_cfg(tmp_path, "static", "static"))
+    train(_cfg(tmp_path, "static", "static"))
     lays, base = _layouts(tmp_path / "full"), _layouts(tmp_path / "static")
     assert set(lays) == set(base) and len(lays) == 4                     # fc1 and fc2 of both blocks
     for k in lays:
@@ -96,6 +96,54 @@ def test_graphed_steps_follow_the_updates(tmp_path):
         return c
     eager, graphed = train(cfg("eager", "false")), train(cfg("graph", "true"))
     assert graphed["step_mode"].startswith("graph")
+    for (s1, a), (s2, b) in zip(eager["history"], graphed["history"]):
+        assert s1 == s2 and a == pytest.approx(b, rel=1e-4, abs=1e-5), s1
+    assert all(np.array_equal(a, b) for a, b in zip(_layouts(tmp_path / "eager").values(),
+                                                    _layouts(tmp_path / "graph").values()))
+
+
+@pytest.mark.parametrize("balanced", [False, True])
+def test_graphs_are_dropped_only_for_new_tables(balanced):
+    """after_step: an update that rewrote every table in place (balanced) keeps the captured step
+    and the graphed evaluation forwards; one that made new tables drops them."""
+    from types import SimpleNamespace
+
+    from bstrain.sparsity import SET
+    from bstrain.train.sparsity import after_step
+    from tests.test_sparsity import mlp
+    model = mlp()
+    captured = SimpleNamespace(graph="a graph")
+    run = SimpleNamespace(sparsity=SET(model, None, every=1, fraction=0.5, balanced=balanced, seed=3), step=1,
+                          captured=captured, eval_forwards={"shape": "graph"})
+    board = SimpleNamespace(scalars=lambda *a: None, layouts=lambda *a: None)
+    info = after_step(run, board)
+    assert info["in_place"] is balanced                 # (unbalanced: this seed's counts change)
+    assert (captured.graph is not None) is balanced and bool(run.eval_forwards) is balanced
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("policy", ["set", "rigl"])
+def test_balanced_updates_keep_the_captured_step(tmp_path, monkeypatch, policy):
+    """On the GPU, sparsity.balanced=true: the step is captured once for the whole run (the
+    updates rewrite the tables the graph reads; RigL's gradient step runs eagerly between two
+    replays), and the loss curve is the eager run's."""
+    from bstrain.train.graphs import CapturedStep
+    captures = []
+    real = CapturedStep.prepare
+
+    def prepare(self, x, y):
+        captures.append(1)
+        return real(self, x, y)
+
+    def cfg(run, graph):
+        c = _cfg(tmp_path, run, policy, balanced=True)
+        with open_dict(c):
+            c.trainer.update(device="cuda", cuda_graph=graph)
+        return c
+    eager = train(cfg("eager", "false"))
+    monkeypatch.setattr(CapturedStep, "prepare", prepare)
+    graphed = train(cfg("graph", "true"))
+    assert graphed["step_mode"].startswith("graph") and len(captures) == 1
     for (s1, a), (s2, b) in zip(eager["history"], graphed["history"]):
         assert s1 == s2 and a == pytest.approx(b, rel=1e-4, abs=1e-5), s1
     assert all(np.array_equal(a, b) for a, b in zip(_layouts(tmp_path / "eager").values(),
