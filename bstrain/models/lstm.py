@@ -149,6 +149,12 @@ class _Norm(nn.Module):
         self.g = nn.Parameter(torch.ones(features)) if enabled else None
         self.b = nn.Parameter(torch.zeros(features)) if enabled else None
 
+    def reset_parameters(self) -> None:
+        if self.enabled:
+            with torch.no_grad():
+                self.g.fill_(1.0)
+                self.b.zero_()
+
     def cast(self, dtype: torch.dtype, device: torch.device):
         """(g, b) accessors in ``dtype``: cast once per sequence, not at every timestep. None on
         CUDA, where the layer-norm kernel takes the fp32 parameters with 16-bit x as they are
@@ -228,6 +234,22 @@ class SparseLSTM(nn.Module):
             with torch.no_grad():
                 layer.weight.copy_(layer.op.identity_init())
         return layer
+
+    def reset_parameters(self) -> None:
+        """Initialises every parameter as the constructor does: for a model built on the meta
+        device and then given memory with ``to_empty(device=...)``."""
+        for m in self.modules():
+            if m is not self and hasattr(m, "reset_parameters"):
+                m.reset_parameters()
+        with torch.no_grad():
+            self.embedding.normal_(0.0, 0.1)
+            self.gate_bias.zero_()
+            if self.cfg.init == Init.identity:
+                for layer in (self.w_hm, *self.deep):
+                    if isinstance(layer, BlockSparseLinear):
+                        layer.weight.copy_(layer.op.identity_init())
+                    else:
+                        nn.init.eye_(layer.weight)
 
     def sparse_layers(self) -> list[BlockSparseLinear]:
         return [m for m in self.modules() if isinstance(m, BlockSparseLinear)]

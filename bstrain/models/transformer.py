@@ -212,13 +212,24 @@ class SparseTransformer(nn.Module):
         self.blocks = nn.ModuleList(Block(cfg, self.patterns[i % len(self.patterns)], i) for i in range(cfg.n_layer))
         self.norm = nn.LayerNorm(d)
         self.head = nn.Linear(d, VOCAB)
+        self._init_weights()
+        self._warm_rotary()
+
+    def _init_weights(self) -> None:
         with torch.no_grad():
             nn.init.normal_(self.embed.weight, std=0.02)
             if self.pos is not None:
                 nn.init.normal_(self.pos, std=0.02)
             for blk in self.blocks:            # residual projections scaled down with depth (GPT-2)
-                blk.attn.proj.weight.mul_(1 / math.sqrt(2 * cfg.n_layer))
-        self._warm_rotary()
+                blk.attn.proj.weight.mul_(1 / math.sqrt(2 * self.cfg.n_layer))
+
+    def reset_parameters(self) -> None:
+        """Initialises every parameter as the constructor does: for a model built on the meta
+        device and then given memory with ``to_empty(device=...)``."""
+        for m in self.modules():
+            if m is not self and hasattr(m, "reset_parameters"):
+                m.reset_parameters()
+        self._init_weights()
 
     def _warm_rotary(self) -> None:
         """Makes the rotary tables of this model's device now (they are cached per device), so that

