@@ -116,6 +116,7 @@ class DynamicSparsity:
         self.history: list[dict] = []   # one entry per update: step, share changed per layer
         self._hooks: list = []
         self._grads: dict[str, torch.Tensor] = {}
+        self._captured_grads: dict[str, torch.Tensor] = {}
         self._arm()
 
     # --- schedule ---------------------------------------------------------------------------------
@@ -224,6 +225,20 @@ class DynamicSparsity:
     # --- RigL's gradient hooks ----------------------------------------------------------------------
     def _arm(self) -> None:
         pass
+
+    # --- a captured gradient step (the trainer's CUDA graph) ------------------------------------------
+    def begin_step(self) -> None:
+        """A (warm-up or captured) run of the step before an update starts: the gradient sums
+        start over."""
+        self._grads.clear()
+
+    def keep_captured(self) -> None:
+        """The gradient sums a capture of that step wrote: every replay rewrites these tensors."""
+        self._captured_grads = dict(self._grads)
+
+    def use_captured(self) -> None:
+        """After a replay of the captured step: the update reads the sums it wrote."""
+        self._grads = dict(self._captured_grads)
 
     # --- checkpoints ----------------------------------------------------------------------------------
     def state_dict(self) -> dict:

@@ -1,10 +1,11 @@
 """The trainer's side of dynamic block sparsity (:mod:`bstrain.sparsity`): the policy the
 ``sparsity`` config group names, its cadence, and what an update means for the run.
 
-After an update the layers run on new layout tables, so a captured step (and the graphed
-evaluation) is dropped and captured again at the next step; a step whose gradients RigL reads
-(the one before an update) runs eagerly, so that its hooks see the layers' inputs and output
-gradients. The layouts travel in the model's state dict; the policy's step count is the run's.
+A balanced update rewrites the layers' layout tables in place, so the captured step and the
+graphed evaluation stay valid; any other update makes new tables, and the graphs are dropped and
+captured again when next needed. The step whose gradients RigL reads (the one before an update)
+has a capture of its own with the hooks armed (where it cannot be captured, it runs eagerly). The
+layouts travel in the model's state dict; the policy's step count is the run's.
 """
 from __future__ import annotations
 
@@ -58,7 +59,8 @@ def allow_recompiles(policy) -> None:
 
 
 def wants_eager(run) -> bool:
-    """The coming step must run eagerly (RigL reads its gradients through hooks)."""
+    """The coming step reads its gradients through hooks (RigL's, before an update): it runs
+    eagerly, or from the capture made with the hooks armed."""
     return run.sparsity is not None and run.sparsity.armed
 
 
@@ -69,8 +71,9 @@ def after_step(run, board) -> dict | None:
     if info is None:
         return None
     if not info["in_place"]:                       # new tables: the graphs made on the old ones go
-        if run.captured is not None:
-            run.captured.graph = None              # captured again at the next step, on the new tables
+        for captured in (run.captured, getattr(run, "captured_armed", None)):
+            if captured is not None:
+                captured.graph = None              # captured again when next needed, on the new tables
         run.eval_forwards.clear()
     changed = sum(info["changed"].values()) / max(1, len(info["changed"]))
     log.info("sparsity: step %d, %.1f%% of the live blocks replaced (share %.3f)", run.step, 100 * changed,

@@ -255,6 +255,8 @@ class Run:
     ema: Any = None
     params: list = field(default_factory=list)    # the model's parameters, listed once for clipping
     captured: CapturedStep | None = None
+    captured_armed: CapturedStep | None = None    # RigL's gradient step, hooks armed (captured when first run)
+    armed_eager: bool = False             # that step could not be captured: it runs eagerly
     step_mode: str = "eager"              # how steps run: "graph" or "eager", "(compiled)" when compiled
     eval_forwards: dict = field(default_factory=dict)   # graphed evaluation forwards, per model
     throughput: list = field(default_factory=list)      # units/s of each logged window
@@ -359,17 +361,21 @@ def one_step(run: Run, x: torch.Tensor, y: torch.Tensor, fresh: bool):
         _place_state(run, x)
     if fresh:
         run.state = None                                # the data stream restarts: so does the state
-    graph = run.captured is not None and not sparsity.wants_eager(run)
-    if graph and run.captured.graph is None:
-        _start_graph(run, x, y)
-        graph = run.captured is not None
-    if graph and run.captured.matches(x, y):            # the whole step in one graph replay
-        loss, grad_norm, metrics, skipped = run.captured.step(x, y, reset_state=run.state is None)
+    cap = _graph_for(run, x, y)
+    if cap is not None:                                 # the whole step in one graph replay
+        armed = cap is not run.captured
+        if armed and run.state is not None:
+            cap.load_state(run.state, x)                # the carried state, from the other graph's buffers
+        loss, grad_norm, metrics, skipped = cap.step(x, y, reset_state=run.state is None)
         # the graph's outputs are overwritten by the next replay
         loss, grad_norm, metrics = loss.clone(), grad_norm.clone(), {k: v.clone() for k, v in metrics.items()}
         if run.scaler.is_enabled():
             run.skipped = run.skipped + skipped
-        run.state = run.captured.state
+        run.state = cap.state
+        if armed:
+            run.sparsity.use_captured()                 # the gradient sums this replay wrote
+            if run.state is not None:
+                run.captured.load_state(run.state, x)
     else:                                               # eager (or a batch of another shape than the graph's)
         if run.captured is not None:                    # a replay leaves its gradients in .grad: not added to
             run.optimizer.zero_grad(set_to_none=True)
@@ -384,6 +390,49 @@ def one_step(run: Run, x: torch.Tensor, y: torch.Tensor, fresh: bool):
         if run.captured is not None and run.state is not None and run.captured.matches(x, y):
             run.captured.load_state(run.state, x)       # the graph's next replay carries this state on
     return loss, grad_norm, metrics
+
+
+def _graph_for(run: Run, x: torch.Tensor, y: torch.Tensor) -> CapturedStep | None:
+    """The captured step this batch replays (captured now if this is its first), or None: eager.
+    The step before a RigL update has a capture of its own, with the gradient hooks armed."""
+    if run.captured is None:
+        return None
+    if sparsity.wants_eager(run):
+        if run.armed_eager:
+            return None
+        if run.captured_armed is None:
+            run.captured_armed = run.captured.twin(before_step=run.sparsity.begin_step)
+        if run.captured_armed.graph is None and not _start_armed_graph(run, x, y):
+            return None
+        cap = run.captured_armed
+    else:
+        if run.captured.graph is None:
+            _start_graph(run, x, y)
+            if run.captured is None:
+                return None
+        cap = run.captured
+    return cap if cap.matches(x, y) else None
+
+
+def _start_armed_graph(run: Run, x: torch.Tensor, y: torch.Tensor) -> bool:
+    """Captures the step with the policy's gradient hooks armed; where it cannot be, that step
+    runs eagerly from now on, with one log line saying why (every rank alike under DDP)."""
+    reason = None
+    try:
+        run.captured_armed.prepare(x, y)
+    except CaptureError as exc:
+        reason = str(exc)
+    if run.world.active:
+        reasons = [r for r in gather(reason, run.world) if r]
+        reason = reasons[0] if reasons else None
+    if reason is None:
+        run.sparsity.keep_captured()                    # the gradient sums the captured run writes
+        if not run.step_mode.startswith("graph"):       # (every step may be armed: sparsity.every=1)
+            run.step_mode = "graph" + (" (compiled)" if "compiled" in run.step_mode else "")
+        return True
+    run.captured_armed, run.armed_eager = None, True
+    log.info("sparsity: the step before each update runs eagerly; it could not be captured: %s", reason)
+    return False
 
 
 def _start_graph(run: Run, x: torch.Tensor, y: torch.Tensor) -> None:
