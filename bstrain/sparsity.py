@@ -108,8 +108,9 @@ class DynamicSparsity:
         self.model, self.optimizer = model, optimizer
         self.every, self.fraction, self.stop, self.balanced, self.seed = every, float(fraction), stop, balanced, seed
         self.also = [dict(sparse_layers(getattr(m, "module", m))) for m in also]
-        for _, layer in self.layers:        # tables of their own: balanced updates rewrite them in place
-            op = getattr(layer, "op", None)
+        twins = [layer for other in self.also for layer in other.values()]
+        for layer in [layer for _, layer in self.layers] + twins:     # tables of their own: balanced
+            op = getattr(layer, "op", None)                           # updates rewrite them in place
             if hasattr(op, "make_private"):
                 op.make_private()
         self.steps = 0                  # optimizer steps seen
@@ -167,7 +168,7 @@ class DynamicSparsity:
                 for other in self.also:
                     twin = other.get(name)
                     if twin is not None:
-                        self._move(twin, old, new, [])
+                        in_place &= self._move(twin, old, new, [])
         self._grads.clear()
         info = {"step": step, "fraction": share, "changed": changed, "density": density, "in_place": in_place}
         self.history.append(info)

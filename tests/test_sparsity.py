@@ -379,3 +379,17 @@ def test_balanced_policy_updates_in_place(cls):
         assert layer.op is op and op.key == key
         x = torch.randn(3, layer.in_features)
         torch.testing.assert_close(layer(x), x @ layer.dense_weight().t() + layer.bias, rtol=1e-5, atol=1e-5)
+
+
+def test_balanced_update_rewrites_the_ema_copys_tables_in_place_too():
+    """The EMA copy's layers follow in place as well (its graphed evaluation stays valid)."""
+    model = mlp(density=0.5)
+    ema = copy.deepcopy(model)
+    policy = SET(model, None, every=1, fraction=0.5, balanced=True, seed=5, also=(ema,))
+    keys = [layer.op.key for _, layer in sparse_layers(ema)]
+    (info,) = train(model, torch.optim.SGD(model.parameters(), lr=0.1), policy, 1)
+    assert info["in_place"] is True
+    for (_, mine), (_, twin), key in zip(sparse_layers(model), sparse_layers(ema), keys):
+        assert twin.op.key == key and np.array_equal(twin.block_layout(), mine.block_layout())
+        x = torch.randn(3, twin.in_features)
+        torch.testing.assert_close(twin(x), x @ twin.dense_weight().t() + twin.bias, rtol=1e-5, atol=1e-5)
