@@ -37,6 +37,7 @@ point measured on the H200 (benchmarks/conv.md).
 from __future__ import annotations
 
 import math
+import warnings
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -342,6 +343,20 @@ def _dims(name: str, value, n: int, low: int) -> list[int]:
     return value
 
 
+def _float_dtype(name: str, dtype) -> torch.dtype | None:
+    """A torch or numpy floating dtype as a torch dtype (None stays None)."""
+    if dtype is None:
+        return None
+    if not isinstance(dtype, torch.dtype):
+        try:
+            dtype = torch.from_numpy(np.empty(0, dtype=dtype)).dtype
+        except TypeError:
+            dtype = None
+    if dtype is None or not dtype.is_floating_point:
+        raise TypeError(f"{name}: expected a floating dtype (torch or numpy) or None, got {dtype!r}")
+    return dtype
+
+
 def _padding(padding, n: int):
     if isinstance(padding, str):
         if padding.upper() not in ("SAME", "VALID"):
@@ -387,7 +402,10 @@ class BlocksparseConv:
     _transposed = False
 
     def __init__(self, BCK, TRS, DHW, MPQ=None, strides=(1, 1, 1), dilates=(1, 1, 1), padding="SAME",
-                 edge_bias=False, debug=False, backend: str = "auto"):
+                 edge_bias=False, debug=False, deconv=False, backend: str = "auto"):
+        if deconv is not self._transposed and deconv is not False:
+            raise ValueError("deconv: the seed's switch to a transposed convolution; use BlocksparseDeconv(...) "
+                             "with the same arguments")
         if not isinstance(TRS, (list, tuple)) or not 1 <= len(TRS) <= 3:
             raise ValueError(f"TRS: expected a sequence of 1-3 filter sizes, got {TRS!r}")
         n = len(TRS)
@@ -599,9 +617,12 @@ class BlocksparseConv:
     def _norm_dims(self) -> tuple[int, ...]:
         return tuple(range(1, 2 + len(self.TRS)))                          # per output channel of a block
 
-    def l2_normalize(self, F, gain: Tensor | None = None, epsilon: float = 1e-6) -> list[Tensor]:
+    def l2_normalize(self, F, gain: Tensor | None = None, epsilon: float = 1e-12, dtype=None):
         """Each block's filter scaled to unit L2 norm per output channel (times ``gain``, one value
-        per output channel of the blocks in order); returns per-block filters like F."""
+        per output channel of the blocks in order): the norm is sqrt(max(sum of squares, epsilon)),
+        in fp32 (fp64 for fp64 filters). Returns F's form (per-block filters, the stacked tensor, or
+        the flat (sizeF,) tensor), in ``dtype`` (a torch or numpy float dtype; default F's)."""
+        out_dtype = _float_dtype("dtype", dtype)
         fs_in = list(self._filters(F))
         dims = self._norm_dims()
         out, off = [], 0
@@ -613,14 +634,17 @@ class BlocksparseConv:
                 raise ValueError(f"gain: expected {sum(n_out)} values (the blocks' output channels in order), got "
                                  f"{tuple(gain.shape) if isinstance(gain, Tensor) else type(gain).__name__}")
         for f, n in zip(fs_in, n_out):
-            norm = f.float().square().sum(dims, keepdim=True).clamp_min(epsilon).sqrt()
-            g = f.float() / norm
+            work = f.to(torch.promote_types(f.dtype, torch.float32))
+            norm = work.square().sum(dims, keepdim=True).clamp_min(epsilon).sqrt()
+            g = work / norm
             if gain is not None:
                 shape = [1] * f.dim()
                 shape[1 if self._transposed else 0] = n
-                g = g * gain.reshape(-1)[off:off + n].float().view(shape)
+                g = g * gain.reshape(-1)[off:off + n].to(work.dtype).view(shape)
             off += n
-            out.append(g.to(f.dtype))
+            out.append(g.to(out_dtype or f.dtype))
+        if isinstance(F, Tensor):                       # the form F came in: flat or stacked
+            return torch.cat([o.reshape(-1) for o in out]) if F.dim() == 1 else torch.stack(out)
         return out
 
     def _k_overlap(self) -> bool:
@@ -709,17 +733,28 @@ class BlocksparseDeconv(BlocksparseConv):
         return y
 
 
-def cwise_linear(x: Tensor, a: Tensor | None = None, b: Tensor | None = None, relu: bool = False,
-                 bias_first: bool = False) -> Tensor:
-    """a·x + b per channel (dim 1): a and b have C elements, as (1, C, 1, 1) or any shape of that
-    size. ``bias_first``: (x + b)·a. ``relu``: max(·, 0)."""
+def cwise_linear(x: Tensor, gain: Tensor | None = None, bias: Tensor | None = None, relu: bool = False,
+                 bias_first: bool = False, use_tf: bool = False, *, a: Tensor | None = None,
+                 b: Tensor | None = None) -> Tensor:
+    """gain·x + bias per channel (dim 1), the seed's argument names: gain and bias have C elements,
+    as (1, C, 1, 1) or any shape of that size. ``bias_first``: (x + bias)·gain. ``relu``: max(·, 0).
+    ``use_tf`` (the seed's TensorFlow fallback) has no effect. ``a=``, ``b=``: deprecated names of
+    gain and bias."""
+    if a is not None or b is not None:
+        warnings.warn("cwise_linear: a= and b= are deprecated; use the seed's gain= and bias=", DeprecationWarning,
+                      stacklevel=2)
+        if (a is not None and gain is not None) or (b is not None and bias is not None):
+            raise TypeError("cwise_linear: gain and a (or bias and b) name the same argument; pass one")
+        gain = gain if a is None else a
+        bias = bias if b is None else b
+    a, b = gain, bias
     if a is None and b is None:
-        raise ValueError("cwise_linear: expected a, b or both, got neither")
+        raise ValueError("cwise_linear: expected gain, bias or both, got neither")
     if not isinstance(x, Tensor) or x.dim() < 2:
         raise ValueError(f"x: expected a tensor (N, C, ...), got "
                          f"{tuple(x.shape) if isinstance(x, Tensor) else type(x).__name__}")
     shape = [1, x.shape[1]] + [1] * (x.dim() - 2)
-    for name, t in (("a", a), ("b", b)):
+    for name, t in (("gain", a), ("bias", b)):
         if t is not None and (not isinstance(t, Tensor) or t.numel() != x.shape[1]):
             raise ValueError(f"{name}: expected {x.shape[1]} values (one per channel), got "
                              f"{tuple(t.shape) if isinstance(t, Tensor) else type(t).__name__}")

@@ -15,6 +15,7 @@ import os
 import torch
 import torch.nn.functional as F
 
+from bstrain.ops._seed import ignores
 from bstrain.ops.tables import eager
 
 __all__ = [
@@ -141,13 +142,28 @@ def _check_same(names: tuple[str, ...], *xs: torch.Tensor) -> None:
 
 
 # --- binary and unary ops: torch, with torch's broadcasting ---------------------------------------
-def add(x, y):
+def _param_or_same(x, y) -> bool:
+    """Checks y against x; True when y is a float32 parameter (a bias or gain that broadcasts, with
+    fewer elements) of 16-bit x, which the seed's bias add and gain multiply take: the op then
+    computes in fp32 and returns x's dtype."""
+    if isinstance(x, torch.Tensor) and isinstance(y, torch.Tensor) and x.dtype in _HALF \
+            and y.dtype == torch.float32 and y.numel() < x.numel():
+        if y.device != x.device:
+            raise ValueError(f"y: expected device {x.device} (as x), got {y.device}")
+        return True
     _check_same(("x", "y"), x, y)
+    return False
+
+
+def add(x, y):
+    if _param_or_same(x, y):
+        return torch.add(x.float(), y).to(x.dtype)
     return torch.add(x, y)
 
 
 def multiply(x, y):
-    _check_same(("x", "y"), x, y)
+    if _param_or_same(x, y):
+        return torch.mul(x.float(), y).to(x.dtype)
     return torch.mul(x, y)
 
 
@@ -157,7 +173,10 @@ def subtract(x, y):
 
 
 def divide(x, y):
+    """x / y; 16-bit inputs are divided in fp32 and rounded once (their gradients too)."""
     _check_same(("x", "y"), x, y)
+    if x.dtype in _HALF:
+        return torch.div(x.float(), y.float()).to(x.dtype)
     return torch.div(x, y)
 
 
@@ -176,6 +195,9 @@ def negative(x):
 
 
 def reciprocal(x):
+    """1 / x; 16-bit x in fp32, rounded once (its gradient too)."""
+    if isinstance(x, torch.Tensor) and x.dtype in _HALF:
+        return torch.reciprocal(x.float()).to(x.dtype)
     return torch.reciprocal(x)
 
 
@@ -629,3 +651,11 @@ def softmax_cross_entropy(logits: torch.Tensor, labels: torch.Tensor) -> torch.T
         return cross_entropy(logits, labels.reshape(rows))
     flat = softmax_cross_entropy_ref(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1))
     return flat.reshape(rows)
+
+
+# the seed's name= (a TensorFlow op name) is accepted and ignored
+for _fn in ("add", "multiply", "subtract", "divide", "maximum", "minimum", "negative", "reciprocal", "square", "sqrt",
+            "exp", "log", "sigmoid", "tanh", "relu", "elu", "gelu", "swish", "fast_gelu", "float_cast", "add_n8",
+            "add_n", "fused_lstm_gates"):
+    globals()[_fn] = ignores("name")(globals()[_fn])
+del _fn

@@ -14,6 +14,7 @@ on CPU tensors needs ``TRITON_INTERPRET=1`` set before triton is imported.
 from __future__ import annotations
 
 import os
+import warnings
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -154,6 +155,18 @@ def _matmul_tables(layout: np.ndarray, block_size: int, *, device: torch.device)
     if device.type == "cuda" and not tracing():
         tables.luts                                                   # the kernels' tables, made now
     return tables
+
+
+def _np(a) -> np.ndarray:
+    """A numpy float64 copy of a tensor or array (the seed's references)."""
+    return (a.detach().cpu().double().numpy() if isinstance(a, torch.Tensor) else np.asarray(a, dtype=np.float64))
+
+
+def _lists(coords: list[tuple[int, int]], by: int) -> list[tuple[int, list[tuple[int, int]]]]:
+    groups: dict[int, list[tuple[int, int]]] = {}
+    for w, ck in enumerate(coords):
+        groups.setdefault(ck[by], []).append((ck[1 - by], w))
+    return sorted(groups.items())
 
 
 def _as(w: Tensor, dtype: torch.dtype) -> Tensor:
@@ -305,7 +318,16 @@ class BlocksparseMatMul:
     The weight is not owned by the op: several weights of ``w_shape`` may share one layout.
     """
 
-    def __init__(self, layout, block_size: int = 32, feature_axis: int = 1, backend: str = "auto"):
+    def __init__(self, layout, block_size: int = 32, feature_axis: int = 1, z_order: bool = True,
+                 name: str | None = None, *, backend: str = "auto"):
+        if isinstance(z_order, str):           # the 4th positional argument was backend before the seed's z_order
+            warnings.warn("BlocksparseMatMul: pass backend= by keyword; the 4th positional argument is now the seed's "
+                          "z_order", DeprecationWarning, stacklevel=2)
+            backend, z_order = z_order, True
+        if not isinstance(z_order, bool):
+            raise TypeError(f"z_order: expected a bool, got {z_order!r}")
+        # z_order (the seed's Morton numbering of weight blocks) has no effect: bstrain numbers them row-major
+        # (from_seed_order / to_seed_order convert weights); name (a TensorFlow op name) neither
         self.layout = as_layout(layout)                          # (Cb, Kb) bool
         self.block_size = check_block_size(block_size)
         if feature_axis not in (0, 1) or isinstance(feature_axis, bool):
@@ -314,6 +336,7 @@ class BlocksparseMatMul:
             raise ValueError(f"backend: expected one of {_BACKENDS}, got {backend!r}")
         self.feature_axis = feature_axis
         self.backend = backend
+        self.z_order, self.name = z_order, name or "BlocksparseMatMul"
         cb, kb = self.layout.shape
         self.C, self.K = cb * self.block_size, kb * self.block_size
         # the layout's tables, shared by equal layouts; their key names the layout in torch.ops.bstrain.*
@@ -323,6 +346,107 @@ class BlocksparseMatMul:
         self.blocks = host.blocks
         with real_tensors(torch.device("cpu")):
             self._coords = torch.stack([host.c_idx, host.k_idx])  # (2, nnz) on the CPU, row-major block order
+
+    # --- the seed's attributes and float64 numpy references (its tests read them) ---------------
+    @property
+    def CB(self) -> int:
+        return self.layout.shape[0]
+
+    @property
+    def KB(self) -> int:
+        return self.layout.shape[1]
+
+    @property
+    def bsize(self) -> int:
+        return self.block_size
+
+    @property
+    def axis(self) -> int:
+        return self.feature_axis
+
+    @property
+    def sparsity(self) -> float:
+        """The share of live blocks (the seed's name for the density), to 3 decimals."""
+        return round(self.blocks / self.layout.size, 3)
+
+    @property
+    def flops(self) -> int:
+        """Multiply-adds x 2 of one row of activations through the live blocks."""
+        return self.blocks * self.block_size * self.block_size * 2
+
+    @property
+    def g_shape(self) -> tuple[int]:
+        return (self.blocks,)
+
+    @property
+    def updat_list(self) -> list[tuple[int, int]]:
+        """(c, k) of each weight block, in the weight's order."""
+        return [tuple(map(int, ck)) for ck in self._coords.t().tolist()]
+
+    @property
+    def fprop_list(self) -> list[tuple[int, list[tuple[int, int]]]]:
+        """(k, [(c, weight block), ...]) for every output block with a live block."""
+        return _lists(self.updat_list, by=1)
+
+    @property
+    def bprop_list(self) -> list[tuple[int, list[tuple[int, int]]]]:
+        """(c, [(k, weight block), ...]) for every input block with a live block."""
+        return _lists(self.updat_list, by=0)
+
+    def fprop_test(self, I, W):
+        """Y = I·W in float64 numpy, block by block (the seed's reference)."""
+        I, W, bs = _np(I), _np(W), self.block_size
+        X = I.reshape(-1, self.CB, bs) if self.axis else I.reshape(self.CB, bs, -1)
+        Y = np.zeros((X.shape[0], self.KB, bs) if self.axis else (self.KB, bs, X.shape[-1]))
+        for w, (c, k) in enumerate(self.updat_list):
+            if self.axis:
+                Y[:, k] += X[:, c] @ W[w]
+            else:
+                Y[k] += W[w].T @ X[c]
+        return Y.reshape(X.shape[0], -1) if self.axis else Y.reshape(self.K, -1)
+
+    def bprop_test(self, E, W):
+        """dX = E·Wᵀ in float64 numpy (the seed's reference)."""
+        E, W, bs = _np(E), _np(W), self.block_size
+        D = E.reshape(-1, self.KB, bs) if self.axis else E.reshape(self.KB, bs, -1)
+        B = np.zeros((D.shape[0], self.CB, bs) if self.axis else (self.CB, bs, D.shape[-1]))
+        for w, (c, k) in enumerate(self.updat_list):
+            if self.axis:
+                B[:, c] += D[:, k] @ W[w].T
+            else:
+                B[c] += W[w] @ D[k]
+        return B.reshape(D.shape[0], -1) if self.axis else B.reshape(self.C, -1)
+
+    def updat_test(self, I, E):
+        """dW = Iᵀ·E on the live blocks, float64 numpy (the seed's reference)."""
+        I, E, bs = _np(I), _np(E), self.block_size
+        X = I.reshape(-1, self.CB, bs) if self.axis else I.reshape(self.CB, bs, -1)
+        D = E.reshape(-1, self.KB, bs) if self.axis else E.reshape(self.KB, bs, -1)
+        U = np.zeros(self.w_shape)
+        for w, (c, k) in enumerate(self.updat_list):
+            U[w] = X[:, c].T @ D[:, k] if self.axis else X[c] @ D[k].T
+        return U
+
+    def l2_normalize_test(self, W, epsilon: float = 1e-12):
+        """W with each output unit's incoming weights at unit L2 norm, float64 numpy."""
+        W = _np(W).copy()
+        for _, lut in self.fprop_list:
+            ws = [w for _, w in lut]
+            norm = np.sqrt(np.maximum(np.square(W[ws]).sum((0, 1)), epsilon))     # (bs,) per output unit
+            W[ws] /= norm
+        return W
+
+    def l2_normalize_grad_test(self, W, U, epsilon: float = 1e-12):
+        """The gradient through :meth:`l2_normalize_test` of U (dL/d normalised W), float64 numpy."""
+        W, U = _np(W), _np(U).copy()
+        for _, lut in self.fprop_list:
+            ws = [w for _, w in lut]
+            W2, U2 = W[ws].reshape(-1, self.block_size), U[ws].reshape(-1, self.block_size)
+            sum_sqr = np.square(W2).sum(0, keepdims=True)
+            max_w = np.maximum(sum_sqr, epsilon)
+            grad = (U2 + W2 * (sum_sqr >= epsilon) * (-U2 * W2 / max_w).sum(0, keepdims=True)) / np.sqrt(max_w)
+            U[ws] = grad.reshape(-1, self.block_size, self.block_size)
+        return U
 
     # --- shapes ---------------------------------------------------------------------------
     @property
@@ -335,11 +459,11 @@ class BlocksparseMatMul:
     def o_shape(self, N: int) -> tuple[int, int]:
         return (N, self.K) if self.feature_axis == 1 else (self.K, N)
 
-    def block_coord(self, i: int) -> tuple[int, int]:
-        """(c, k) layout coordinates of weight block i."""
-        if not -self.blocks <= i < self.blocks:
-            raise IndexError(f"i: expected a block index in [0, {self.blocks}), got {i}")
-        return int(self._coords[0, i]), int(self._coords[1, i])
+    def block_coord(self, block: int) -> tuple[int, int]:
+        """(c, k) layout coordinates of weight block ``block`` (row-major numbering)."""
+        if not -self.blocks <= block < self.blocks:
+            raise IndexError(f"block: expected a block index in [0, {self.blocks}), got {block}")
+        return int(self._coords[0, block]), int(self._coords[1, block])
 
     @property
     def coords(self) -> torch.Tensor:
@@ -540,20 +664,25 @@ class BlocksparseMatMul:
             return True
         devices = [d for d in self._tables.devices if d.type == "cuda"]
         private = self._tables.private
-        self.__init__(new, self.block_size, self.feature_axis, self.backend)
+        self.__init__(new, self.block_size, self.feature_axis, self.z_order, self.name, backend=self.backend)
         if private:
             self.make_private()
         for d in devices:
             self._tables.on(d)
         return False
 
-    def __call__(self, I: torch.Tensor, W: torch.Tensor, dw_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    def __call__(self, I: torch.Tensor, W: torch.Tensor, dw_dtype: torch.dtype = torch.float32, *, gate=None,
+                 gate_grad: bool = True, dw_gated: bool = False, name: str | None = None, bench=0) -> torch.Tensor:
         """Y = I·W with autograd. I: (*, C) with feature_axis=1 ((C, *) with feature_axis=0),
         e.g. i_shape(N); W: w_shape; returns (*, K) (or (K, *)) in I's dtype.
 
         W may be I's dtype or float32 (master weights; cast on the fly). dw_dtype is the dtype the
-        kernel writes dW in (accumulation is fp32); autograd hands it on in W's dtype.
+        kernel writes dW in (accumulation is fp32); autograd hands it on in W's dtype. The seed's
+        ``name`` and ``bench`` are accepted and ignored; its block gating (``gate``) is not provided.
         """
+        if gate is not None:
+            raise NotImplementedError("gate: the seed's gated block-sparse matmul is not provided; multiply W's "
+                                      "blocks by the gates instead (W * gate.view(-1, 1, 1))")
         Y = self._product(I, W, dw_dtype)
         if self.observer is not None:
             self.observer(I, Y)

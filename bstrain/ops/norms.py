@@ -11,6 +11,8 @@ In this file's order: the reference → the custom ops ``torch.ops.bstrain.layer
 """
 from __future__ import annotations
 
+import warnings
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor
@@ -333,9 +335,22 @@ def batch_norm(x: torch.Tensor, g: torch.Tensor, b: torch.Tensor, epsilon: float
     return y.to(x.dtype), mean.detach(), var.detach()
 
 
-def batch_norm_inference(x: torch.Tensor, g: torch.Tensor, b: torch.Tensor, mean: torch.Tensor,
-                         var: torch.Tensor, epsilon: float = 1e-6) -> torch.Tensor:
-    """Batch norm with given statistics for NC(D)HW; g, b, mean, var: C elements each."""
+def batch_norm_inference(x: torch.Tensor, g: torch.Tensor, b: torch.Tensor, m: torch.Tensor | None = None,
+                         v: torch.Tensor | None = None, epsilon: float = 1e-6, *, mean: torch.Tensor | None = None,
+                         var: torch.Tensor | None = None) -> torch.Tensor:
+    """Batch norm with given statistics for NC(D)HW; g, b, m (mean), v (variance): C elements
+    each, the seed's names (``mean=`` and ``var=`` still work, deprecated)."""
+    if mean is not None or var is not None:
+        warnings.warn("batch_norm_inference: mean= and var= are deprecated; use the seed's m= and v=",
+                      DeprecationWarning, stacklevel=2)
+        if (mean is not None and m is not None) or (var is not None and v is not None):
+            raise TypeError("batch_norm_inference: m and mean (or v and var) name the same argument; pass one")
+        m = m if mean is None else mean
+        v = v if var is None else var
+    if m is None or v is None:
+        raise TypeError("batch_norm_inference: expected the statistics m (mean) and v (variance), got "
+                        f"{'none' if m is None and v is None else 'only one'}")
+    mean, var = m, v
     params = _check_batch_norm(x, g=g, b=b, mean=mean, var=var)
     xc = _in_param_dtype(x, params)
     g, b, mean, var = (p.to(xc.dtype) for p in params)

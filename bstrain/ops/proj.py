@@ -19,16 +19,20 @@ class SparseProj:
         nproj: pick this many features at random (sorted); or
         proj_stride: pick every proj_stride-th feature, trimmed to a multiple of block_size; or
         gather_lut: the (nproj,) feature indices to use, distinct, in [0, nhidden).
-        seed: seed for the random pick.
+        seed: seed for the random pick (None: drawn from torch's global generator, so that
+            ``torch.manual_seed`` makes it reproducible).
+        name: the seed's op name; ignored.
     """
 
     def __init__(self, nhidden: int, nproj: int | None = None, proj_stride: int | None = None,
-                 block_size: int = 32, gather_lut=None, seed: int | None = None):
+                 block_size: int = 32, gather_lut=None, seed: int | None = None, name: str | None = None):
         if gather_lut is None:
             lut = np.arange(nhidden)
             if nproj is not None:
                 if not 0 < nproj <= nhidden:
                     raise ValueError(f"nproj: expected 1 <= nproj <= nhidden={nhidden}, got {nproj}")
+                if seed is None:
+                    seed = int(torch.randint(2**62, ()))
                 lut = np.sort(np.random.default_rng(seed).permutation(nhidden)[:nproj])
             elif proj_stride is not None:
                 if not 0 < proj_stride <= nhidden:

@@ -40,7 +40,8 @@ from bstrain.ops.tables import eager, family, layout_tables, lookup
 
 __all__ = ["BlocksparseTransformer", "attention_ref", "AttentionTables"]
 
-BLOCK_SIZES = (16, 32, 64, 128)
+BLOCK_SIZES = (8, 16, 32, 64, 128)
+KERNEL_BLOCK_SIZES = (16, 32, 64, 128)        # the Triton kernels' (blocks of 8 run the PyTorch path)
 _LOG2E = 1.4426950408889634
 _FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 _KERNEL_FLOATS = (torch.float16, torch.bfloat16, torch.float32)
@@ -149,6 +150,11 @@ def _keep(t: AttentionTables, pad: Tensor | None) -> Tensor:
     if pad is not None:
         keep = keep & ~pad.view(pad.shape[0], t.k_blocks, t.block_size)[:, t.j].unsqueeze(2)
     return keep
+
+
+def _check_dtype(name: str, dtype) -> None:
+    if dtype is not None and (not isinstance(dtype, torch.dtype) or not dtype.is_floating_point):
+        raise TypeError(f"{name}: expected a floating torch.dtype or None, got {dtype!r}")
 
 
 def _softmax(w: Tensor, scale: float, keep: Tensor, t: AttentionTables) -> tuple[Tensor, Tensor]:
@@ -300,18 +306,20 @@ class BlocksparseTransformer:
         block_size: 16, 32, 64 or 128.
         heads: the number of heads, for a 2-D layout (or equal to a 3-D layout's first axis).
         mask_callback: ``(blk_shape, head_idx, qry_idx, key_idx, blk_idx) -> (bs, bs) bool``, called
-            once per live block when the op is built; False elements are masked out.
+            once per live block when the op is built (blk_idx counts a head's blocks from 0; a 2-D
+            layout is asked once, as head 0, for every head); False elements are masked out.
         backend: "auto", "torch" or "triton" (see the module docstring).
     """
 
     def __init__(self, layout, block_size: int = 64, heads: int | None = None, mask_callback=None,
-                 backend: str = "auto"):
+                 name: str | None = None, backend: str = "auto"):
         lay = np.asarray(layout.detach().cpu() if isinstance(layout, torch.Tensor) else layout)
         if lay.ndim not in (2, 3) or lay.size == 0 or not np.isin(lay, (0, 1)).all():
             raise ValueError(f"layout: expected a non-empty 2-D (q_blocks, k_blocks) or 3-D (heads, q_blocks, "
                              f"k_blocks) 0/1 array, got shape {lay.shape}")
         self.block_size = bs = _check_block_size(block_size)
-        if lay.ndim == 2:
+        shared = lay.ndim == 2
+        if shared:
             if isinstance(heads, bool) or not isinstance(heads, int) or heads < 1:
                 raise ValueError(f"heads: expected a positive int with a 2-D layout, got {heads!r}")
             lay = np.broadcast_to(lay, (heads,) + lay.shape)
@@ -326,7 +334,10 @@ class BlocksparseTransformer:
         self.heads, self.q_blocks, self.k_blocks = self.layout.shape
         self.q_ctx, self.k_ctx = self.q_blocks * bs, self.k_blocks * bs   # positions
         self.blocks = int(self.layout.sum())
-        self._partial_idx, self._pmasks = _element_masks(self.layout, bs, mask_callback)
+        # the seed's attribute names
+        self.name, self.blk_size, self.ctx_blks_q, self.ctx_blks_k = name, bs, self.q_blocks, self.k_blocks
+        self.lut_heads = 1 if shared else self.heads
+        self._partial_idx, self._pmasks = _element_masks(self.layout, bs, mask_callback, shared)
         # shared by equal layouts; real CPU tensors now, one copy per device (bstrain.ops.tables)
         self._tables = layout_tables("attention", self.layout, bs, self._partial_idx, self._pmasks)
         self.key = self._tables.key                                     # names the layout in bst_attention calls
@@ -351,7 +362,10 @@ class BlocksparseTransformer:
         if self.backend == "torch":
             return False
         if self.backend == "auto":
-            return q.is_cuda and q.dtype in _KERNEL_FLOATS and head_dim <= 128
+            return q.is_cuda and q.dtype in _KERNEL_FLOATS and head_dim <= 128 and self.block_size in KERNEL_BLOCK_SIZES
+        if self.block_size not in KERNEL_BLOCK_SIZES:
+            raise ValueError(f"block_size: the Triton backend takes blocks of {KERNEL_BLOCK_SIZES}, got "
+                             f"{self.block_size} (backend='auto' runs it on the PyTorch path)")
         if q.dtype not in _KERNEL_FLOATS:
             raise TypeError(f"q: the Triton backend takes float16, bfloat16 or float32, got {q.dtype}")
         if head_dim > 128:
@@ -433,20 +447,33 @@ class BlocksparseTransformer:
             raise ValueError(f"key_padding_mask: expected device {device}, got {key_padding_mask.device}")
 
     # --- the seed's unfused methods ---------------------------------------------------------------------
-    def query_key_op(self, q: Tensor, k: Tensor) -> Tensor:
-        """Scores q·kᵀ of the live blocks: (batch, blocks, bs, bs) (see the module docstring)."""
+    def query_key_op(self, q: Tensor, k: Tensor, name: str | None = None, bench=0) -> Tensor:
+        """Scores q·kᵀ of the live blocks: (batch, blocks, bs, bs) (see the module docstring). The
+        seed's ``name`` and ``bench`` are accepted and ignored."""
         D = self._check_qkv(q, k, k)
         t = _tables_on(self._tables, q.device)
         return torch.einsum("bnid,bnjd->bnij", _blocks(q, t, D, "q"), _blocks(k, t, D, "k"))
 
+    def softmax(self, w: Tensor, scale: float = 1.0, dtype: torch.dtype | None = None) -> Tensor:
+        """Softmax of ``scale·w`` over each query's live blocks, without the element masks of
+        ``mask_callback`` (the seed's unmasked softmax). Math in fp32; returns ``dtype`` (default
+        w's)."""
+        self._check_w(w)
+        _check_dtype("dtype", dtype)
+        t = _tables_on(self._tables, w.device)
+        keep = torch.ones((1,) + tuple(w.shape[1:]), dtype=torch.bool, device=w.device)
+        p = _softmax(w, scale, keep, t)[0]
+        return p if dtype is None else p.to(dtype)
+
     def masked_softmax(self, w: Tensor, scale: float = 1.0, autoregress_at_key: int | None = None,
-                       key_padding_mask: Tensor | None = None) -> Tensor:
+                       dtype: torch.dtype | None = None, key_padding_mask: Tensor | None = None) -> Tensor:
         """Softmax of ``scale·w`` over each query's live keys (all its blocks in the layout), with
         the element masks applied. ``autoregress_at_key``: keys after this position are masked too
         (the seed's incremental decoding: a key before this position is seen by every query, a later
         one only by queries at or after it). A query with no live key gets zeros. Math in fp32
-        (fp64 for fp64 w); returns w's dtype."""
+        (fp64 for fp64 w); returns ``dtype`` (default w's)."""
         self._check_w(w)
+        _check_dtype("dtype", dtype)
         t = _tables_on(self._tables, w.device)
         if key_padding_mask is not None:
             self._check_pad(key_padding_mask, w.shape[0], w.device)
@@ -459,10 +486,12 @@ class BlocksparseTransformer:
             kpos = (t.j[:, None] * self.block_size + r)[None, :, None, :]                 # (1, nnz, 1, bs)
             qpos = (t.i[:, None] * self.block_size + r)[None, :, :, None]                 # (1, nnz, bs, 1)
             keep = keep & ((kpos < a) | (kpos <= qpos))
-        return _softmax(w, scale, keep, t)[0]
+        p = _softmax(w, scale, keep, t)[0]
+        return p if dtype is None else p.to(dtype)
 
-    def weight_value_op(self, w: Tensor, v: Tensor) -> Tensor:
-        """Σ over live blocks of w·v: (batch, q_ctx, heads·head_dim) in v's dtype."""
+    def weight_value_op(self, w: Tensor, v: Tensor, name: str | None = None, bench=0) -> Tensor:
+        """Σ over live blocks of w·v: (batch, q_ctx, heads·head_dim) in v's dtype. The seed's
+        ``name`` and ``bench`` are accepted and ignored."""
         D = self._check_act("v", v, self.k_ctx)
         self._check_w(w, v.shape[0])
         t = _tables_on(self._tables, v.device)
@@ -492,15 +521,22 @@ class BlocksparseTransformer:
                 f"block_size={self.block_size}, blocks={self.blocks}, backend={self.backend!r})")
 
 
-def _element_masks(layout: np.ndarray, bs: int, mask_callback) -> tuple[np.ndarray, np.ndarray]:
+def _element_masks(layout: np.ndarray, bs: int, mask_callback, shared: bool = False) -> tuple[np.ndarray, np.ndarray]:
     """(partial_idx (nnz,) int64, -1 for a full block; masks (distinct, bs, bs) bool): each live
-    block's element mask from the seed's ``mask_callback``, each distinct partial tile stored once."""
+    block's element mask from the seed's ``mask_callback``, each distinct partial tile stored once.
+    As in the seed, the callback's ``blk_idx`` counts a head's blocks from 0, and a layout shared by
+    every head (``shared``) is asked once, as head 0, for all of them."""
     h_idx, q_idx, k_idx = np.nonzero(layout)                           # head-major, row-major within a head
+    first = np.searchsorted(h_idx, np.arange(layout.shape[0]))          # each head's first block
     partial_idx = np.full(h_idx.size, -1, dtype=np.int64)
-    partial, seen = [], {}
+    partial, seen, asked = [], {}, {}
     if mask_callback is not None:
         for n, (h, i, j) in enumerate(zip(h_idx.tolist(), q_idx.tolist(), k_idx.tolist())):
-            m = np.asarray(mask_callback((bs, bs), h, i, j, n))
+            b = n - int(first[h])
+            if shared and h > 0:
+                partial_idx[n] = asked[b]
+                continue
+            m = np.asarray(mask_callback((bs, bs), h, i, j, b))
             if m.shape != (bs, bs):
                 raise ValueError(f"mask_callback: expected a ({bs}, {bs}) array for block (head {h}, query {i}, "
                                  f"key {j}), got shape {m.shape}")
@@ -511,4 +547,5 @@ def _element_masks(layout: np.ndarray, bs: int, mask_callback) -> tuple[np.ndarr
                     seen[key] = len(partial)
                     partial.append(m)
                 partial_idx[n] = seen[key]
+            asked[b] = partial_idx[n]
     return partial_idx, (np.stack(partial) if partial else np.zeros((0, bs, bs), dtype=bool))

@@ -176,8 +176,9 @@ def test_grouped_deconv_with_a_stacked_filter_and_flat_l2_normalize():
     want = ref_deconv(x, ref_filter(de, list(stacked.unbind(0)), True), [3, 3], de.MPQ, [2, 2], [1, 1], "SAME")
     torch.testing.assert_close(de(stacked, x), want.detach())
     flat = stacked.reshape(-1)
-    for a, b in zip(de.l2_normalize(flat), de.l2_normalize(stacked)):
-        torch.testing.assert_close(a, b)
+    normed_flat, normed_stacked = de.l2_normalize(flat), de.l2_normalize(stacked)     # each in its input's form
+    assert normed_flat.shape == flat.shape and normed_stacked.shape == stacked.shape
+    torch.testing.assert_close(normed_flat, normed_stacked.reshape(-1))
     with pytest.raises(ValueError, match="'grouped' needs blocks of one size"):
         BlocksparseConv([([0], [0, 1]), ([0, 1], [1])], (3,), (5,), backend="grouped")
     with pytest.raises(ValueError, match="MPQ: the deconv's output"):
@@ -250,11 +251,14 @@ def test_cwise_linear():
     torch.testing.assert_close(cwise_linear(x, a, b), a * x + b.view(1, 5, 1, 1))
     torch.testing.assert_close(cwise_linear(x, a, b, relu=True, bias_first=True),
                                torch.relu((x + b.view(1, 5, 1, 1)) * a))
-    torch.testing.assert_close(cwise_linear(x, b=b), x + b.view(1, 5, 1, 1))
+    torch.testing.assert_close(cwise_linear(x, bias=b), x + b.view(1, 5, 1, 1))
+    torch.testing.assert_close(cwise_linear(x, gain=a, bias=b, relu=True), torch.relu(a * x + b.view(1, 5, 1, 1)))
+    with pytest.warns(DeprecationWarning, match="gain= and bias="):
+        torch.testing.assert_close(cwise_linear(x, b=b), x + b.view(1, 5, 1, 1))
     assert torch.autograd.gradcheck(lambda x, a, b: cwise_linear(x, a, b), (x, a, b))
-    with pytest.raises(ValueError, match="expected a, b or both"):
+    with pytest.raises(ValueError, match="expected gain, bias or both"):
         cwise_linear(x)
-    with pytest.raises(ValueError, match="a: expected 5 values"):
+    with pytest.raises(ValueError, match="gain: expected 5 values"):
         cwise_linear(x, torch.ones(4))
 
 
