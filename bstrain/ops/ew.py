@@ -142,12 +142,23 @@ def _check_same(names: tuple[str, ...], *xs: torch.Tensor) -> None:
 
 
 # --- binary and unary ops: torch, with torch's broadcasting ---------------------------------------
+def _broadcasts_into(y: torch.Tensor, x: torch.Tensor) -> bool:
+    """y has another shape than x and broadcasts into it (as the seed's bias add: a (1, K) or (K,)
+    parameter)."""
+    if y.shape == x.shape:
+        return False
+    try:
+        return torch.broadcast_shapes(x.shape, y.shape) == x.shape
+    except RuntimeError:
+        return False
+
+
 def _param_or_same(x, y) -> bool:
-    """Checks y against x; True when y is a float32 parameter (a bias or gain that broadcasts, with
-    fewer elements) of 16-bit x, which the seed's bias add and gain multiply take: the op then
+    """Checks y against x; True when y is a float32 parameter of 16-bit x (a bias or gain that
+    broadcasts into x's shape), which the seed's bias add and gain multiply take: the op then
     computes in fp32 and returns x's dtype."""
     if isinstance(x, torch.Tensor) and isinstance(y, torch.Tensor) and x.dtype in _HALF \
-            and y.dtype == torch.float32 and y.numel() < x.numel():
+            and y.dtype == torch.float32 and _broadcasts_into(y, x):
         if y.device != x.device:
             raise ValueError(f"y: expected device {x.device} (as x), got {y.device}")
         return True

@@ -32,7 +32,7 @@ class SparseProj:
                 if not 0 < nproj <= nhidden:
                     raise ValueError(f"nproj: expected 1 <= nproj <= nhidden={nhidden}, got {nproj}")
                 if seed is None:
-                    seed = int(torch.randint(2**62, ()))
+                    seed = int(torch.randint(2**62, (), device="cpu"))
                 lut = np.sort(np.random.default_rng(seed).permutation(nhidden)[:nproj])
             elif proj_stride is not None:
                 if not 0 < proj_stride <= nhidden:

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import math
 import os
+import warnings
 from dataclasses import dataclass
 
 import numpy as np
@@ -157,9 +158,10 @@ def _check_dtype(name: str, dtype) -> None:
         raise TypeError(f"{name}: expected a floating torch.dtype or None, got {dtype!r}")
 
 
-def _softmax(w: Tensor, scale: float, keep: Tensor, t: AttentionTables) -> tuple[Tensor, Tensor]:
-    """(P in w's dtype, row LSE (batch, heads·q_ctx) fp32 base 2, +inf for a row with no live key).
-    Math in fp32 (fp64 for fp64 w)."""
+def _softmax(w: Tensor, scale: float, keep: Tensor, t: AttentionTables,
+             dtype: torch.dtype | None = None) -> tuple[Tensor, Tensor]:
+    """(P in ``dtype`` (default w's), row LSE (batch, heads·q_ctx) fp32 base 2, +inf for a row with
+    no live key). Math in fp32 (fp64 for fp64 w)."""
     x = w.to(torch.promote_types(w.dtype, torch.float32)) * scale
     x = x.masked_fill(~keep, float("-inf"))
     B, bs, row = w.shape[0], t.block_size, t.row
@@ -172,7 +174,7 @@ def _softmax(w: Tensor, scale: float, keep: Tensor, t: AttentionTables) -> tuple
     lse = torch.where(den > 0, (row_max + torch.log(den)) * _LOG2E, float("inf"))
     lse = lse.reshape(B, t.heads * t.q_blocks * bs)                                # not -1: B may be 0
     den = torch.where(den > 0, den, 1.0)
-    return (e / den[:, row].unsqueeze(-1)).to(w.dtype), lse.float()
+    return (e / den[:, row].unsqueeze(-1)).to(dtype or w.dtype), lse.float()
 
 
 def _scatter_rows(part: Tensor, t: AttentionTables, heads: int, n_blocks: int, index: Tensor) -> Tensor:
@@ -313,6 +315,10 @@ class BlocksparseTransformer:
 
     def __init__(self, layout, block_size: int = 64, heads: int | None = None, mask_callback=None,
                  name: str | None = None, backend: str = "auto"):
+        if name in ("auto", "torch", "triton") and backend == "auto":   # backend was the 5th positional argument
+            warnings.warn("BlocksparseTransformer: pass backend= by keyword; the 5th positional argument is now the "
+                          "seed's name", DeprecationWarning, stacklevel=2)
+            backend, name = name, None
         lay = np.asarray(layout.detach().cpu() if isinstance(layout, torch.Tensor) else layout)
         if lay.ndim not in (2, 3) or lay.size == 0 or not np.isin(lay, (0, 1)).all():
             raise ValueError(f"layout: expected a non-empty 2-D (q_blocks, k_blocks) or 3-D (heads, q_blocks, "
@@ -462,8 +468,7 @@ class BlocksparseTransformer:
         _check_dtype("dtype", dtype)
         t = _tables_on(self._tables, w.device)
         keep = torch.ones((1,) + tuple(w.shape[1:]), dtype=torch.bool, device=w.device)
-        p = _softmax(w, scale, keep, t)[0]
-        return p if dtype is None else p.to(dtype)
+        return _softmax(w, scale, keep, t, dtype)[0]
 
     def masked_softmax(self, w: Tensor, scale: float = 1.0, autoregress_at_key: int | None = None,
                        dtype: torch.dtype | None = None, key_padding_mask: Tensor | None = None) -> Tensor:
@@ -486,8 +491,7 @@ class BlocksparseTransformer:
             kpos = (t.j[:, None] * self.block_size + r)[None, :, None, :]                 # (1, nnz, 1, bs)
             qpos = (t.i[:, None] * self.block_size + r)[None, :, :, None]                 # (1, nnz, bs, 1)
             keep = keep & ((kpos < a) | (kpos <= qpos))
-        p = _softmax(w, scale, keep, t)[0]
-        return p if dtype is None else p.to(dtype)
+        return _softmax(w, scale, keep, t, dtype)[0]
 
     def weight_value_op(self, w: Tensor, v: Tensor, name: str | None = None, bench=0) -> Tensor:
         """Σ over live blocks of w·v: (batch, q_ctx, heads·head_dim) in v's dtype. The seed's

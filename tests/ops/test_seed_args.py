@@ -197,3 +197,35 @@ def test_blocksparse_matmul_seed_references(axis):
     u = torch.randn_like(wn)
     (g,) = torch.autograd.grad(wn, w, u)
     np.testing.assert_allclose(op.l2_normalize_grad_test(w, u), g.numpy(), rtol=1e-8, atol=1e-10)
+
+
+def test_mixed_precision_params_broadcast_into_x():
+    """A batch of one (or zero) rows takes an fp32 bias like a bigger one; y that does not
+    broadcast into x's shape is not a parameter."""
+    for rows in (1, 0, 3):
+        x = torch.randn(rows, 8).half()
+        b = torch.randn(8)
+        torch.testing.assert_close(bs.add(x, b), (x.float() + b).half())
+    with pytest.raises(TypeError, match="y: expected dtype torch.float16"):
+        bs.add(torch.randn(4, 1).half(), torch.randn(1, 3))
+
+
+def test_softmax_dtype_is_rounded_once():
+    """fp16 scores, dtype=float32: the probabilities are the fp32 ones, not fp16 ones cast up."""
+    op = BlocksparseTransformer(np.tril(np.ones((2, 2), bool)), 16, heads=1)
+    q, k = (torch.randn(2, 32, 8) for _ in range(2))
+    w = op.query_key_op(q, k).half()
+    want = op.masked_softmax(w.float(), scale=0.3)
+    torch.testing.assert_close(op.masked_softmax(w, scale=0.3, dtype=torch.float32), want, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(op.softmax(w, scale=0.3, dtype=torch.float32), want, rtol=1e-6, atol=1e-6)
+
+
+def test_positional_backend_of_the_attention_op_still_works():
+    with pytest.warns(DeprecationWarning, match="backend= by keyword"):
+        op = BlocksparseTransformer(np.ones((2, 2), bool), 16, 1, None, "torch")
+    assert op.backend == "torch" and op.name is None
+
+
+def test_sparse_proj_builds_under_a_meta_default_device():
+    with torch.device("meta"):
+        assert bs.SparseProj(64, nproj=32).nproj == 32
