@@ -37,18 +37,21 @@ def _layouts(run_dir) -> dict:
     return {k: v.numpy() for k, v in ckpt["model"].items() if k.endswith("layout")}
 
 
-@pytest.mark.parametrize("policy", ["set", "rigl"])
-def test_layouts_change_and_resume_exactly_across_an_update(tmp_path, monkeypatch, policy):
+@pytest.mark.parametrize("policy,balanced", [("set", False), ("rigl", False), ("rigl", True)],
+                         ids=["set", "rigl", "rigl-balanced"])
+def test_layouts_change_and_resume_exactly_across_an_update(tmp_path, monkeypatch, policy, balanced):
     """Updates at steps 3 and 6; a run killed after its step-4 checkpoint resumes onto the same
-    loss curve, through the update at step 6."""
-    full = train(_cfg(tmp_path, "full", policy))
+    loss curve, through the update at step 6 (balanced: the tables rewritten in place, and a
+    resumed run's private tables take the checkpoint's layouts)."""
+    full = train(_cfg(tmp_path, "full", policy, balanced=balanced))
     train(_cfg(tmp_path, "static", "static"))
     lays, base = _layouts(tmp_path / "full"), _layouts(tmp_path / "static")
     assert set(lays) == set(base) and len(lays) == 4                     # fc1 and fc2 of both blocks
     for k in lays:
         assert lays[k].sum() == base[k].sum() and not np.array_equal(lays[k], base[k]), k
     hist = dict(full["history"])
-    second = killed_then_resumed(monkeypatch, lambda resume: _cfg(tmp_path, "split", policy, resume=resume), kill_at=4)
+    second = killed_then_resumed(monkeypatch, lambda resume: _cfg(tmp_path, "split", policy, resume=resume,
+                                                                  balanced=balanced), kill_at=4)
     got = dict(second["history"])
     assert sorted(got) == [5, 6, 7, 8]
     for step in got:
