@@ -25,6 +25,7 @@ averaged over ranks and the random draws are seeded by (seed, step).
 from __future__ import annotations
 
 import math
+import warnings
 
 import numpy as np
 import torch
@@ -100,6 +101,10 @@ class DynamicSparsity:
                and 0 < fraction < 1, "a share in (0, 1)")
         _check("stop", stop, stop is None or (_int(stop) and stop >= 0), "None or an int >= 0")
         _check("seed", seed, _int(seed), "an int")
+        ops = list(ops)
+        if len({id(pair[0]) for pair in ops}) != len(ops):
+            raise ValueError("ops: expected each BlocksparseMatMul once, got one op in several (op, weight) pairs; "
+                             "give each weight an op of its own (a layout update moves one weight)")
         self.layers = sparse_layers(model) + [(f"ops.{i}", _OpLayer(op, w)) for i, (op, w) in enumerate(ops)]
         if not self.layers:
             raise ValueError(f"model: expected a model with block-sparse layers (BlockSparseLinear, "
@@ -107,7 +112,7 @@ class DynamicSparsity:
                              f"{type(model).__name__} with none")
         self.model, self.optimizer = model, optimizer
         self.every, self.fraction, self.stop, self.balanced, self.seed = every, float(fraction), stop, balanced, seed
-        self.also = [dict(sparse_layers(getattr(m, "module", m))) for m in also]
+        self.also = [self._twin_layers(m) for m in also]
         twins = [layer for other in self.also for layer in other.values()]
         for layer in [layer for _, layer in self.layers] + twins:     # tables of their own: balanced
             op = getattr(layer, "op", None)                           # updates rewrite them in place
@@ -120,6 +125,22 @@ class DynamicSparsity:
         self._captured_grads: dict[str, torch.Tensor] = {}
         self._arm()
 
+    def _twin_layers(self, module: nn.Module) -> dict:
+        """The layers of an ``also`` module (an ``AveragedModel``'s own model), by name: the same
+        names, shapes and layouts as the model's (a ValueError otherwise)."""
+        from torch.optim.swa_utils import AveragedModel
+        twin = dict(sparse_layers(module.module if isinstance(module, AveragedModel) else module))
+        for name, layer in self.layers:
+            if isinstance(layer, _OpLayer):
+                continue
+            other = twin.get(name)
+            if other is None or tuple(other.weight.shape) != tuple(layer.weight.shape) or \
+                    not np.array_equal(other.block_layout(), layer.block_layout()):
+                raise ValueError(f"also: expected modules shaped like the model, with its layouts; its layer "
+                                 f"{name!r} is {'missing' if other is None else 'of another shape or layout'} in "
+                                 f"a {type(module).__name__}")
+        return twin
+
     # --- schedule ---------------------------------------------------------------------------------
     def fraction_at(self, step: int) -> float:
         """The share of live blocks replaced at ``step``: ``fraction`` decayed by a cosine to 0 at stop."""
@@ -131,7 +152,7 @@ class DynamicSparsity:
 
     def updates_at(self, step: int) -> bool:
         """Whether ``step`` (counted in optimizer steps) changes the layouts."""
-        return step > 0 and step % self.every == 0 and (self.stop is None or step <= self.stop)
+        return step > 0 and step % self.every == 0 and (self.stop is None or step < self.stop)
 
     @property
     def armed(self) -> bool:
@@ -168,7 +189,7 @@ class DynamicSparsity:
                 for other in self.also:
                     twin = other.get(name)
                     if twin is not None:
-                        in_place &= self._move(twin, old, new, [])
+                        in_place &= self._move(twin, np.asarray(twin.block_layout(), dtype=bool), new, [])
         self._grads.clear()
         info = {"step": step, "fraction": share, "changed": changed, "density": density, "in_place": in_place}
         self.history.append(info)
@@ -263,6 +284,11 @@ class RigL(DynamicSparsity):
     the largest norm. The gradient is computed by hooks on that one step only."""
 
     grows = "gradient"
+    _warned: set
+
+    def __init__(self, *args, **kwargs):
+        self._warned = set()
+        super().__init__(*args, **kwargs)
 
     @property
     def armed(self) -> bool:
@@ -289,7 +315,10 @@ class RigL(DynamicSparsity):
 
             def on_grad(dy):
                 g = _dense_grad(layer, x, dy.detach())
-                self._grads[name] = g if name not in self._grads else self._grads[name] + g
+                if name in self._grads:
+                    self._grads[name].add_(g)
+                else:
+                    self._grads[name] = g
             out.register_hook(on_grad)
         if isinstance(layer, _OpLayer):
             layer.op.observer = record
@@ -298,10 +327,21 @@ class RigL(DynamicSparsity):
 
     def grow_scores(self, name: str, layer: nn.Module, old: np.ndarray, gen: torch.Generator) -> torch.Tensor:
         g = self._grads.get(name)
-        if g is None:                       # no gradient reached the layer: grow at random
+        if g is not None:                   # the step's dense gradient, averaged over ranks, then block norms
+            g = _block_norms(layer, _all_reduce_mean(g)).cpu()
+        if g is None or not bool(torch.isfinite(g).all()):
+            # no gradient reached the layer (a model compiled before the hooks were added runs
+            # none: run the step before an update uncompiled), or an fp16 step overflowed
+            if name not in self._warned:
+                self._warned.add(name)
+                warnings.warn(f"RigL: {'no' if g is None else 'a non-finite'} dense gradient for layer {name!r} on "
+                              f"the step before the update at step {self.steps}; it grows at random this time. A "
+                              f"model compiled before the policy's hooks were added does not run them: run the "
+                              f"step when policy.armed is True through the uncompiled model", RuntimeWarning,
+                              stacklevel=3)
             return torch.rand(old.shape, generator=gen)
         # ties (e.g. zero gradients) broken at random, below any real difference
-        return _all_reduce_mean(g).cpu() + 1e-12 * torch.rand(old.shape, generator=gen)
+        return g + 1e-12 * torch.rand(old.shape, generator=gen)
 
     def _update(self, step: int) -> dict:
         info = super()._update(step)
@@ -318,9 +358,9 @@ class _Unobserve:
 
 
 def _dense_grad(layer: nn.Module, x: torch.Tensor, dy: torch.Tensor) -> torch.Tensor:
-    """(C/bs, K/bs) block norms of the dense weight gradient of one call of ``layer``."""
+    """The dense fp32 weight gradient of one call of ``layer``: (C, K) for a product, (K, C, kh, kw)
+    for a convolution (the calls of a step are summed before :func:`_block_norms`)."""
     from bstrain.nn.conv import BlockSparseConv2d
-    bs = layer.block_size if hasattr(layer, "block_size") else layer.op.block_size
     if isinstance(layer, BlockSparseConv2d):
         from bstrain.ops.conv import conv_nd
         xb = x if x.dim() == 4 else x.unsqueeze(0)
@@ -331,8 +371,7 @@ def _dense_grad(layer: nn.Module, x: torch.Tensor, dy: torch.Tensor) -> torch.Te
                              dtype=torch.float32, requires_grad=True)
             y = conv_nd(xb.float(), wd, layer.stride, layer.dilation, pads)
             (g,) = torch.autograd.grad(y, wd, dyb.float())                    # (K, C, kh, kw)
-        K, C = g.shape[:2]
-        return g.reshape(K // bs, bs, C // bs, bs, -1).square().sum((1, 3, 4)).t().sqrt()
+        return g
     # in the activations' dtype (bf16 under autocast: the GEMM accumulates in fp32; the scores only rank)
     dt = x.dtype if x.dtype == dy.dtype and x.is_cuda else torch.float32
     if layer.op.feature_axis == 1:
@@ -341,6 +380,15 @@ def _dense_grad(layer: nn.Module, x: torch.Tensor, dy: torch.Tensor) -> torch.Te
     else:
         x2, dy2 = x.reshape(x.shape[0], -1).to(dt), dy.reshape(dy.shape[0], -1).to(dt)
         g = (x2 @ dy2.t()).float()
+    return g
+
+
+def _block_norms(layer: nn.Module, g: torch.Tensor) -> torch.Tensor:
+    """(C/bs, K/bs) block norms of a dense gradient from :func:`_dense_grad`."""
+    bs = layer.block_size if hasattr(layer, "block_size") else layer.op.block_size
+    if g.dim() == 4:                                                            # a conv's (K, C, kh, kw)
+        K, C = g.shape[:2]
+        return g.reshape(K // bs, bs, C // bs, bs, -1).square().sum((1, 3, 4)).t().sqrt()
     C, K = g.shape
     return g.reshape(C // bs, bs, K // bs, bs).square().sum((1, 3)).sqrt()
 
@@ -349,21 +397,56 @@ def _grow_balanced(old: np.ndarray, new: np.ndarray, pruned: np.ndarray, score: 
                    gen: torch.Generator) -> np.ndarray:
     """Grows blocks into ``new`` (``old`` with ``pruned`` dropped) so that every row and column of
     blocks gets its count back: the best-scored dead blocks whose row and column both still lack
-    one, then, where that leaves a gap, the just-pruned ones. If no such choice closes every gap
-    (rare), the layer keeps ``old``."""
-    rows, cols = old.sum(1) - new.sum(1), old.sum(0) - new.sum(0)        # blocks each still lacks
+    one (the just-pruned ones last), then, where that greedy choice leaves gaps, augmenting swaps
+    close them (a b-matching; one always exists, since regrowing the pruned blocks closes every gap)."""
+    need_r, need_c = old.sum(1) - new.sum(1), old.sum(0) - new.sum(0)      # blocks each still lacks
     score = score.clone()
     score.view(-1)[torch.as_tensor(pruned)] = -1e30                        # just-pruned: last resort
-    dead = torch.as_tensor(~old | ~new).flatten()
-    order = _top(score.masked_fill(~dead.view(score.shape), -math.inf), int(dead.sum()), gen)
-    out = new.copy()
+    free = ~new                                                            # where a block may grow
+    order = _top(score.masked_fill(torch.as_tensor(new), -math.inf), int(free.sum()), gen)
+    grown = np.zeros_like(old)
     for flat in order:
         r, c = divmod(int(flat), old.shape[1])
-        if rows[r] > 0 and cols[c] > 0 and not out[r, c]:
-            out[r, c] = True
-            rows[r] -= 1
-            cols[c] -= 1
-    return out if not rows.any() else old.copy()
+        if need_r[r] > 0 and need_c[c] > 0:
+            grown[r, c] = True
+            need_r[r] -= 1
+            need_c[c] -= 1
+    while need_r.any():
+        path = _augmenting_path(free, grown, need_r, need_c)
+        if path is None:                    # cannot happen (the pruned blocks are a solution)
+            raise RuntimeError("sparsity: no balanced regrowth found; please report this layout")
+        for k, (r, c) in enumerate(path):   # add, remove, add, ..., add
+            grown[r, c] = k % 2 == 0
+        need_r[path[0][0]] -= 1
+        need_c[path[-1][1]] -= 1
+    return new | grown
+
+
+def _augmenting_path(free: np.ndarray, grown: np.ndarray, need_r: np.ndarray, need_c: np.ndarray):
+    """Cells [(r0, c0), (r1, c0), (r1, c1), ...] from a row that lacks a block to a column that
+    lacks one: grow the 1st, 3rd, ... (free, not grown) and drop the 2nd, 4th, ... (grown); None if
+    there is none. Breadth-first over the rows and columns."""
+    rows, cols = free.shape
+    row_from = np.full(rows, -2)            # the column a row was reached from (-1: a start)
+    col_from = np.full(cols, -1)            # the row a column was reached from
+    queue = [int(r) for r in np.flatnonzero(need_r > 0)]
+    row_from[queue] = -1
+    for r in queue:                         # (the queue grows while it is walked)
+        for c in np.flatnonzero(free[r] & ~grown[r] & (col_from < 0)):
+            col_from[c] = r
+            if need_c[c] > 0:               # reached a column that lacks one: walk back
+                path, c = [], int(c)
+                while True:
+                    r0 = int(col_from[c])
+                    path.append((r0, c))
+                    if row_from[r0] == -1:
+                        return path[::-1]
+                    path.append((r0, int(row_from[r0])))
+                    c = int(row_from[r0])
+            for r2 in np.flatnonzero(grown[:, c] & (row_from == -2)):
+                row_from[r2] = c
+                queue.append(int(r2))
+    return None
 
 
 def _top(score: torch.Tensor, n: int, gen: torch.Generator) -> np.ndarray:

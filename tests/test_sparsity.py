@@ -121,13 +121,14 @@ def test_schedule_stop_and_no_update_when_frozen():
     policy = SET(model, None, every=2, fraction=0.5, stop=4)
     assert policy.fraction_at(0) == 0.5 and policy.fraction_at(2) == pytest.approx(0.25)
     assert policy.fraction_at(4) == pytest.approx(0.0) and policy.fraction_at(6) == 0.0
-    assert [policy.updates_at(s) for s in range(1, 7)] == [False, True, False, True, False, False]
+    # step 4 is stop, where the share has decayed to 0: no update (and no RigL step before it)
+    assert [policy.updates_at(s) for s in range(1, 7)] == [False, True, False, False, False, False]
     layouts = [model[0].block_layout().copy()]
     for _ in range(6):
         policy.step()
         layouts.append(model[0].block_layout().copy())
     assert not np.array_equal(layouts[2], layouts[1])                      # step 2 changed
-    assert np.array_equal(layouts[6], layouts[4])                          # frozen after stop
+    assert np.array_equal(layouts[6], layouts[2]) and len(policy.history) == 1    # frozen from stop
 
 
 @pytest.mark.parametrize("cls", [SET, RigL], ids=["set", "rigl"])
@@ -393,3 +394,98 @@ def test_balanced_update_rewrites_the_ema_copys_tables_in_place_too():
         assert twin.op.key == key and np.array_equal(twin.block_layout(), mine.block_layout())
         x = torch.randn(3, twin.in_features)
         torch.testing.assert_close(twin(x), x @ twin.dense_weight().t() + twin.bias, rtol=1e-5, atol=1e-5)
+
+
+def test_balanced_growth_always_closes_the_gaps():
+    """Balanced growth keeps every row's and column's count and grows into the pruned layout,
+    also where the best-scored first choice leaves gaps (wide and tall layouts, where a greedy
+    fill alone got stuck on most updates); and a balanced update changes blocks there."""
+    import math
+
+    from bstrain.layout import balanced
+    from bstrain.sparsity import _grow_balanced
+    rng = np.random.default_rng(int(torch.randint(1 << 30, ())))
+    for shape, density in [((4, 4), 0.5), ((16, 64), 0.25), ((64, 16), 0.25), ((8, 32), 0.5), ((32, 32), 0.1)]:
+        for t in range(6):
+            old = balanced(shape, density, seed=int(rng.integers(1 << 30)))
+            pruned = rng.choice(np.flatnonzero(old), int(round(0.3 * old.sum())), replace=False)
+            new = old.copy()
+            new.flat[pruned] = False
+            gen = torch.Generator().manual_seed(t)
+            score = torch.rand(shape, generator=gen).masked_fill(torch.as_tensor(old), -math.inf)
+            out = _grow_balanced(old, new, pruned, score, gen)
+            assert (out.sum(0) == old.sum(0)).all() and (out.sum(1) == old.sum(1)).all(), (shape, t)
+            assert (out >= new).all() and out.sum() == old.sum()
+    for seed in range(4):
+        layer = BlockSparseLinear(256, 1024, block_size=16, density=0.25)
+        policy = SET(layer, None, every=1, fraction=0.3, balanced=True, seed=seed)
+        info = policy.step()
+        assert info["changed"][""] > 0.2, (seed, info)
+
+
+def test_rigl_scores_the_dense_gradient_of_the_whole_step():
+    """A layer called twice per step with inputs x and -x: the step's dense gradient is zero (the
+    calls cancel), though each call's alone is not; RigL sums the gradients, not their norms."""
+    from bstrain.sparsity import _block_norms
+    torch.manual_seed(0)
+    layer = BlockSparseLinear(64, 64, block_size=16, density=0.5, bias=False)
+    policy = RigL(layer, None, every=1, fraction=0.5)
+    x, target = torch.randn(8, 64), torch.randn(8, 64)
+    ((layer(x) + layer(-x) - target) ** 2).mean().backward()
+    g = policy._grads[""]
+    assert g.shape == (64, 64) and g.abs().max() < 1e-6
+    # one call alone: the norms of its dense gradient, as a dense layer of the same weights has it
+    policy._grads.clear()
+    dense = torch.nn.Linear(64, 64, bias=False)
+    with torch.no_grad():
+        dense.weight.copy_(layer.dense_weight())
+    layer.zero_grad()
+    ((layer(x) - target) ** 2).mean().backward()
+    ((dense(x) - target) ** 2).mean().backward()
+    expect = dense.weight.grad.t().reshape(4, 16, 4, 16).square().sum((1, 3)).sqrt()
+    torch.testing.assert_close(_block_norms(layer, policy._grads[""]), expect, rtol=1e-5, atol=1e-6)
+
+
+def test_rigl_warns_when_no_gradient_reaches_a_layer():
+    layer = BlockSparseLinear(64, 64, block_size=16, density=0.5)
+    policy = RigL(layer, None, every=1, fraction=0.5)
+    with pytest.warns(RuntimeWarning, match="grows at random this time"):
+        policy.step()                                                      # no step ran through the layer
+
+
+def test_a_copy_made_after_the_policy_keeps_its_own_layout():
+    """Private tables (rewritten in place by balanced updates) are not shared by a deep copy or
+    an unpickled model: an update of the original leaves the copy's output and tables alone."""
+    import io
+    from bstrain.ops.tables import lookup
+    model = mlp(density=0.5)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    policy = SET(model, opt, every=1, fraction=0.5, balanced=True, seed=3)
+    copied = copy.deepcopy(model)
+    buf = io.BytesIO()
+    torch.save(model, buf)
+    buf.seek(0)
+    loaded = torch.load(buf, weights_only=False)
+    x = torch.randn(5, 64)
+    with torch.no_grad():
+        before = copied(x), loaded(x)
+    info = train(model, opt, policy, 1)[0]
+    assert info["in_place"] and sum(info["changed"].values()) > 0
+    with torch.no_grad():
+        after = copied(x), loaded(x)
+    for b, a in zip(before, after):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    for other in (copied, loaded):
+        for (_, mine), (_, theirs) in zip(sparse_layers(model), sparse_layers(other)):
+            assert theirs.op.key != mine.op.key and lookup(theirs.op.key) is theirs.op._tables
+            assert np.array_equal(theirs.op._tables.host.layout, theirs.block_layout())
+
+
+def test_an_op_given_twice_and_a_twin_of_another_shape():
+    from bstrain.ops import BlocksparseMatMul
+    op = BlocksparseMatMul(np.eye(4, dtype=bool), 16)
+    w1, w2 = torch.zeros(op.w_shape), torch.zeros(op.w_shape)
+    with pytest.raises(ValueError, match="ops: expected each BlocksparseMatMul once"):
+        SET(None, None, ops=[(op, w1), (op, w2)])
+    with pytest.raises(ValueError, match="also: expected modules shaped like the model"):
+        SET(mlp(seed=0), None, also=(mlp(seed=1),))                        # other random layouts

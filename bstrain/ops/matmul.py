@@ -341,7 +341,6 @@ class BlocksparseMatMul:
         self.C, self.K = cb * self.block_size, kb * self.block_size
         # the layout's tables, shared by equal layouts; their key names the layout in torch.ops.bstrain.*
         self._tables = layout_tables("matmul", self.layout, self.block_size)
-        self.key = self._tables.key
         host = self._tables.host
         self.blocks = host.blocks
         with real_tensors(torch.device("cpu")):
@@ -629,6 +628,11 @@ class BlocksparseMatMul:
     """None, or ``observer(I, Y)`` called after each product (``bstrain.sparsity.RigL`` records the
     inputs and output gradients of the step before a layout update through it)."""
 
+    @property
+    def key(self) -> str:
+        """The key of this op's layout tables: it names the layout in ``torch.ops.bstrain.*`` calls."""
+        return self._tables.key
+
     def make_private(self) -> None:
         """Gives this op layout tables that no other op shares (equal layouts share them by
         default), so that :meth:`set_layout` can rewrite them in place."""
@@ -636,7 +640,6 @@ class BlocksparseMatMul:
             return
         devices = [d for d in self._tables.devices if d.type == "cuda"]
         self._tables = private_tables("matmul", self.layout, self.block_size)
-        self.key = self._tables.key
         for d in devices:
             self._tables.on(d)
 

@@ -133,13 +133,20 @@ class LayoutTables:
         return list(self._on)
 
     def __reduce__(self):
-        return layout_tables, (self.family, *self.spec)
+        return (_private_copy if self.private else layout_tables), (self.family, *self.spec)
 
     def __copy__(self):
         return self
 
     def __deepcopy__(self, memo):
-        return self
+        """Shared tables are shared by the copy too; private ones (a layout that changes in place)
+        are not: the copy gets private tables of its own, of the same layout, on the same devices."""
+        if not self.private:
+            return self
+        copy = private_tables(self.family, *self.spec)
+        for device in self.devices:
+            copy.on(device)
+        return copy
 
     def __repr__(self) -> str:
         return f"LayoutTables({self.key!r}, devices={[str(d) for d in self._on]})"
@@ -168,6 +175,11 @@ def private_tables(name: str, *spec) -> LayoutTables:
     key = f"{_content_key(name, spec)}-own{next(_PRIVATE)}"
     tables = _REGISTRY[key] = LayoutTables(name, spec, key, private=True)
     return tables
+
+
+def _private_copy(name: str, *spec) -> LayoutTables:
+    """Unpickling private tables: private tables of their own (another process has no others)."""
+    return private_tables(name, *spec)
 
 
 def lookup(key: str) -> LayoutTables:

@@ -317,11 +317,12 @@ class CapturedStep:
         self.state = None                                  # static state buffers (stateful models)
         self.graph: torch.cuda.CUDAGraph | None = None
 
-    def twin(self, before_step=None) -> "CapturedStep":
+    def twin(self, before_step=None, forward=None) -> "CapturedStep":
         """A second capture of the same step (the trainer's: with RigL's gradient hooks armed), on
         this one's memory pool when this one is captured first (the two never run at once).
-        ``before_step()`` runs at the start of every warm-up and of the captured run."""
-        return CapturedStep(self.forward, self.loss_fn, self.optimizer, self.grad_clip, self.metrics_fn, self.warmup,
+        ``before_step()`` runs at the start of every warm-up and of the captured run; ``forward``
+        replaces this one's (the uncompiled model, whose hooks run)."""
+        return CapturedStep(forward or self.forward, self.loss_fn, self.optimizer, self.grad_clip, self.metrics_fn, self.warmup,
                             self.scaler, self.ema, self.ema_decay, self.model, before_step=before_step,
                             pool_from=self)
 

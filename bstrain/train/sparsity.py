@@ -32,6 +32,9 @@ def make_policy(cfg, model, optimizer, ema, max_steps: int):
     if not 0 < s.until <= 1:
         raise UserError(f"sparsity.until: expected a share of trainer.max_steps in (0, 1], got {s.until!r}")
     cls = {"set": SET, "rigl": RigL}[policy]
+    if int(s.until * max_steps) <= s.every:
+        log.warning("sparsity=%s: no layout update will run: sparsity.until x trainer.max_steps = %d steps is not "
+                    "more than sparsity.every = %d", policy, int(s.until * max_steps), s.every)
     try:
         return cls(model, optimizer, every=s.every, fraction=s.fraction, stop=int(s.until * max_steps),
                    balanced=bool(s.balanced), seed=s.seed, also=() if ema is None else (ema.module,))

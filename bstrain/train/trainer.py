@@ -270,6 +270,7 @@ class Run:
     stop: str | None = None               # the signal that asked the run to stop
     skipped: Any = 0                      # fp16 steps skipped since the last log (a device tensor)
     sparsity: Any = None                  # the dynamic-sparsity policy (bstrain.sparsity), None if static
+    forward_hooked: Forward | None = None  # compiled runs: the uncompiled model, for RigL's hooked steps
 
 
 def build(cfg: DictConfig, run_dir: Path, device: torch.device, world: World) -> Run:
@@ -295,6 +296,7 @@ def build(cfg: DictConfig, run_dir: Path, device: torch.device, world: World) ->
             net = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
         if side is not None:
             torch.cuda.current_stream(device).wait_stream(side)
+    uncompiled = net
     if compiled := bool(t_cfg.get("compile", False)):
         net = torch.compile(net)        # the model (and DDP around it); checkpoints keep using `model`
     amp_dtype = PRECISIONS[_value(t_cfg.precision)]
@@ -319,6 +321,8 @@ def build(cfg: DictConfig, run_dir: Path, device: torch.device, world: World) ->
     run.sparsity = sparsity.make_policy(cfg, model, optimizer, ema, t_cfg.max_steps)
     if run.sparsity is not None and compiled:
         sparsity.allow_recompiles(run.sparsity)
+        # a compiled model ignores hooks added after it was compiled: RigL's step runs uncompiled
+        run.forward_hooked = Forward(uncompiled, amp_dtype, device)
     if resume is not None:
         ckpt_io.restore(run, load_checkpoint(resume))
         _match_graph_mode(optimizer, graphed, device)
@@ -379,8 +383,12 @@ def one_step(run: Run, x: torch.Tensor, y: torch.Tensor, fresh: bool):
     else:                                               # eager (or a batch of another shape than the graph's)
         if run.captured is not None:                    # a replay leaves its gradients in .grad: not added to
             run.optimizer.zero_grad(set_to_none=True)
+        forward = run.forward
+        if sparsity.wants_eager(run):                   # RigL's hooked step: its sums start over
+            run.sparsity.begin_step()
+            forward = run.forward_hooked or forward
         scale = run.scaler._scale.clone() if run.scaler.is_enabled() and run.scaler._scale is not None else None
-        loss, grad_norm, run.state, metrics = train_step(run.forward, run.task.loss, x, y, run.state, run.optimizer,
+        loss, grad_norm, run.state, metrics = train_step(forward, run.task.loss, x, y, run.state, run.optimizer,
                                                          run.params, run.cfg.optim.grad_clip, run.scaler,
                                                          metrics_fn=run.task.batch_metrics)
         if scale is not None:                           # fp16: a lowered scale means a skipped step
@@ -401,7 +409,7 @@ def _graph_for(run: Run, x: torch.Tensor, y: torch.Tensor) -> CapturedStep | Non
         if run.armed_eager:
             return None
         if run.captured_armed is None:
-            run.captured_armed = run.captured.twin(before_step=run.sparsity.begin_step)
+            run.captured_armed = run.captured.twin(before_step=run.sparsity.begin_step, forward=run.forward_hooked)
         if run.captured_armed.graph is None and not _start_armed_graph(run, x, y):
             return None
         cap = run.captured_armed

@@ -188,3 +188,17 @@ def test_ema_copy_takes_the_new_layouts(tmp_path):
     for k, v in model.items():
         if k.endswith("layout"):
             assert torch.equal(ema["module." + k], v), k
+
+
+def test_rigl_under_compile_reads_the_gradients(tmp_path, recwarn):
+    """trainer.compile=true: the step before each RigL update runs through the uncompiled model,
+    whose hooks see the gradients (a compiled model ignores hooks added after compiling, and
+    RigL would silently grow at random)."""
+    try:
+        cfg = _cfg(tmp_path, "rigl_compiled", "rigl", every=3)
+        with open_dict(cfg):
+            cfg.trainer.update(compile=True, ckpt_every=0, eval_every=0)
+        train(cfg)
+        assert not [w for w in recwarn.list if "grows at random" in str(w.message)]
+    finally:
+        torch._dynamo.reset()
