@@ -185,8 +185,8 @@ def test_dropout_mask_shape_broadcasts(x_shape, mask_shape):
     assert mask.numel() == (n + 7) // 8
     keep = ew._unpack_bits(mask, n).view(mask_shape).expand(x_shape)
     torch.testing.assert_close(y, torch.where(keep, x / 0.5, 0.0))
-    if n > 1000:
-        assert abs(keep.float().mean().item() - 0.5) < 0.05
+    if n > 1000:                                                    # within 5 sigma of the keep rate
+        assert abs(keep.float().mean().item() - 0.5) < 5 * math.sqrt(0.25 / n)
     y.sum().backward()
     torch.testing.assert_close(x.grad, keep.float() / 0.5)
     y2, _ = ew.dropout(x, 0.5, mask, mask_shape)                    # reused with its shape
