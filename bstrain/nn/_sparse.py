@@ -42,8 +42,19 @@ class BlockLayoutModule(nn.Module):
     def block_layout(self) -> np.ndarray:
         raise NotImplementedError
 
-    def _use_layout(self, layout: np.ndarray) -> None:
+    def _use_layout(self, layout: np.ndarray) -> bool:
+        """Switches to ``layout``; True when the op's tables were rewritten in place (graphs made
+        before stay valid)."""
         raise NotImplementedError
+
+    def _switch_layout(self, layout: np.ndarray) -> bool:
+        """:meth:`_use_layout`, then the new tables made on the weight's GPU at once (as ``.to()``
+        does), so that a graph traced later finds them instead of building them inside the trace.
+        True when the switch was made in place."""
+        in_place = bool(self._use_layout(layout))
+        if self.weight.device.type == "cuda":
+            self._layout_tables().on(self.weight.device)
+        return in_place
 
     def _filled(self, dense: nn.Module) -> nn.Module:
         """``dense`` (the nn twin of this layer, built by ``to_dense``) with this layer's weights."""
@@ -85,7 +96,7 @@ class BlockLayoutModule(nn.Module):
         if not new.any():
             error_msgs.append(f"{name}: the checkpoint's layout has no live block")
             return False
-        self._use_layout(new)
+        self._switch_layout(new)
         if nnz != self.weight.shape[0]:            # assign=True: the checkpoint's weight replaces ours
             shape = (nnz,) + tuple(self.weight.shape[1:])
             self.weight = nn.Parameter(self.weight.new_empty(shape, device="meta"))

@@ -124,12 +124,13 @@ class BlockSparseConv2d(BlockLayoutModule):
         """The (C/bs, K/bs) bool layout (for TensorBoard images and the DDP layout check)."""
         return self._layout
 
-    def _use_layout(self, layout: np.ndarray) -> None:
+    def _use_layout(self, layout: np.ndarray) -> bool:
         self._layout = np.ascontiguousarray(layout, dtype=bool)
         self._density = float(self._layout.mean())
         self._tables = layout_tables("conv", self._layout, self.block_size)    # CPU tables built now
         host = self._tables.host
         self._diagonal = host.gather is None and host.scatter is None            # blocks in channel order
+        return False                                                            # new tables (never in place)
 
     def _layout_tables(self):
         return self._tables

@@ -176,9 +176,12 @@ class BlockSparseLinear(BlockLayoutModule):
         """The (C/bs, K/bs) bool layout."""
         return self.op.layout
 
-    def _use_layout(self, layout: np.ndarray) -> None:
-        self.op = BlocksparseMatMul(layout, self.op.block_size, self.op.feature_axis, backend=self.op.backend)
+    def _use_layout(self, layout: np.ndarray) -> bool:
         self.requested_density = None
+        if int(np.sum(layout)) == self.op.blocks:        # in place where the op's tables allow (dynamic sparsity)
+            return self.op.set_layout(layout)
+        self.op = BlocksparseMatMul(layout, self.op.block_size, self.op.feature_axis, backend=self.op.backend)
+        return False
 
     def _layout_tables(self):
         return self.op._tables
