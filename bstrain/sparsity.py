@@ -240,8 +240,8 @@ class DynamicSparsity:
             moved[dst_idx.to(t.device)] = t[src_idx.to(t.device)]
             t.copy_(moved)
         in_place = layer._switch_layout(new)
-        if isinstance(getattr(layer, "layout", None), torch.Tensor):             # a module's layout buffer
-            layer.layout.copy_(torch.as_tensor(new, device=layer.layout.device))
+        if hasattr(layer, "_write_layout_buffer"):                              # a module's layout buffer
+            layer._write_layout_buffer(new)
         return in_place
 
     # --- RigL's gradient hooks ----------------------------------------------------------------------

@@ -7,6 +7,23 @@ import torch
 from torch import nn
 
 
+def size_arg(name: str, value, block_size: int) -> int:
+    """``value`` (a Python or numpy int, as nn.Linear takes) as an int, if it is a positive
+    multiple of ``block_size``; a ValueError naming ``name`` otherwise."""
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)) or value <= 0 \
+            or value % block_size:
+        raise ValueError(f"{name}: expected a positive multiple of block_size={block_size}, got {value!r}")
+    return int(value)
+
+
+def bias_arg(bias, layer: str) -> bool:
+    """``bias`` as nn.Linear and nn.Conv2d take it (True/False, or 0/1); a TypeError otherwise (a
+    block size given in its place, say)."""
+    if isinstance(bias, (bool, np.bool_)) or (isinstance(bias, (int, np.integer)) and bias in (0, 1)):
+        return bool(bias)
+    raise TypeError(f"bias: expected True or False ({layer}'s bias argument), got {bias!r}")
+
+
 def layout_of(norms: torch.Tensor | None, density: float | None, layout):
     """The layout a ``from_dense`` keeps: ``layout`` as given, or, with ``density``, the
     round(density·blocks) blocks of largest ``norms`` ((C/bs, K/bs) block norms of the dense
@@ -18,10 +35,30 @@ def layout_of(norms: torch.Tensor | None, density: float | None, layout):
         return layout
     if density is None:
         raise ValueError("layout: expected a layout or a density, got neither")
+    if norms.is_meta:
+        raise ValueError("keep_weights: a model on the meta device has no weights to keep the largest blocks of; "
+                         "pass keep_weights=False (a drawn layout) or a layout")
     keep = min(norms.numel(), max(1, round(layouts.check_density(density) * norms.numel())))
     chosen = np.zeros(tuple(norms.shape), dtype=bool)
     chosen.flat[norms.flatten().argsort(descending=True, stable=True)[:keep].cpu().numpy()] = True
     return chosen
+
+
+def _keeps_block_format(fn):
+    """``fn`` for ``Module._apply``, where a memory format (``model.to(memory_format=
+    torch.channels_last)``, which a whole convnet takes) does not apply to a conv layer's 5-D
+    (nnz, bs, bs, kh, kw) weight: its device and dtype change, its layout stays contiguous."""
+    def apply(t):
+        if t.dim() != 5:
+            return fn(t)
+        try:
+            return fn(t)
+        except RuntimeError as exc:
+            if "channels_last" not in str(exc):
+                raise
+            flat = fn(t.reshape(t.shape[0] * t.shape[1], *t.shape[2:]))      # 4-D: the format applies
+            return flat.contiguous().view(t.shape)
+    return apply
 
 
 class BlockLayoutModule(nn.Module):
@@ -76,6 +113,9 @@ class BlockLayoutModule(nn.Module):
                 return
         super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
                                       error_msgs)
+        buf = self._buffers.get("layout")
+        if buf is not None and not buf.is_meta and key in state_dict:     # adopted above: the buffer matches
+            self._layout_seen, self._layout_outside = (id(buf), buf._version), False
 
     def _adopt(self, new: np.ndarray, prefix: str, assign: bool, error_msgs: list) -> bool:
         """Takes ``new`` as this module's layout; False (with an error message) if it cannot."""
@@ -105,11 +145,46 @@ class BlockLayoutModule(nn.Module):
     def _apply(self, fn, recurse: bool = True):
         """``.to()``, ``.cuda()``, ``to_empty()``: the layout tables follow to the new device once, and
         the layout buffer is rewritten from the host layout (to_empty leaves it uninitialised)."""
-        out = super()._apply(fn, recurse)
+        out = super()._apply(_keeps_block_format(fn), recurse)
         dev = self.weight.device
         if dev.type != "meta" and not self.layout.is_meta:
-            with torch.no_grad():
-                self.layout.copy_(torch.as_tensor(self.block_layout(), device=self.layout.device))
+            self._write_layout_buffer(self.block_layout())
             if dev.type == "cuda":
                 self._layout_tables().on(dev)
         return out
+
+    # The ``layout`` buffer is the layout: a write into it that did not come from this module
+    # (FSDP's sync_module_states, DDP's first broadcast, a user's copy_) is adopted at the next
+    # call, as a loaded state dict's is. ``_layout_seen`` is (id, version) of the buffer as last
+    # matched with the op's layout; checking it costs no device access. A GPU buffer is read
+    # back (a sync) only at the first outside write after this module's own: DDP rewrites its
+    # buffers at every step, with the same layout after the first.
+    _layout_seen: tuple | None = None
+    _layout_outside: bool = False
+
+    def _write_layout_buffer(self, layout: np.ndarray) -> None:
+        buf = self.layout
+        with torch.no_grad():
+            buf.copy_(torch.as_tensor(np.asarray(layout, dtype=bool), device=buf.device).to(buf.dtype))
+        self._layout_seen, self._layout_outside = (id(buf), buf._version), False
+
+    def _sync_layout_buffer(self) -> None:
+        """Adopts a layout written into the buffer from outside since the last call (one host read
+        then; none otherwise, and none while torch.compile or torch.export trace or a CUDA graph is
+        captured)."""
+        if torch.compiler.is_compiling():
+            return
+        buf = self._buffers.get("layout")
+        if buf is None or (id(buf), buf._version) == self._layout_seen or buf.is_meta:
+            return
+        if buf.is_cuda and (self._layout_outside or torch.cuda.is_current_stream_capturing()):
+            return
+        self._layout_outside = True
+        new = np.asarray(buf.detach().cpu(), dtype=bool)
+        if not np.array_equal(new, self.block_layout()):
+            errors: list[str] = []
+            if not self._adopt(new, "", False, errors):
+                raise ValueError(f"layout: the layout buffer was overwritten with a layout this layer cannot take: "
+                                 f"{errors[0]}")
+        buf = self._buffers["layout"]
+        self._layout_seen = (id(buf), buf._version)
