@@ -44,6 +44,12 @@ def layout_of(norms: torch.Tensor | None, density: float | None, layout):
     return chosen
 
 
+def _stamp(buf: torch.Tensor) -> tuple:
+    """(id, version) of a layout buffer; an inference tensor (a module built under
+    torch.inference_mode) keeps no version: its id alone."""
+    return (id(buf), -1 if buf.is_inference() else buf._version)
+
+
 def _keeps_block_format(fn):
     """``fn`` for ``Module._apply``, where a memory format (``model.to(memory_format=
     torch.channels_last)``, which a whole convnet takes) does not apply to a conv layer's 5-D
@@ -115,7 +121,7 @@ class BlockLayoutModule(nn.Module):
                                       error_msgs)
         buf = self._buffers.get("layout")
         if buf is not None and not buf.is_meta and key in state_dict:     # adopted above: the buffer matches
-            self._layout_seen, self._layout_outside = (id(buf), buf._version), False
+            self._layout_seen, self._layout_outside = _stamp(buf), False
 
     def _adopt(self, new: np.ndarray, prefix: str, assign: bool, error_msgs: list) -> bool:
         """Takes ``new`` as this module's layout; False (with an error message) if it cannot."""
@@ -166,7 +172,7 @@ class BlockLayoutModule(nn.Module):
         buf = self.layout
         with torch.no_grad():
             buf.copy_(torch.as_tensor(np.asarray(layout, dtype=bool), device=buf.device).to(buf.dtype))
-        self._layout_seen, self._layout_outside = (id(buf), buf._version), False
+        self._layout_seen, self._layout_outside = _stamp(buf), False
 
     def _sync_layout_buffer(self) -> None:
         """Adopts a layout written into the buffer from outside since the last call (one host read
@@ -175,7 +181,7 @@ class BlockLayoutModule(nn.Module):
         if torch.compiler.is_compiling():
             return
         buf = self._buffers.get("layout")
-        if buf is None or (id(buf), buf._version) == self._layout_seen or buf.is_meta:
+        if buf is None or buf.is_meta or _stamp(buf) == self._layout_seen:
             return
         if buf.is_cuda and (self._layout_outside or torch.cuda.is_current_stream_capturing()):
             return
@@ -186,5 +192,4 @@ class BlockLayoutModule(nn.Module):
             if not self._adopt(new, "", False, errors):
                 raise ValueError(f"layout: the layout buffer was overwritten with a layout this layer cannot take: "
                                  f"{errors[0]}")
-        buf = self._buffers["layout"]
-        self._layout_seen = (id(buf), buf._version)
+        self._layout_seen = _stamp(self._buffers["layout"])

@@ -126,3 +126,19 @@ def test_sparse_proj_built_under_a_meta_default_device():
         proj = bs.SparseProj(16, 4)
     x = torch.randn(16, 3)
     torch.testing.assert_close(proj.gather(x), x[proj.gather_lut])
+
+
+@pytest.mark.parametrize("make, x", [
+    (lambda: BlockSparseLinear(64, 64, block_size=16, density=0.5), lambda: torch.randn(2, 64)),
+    (lambda: BlockSparseConv2d(32, 32, 3, block_size=16, density=0.5), lambda: torch.randn(1, 32, 5, 5))],
+    ids=["linear", "conv"])
+def test_built_and_run_under_inference_mode(make, x):
+    """A module built under torch.inference_mode (its buffers are inference tensors, which keep
+    no version counter) runs there and outside it; a normal one runs under it."""
+    with torch.inference_mode():
+        built = make()
+        want = built(x())
+    assert built(x()).shape == want.shape
+    normal = make()
+    with torch.inference_mode():
+        assert normal(x()).shape == want.shape
