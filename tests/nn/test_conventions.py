@@ -142,3 +142,18 @@ def test_built_and_run_under_inference_mode(make, x):
     normal = make()
     with torch.inference_mode():
         assert normal(x()).shape == want.shape
+
+
+def test_export_with_any_length_up_to_the_context():
+    """torch.export with a dynamic sequence length whose range reaches the context: one program
+    for every length (the attention pads by zero rows at the context itself)."""
+    from torch.export import Dim, export
+
+    from bstrain.models.transformer import SparseTransformer
+    model = SparseTransformer(d_model=32, n_layer=1, n_head=2, context=64, block_size=16, window=16, summary=4).eval()
+    program = export(model, (torch.randint(0, 256, (2, 64)),), dynamic_shapes=({1: Dim("T", min=2, max=64)},))
+    for t in (64, 40, 7):
+        x = torch.randint(0, 256, (2, t))
+        got, want = program.module()(x), model(x)
+        got, want = (r[0] if isinstance(r, tuple) else r for r in (got, want))
+        torch.testing.assert_close(got, want)
