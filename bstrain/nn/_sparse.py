@@ -44,12 +44,6 @@ def layout_of(norms: torch.Tensor | None, density: float | None, layout):
     return chosen
 
 
-def _stamp(buf: torch.Tensor) -> tuple:
-    """(id, version) of a layout buffer; an inference tensor (a module built under
-    torch.inference_mode) keeps no version: its id alone."""
-    return (id(buf), -1 if buf.is_inference() else buf._version)
-
-
 def _keeps_block_format(fn):
     """``fn`` for ``Module._apply``, where a memory format (``model.to(memory_format=
     torch.channels_last)``, which a whole convnet takes) does not apply to a conv layer's 5-D
@@ -119,9 +113,6 @@ class BlockLayoutModule(nn.Module):
                 return
         super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
                                       error_msgs)
-        buf = self._buffers.get("layout")
-        if buf is not None and not buf.is_meta and key in state_dict:     # adopted above: the buffer matches
-            self._layout_seen, self._layout_outside = _stamp(buf), False
 
     def _adopt(self, new: np.ndarray, prefix: str, assign: bool, error_msgs: list) -> bool:
         """Takes ``new`` as this module's layout; False (with an error message) if it cannot."""
@@ -159,37 +150,22 @@ class BlockLayoutModule(nn.Module):
                 self._layout_tables().on(dev)
         return out
 
-    # The ``layout`` buffer is the layout: a write into it that did not come from this module
-    # (FSDP's sync_module_states, DDP's first broadcast, a user's copy_) is adopted at the next
-    # call, as a loaded state dict's is. ``_layout_seen`` is (id, version) of the buffer as last
-    # matched with the op's layout; checking it costs no device access. A GPU buffer is read
-    # back (a sync) only at the first outside write after this module's own: DDP rewrites its
-    # buffers at every step, with the same layout after the first.
-    _layout_seen: tuple | None = None
-    _layout_outside: bool = False
-
+    # The ``layout`` buffer mirrors the layout the module computes with (its op's), so that state
+    # dicts, DDP and FSDP carry it; a state dict always holds that layout (a write into the buffer
+    # is not taken: ``load_state_dict`` is how a module takes another layout).
     def _write_layout_buffer(self, layout: np.ndarray) -> None:
         buf = self.layout
+        new = torch.as_tensor(np.asarray(layout, dtype=bool), device=buf.device).to(buf.dtype)
+        if buf.is_inference() and not torch.is_inference_mode_enabled():
+            self.layout = new.clone()          # built under inference_mode: a normal tensor now
+            return
         with torch.no_grad():
-            buf.copy_(torch.as_tensor(np.asarray(layout, dtype=bool), device=buf.device).to(buf.dtype))
-        self._layout_seen, self._layout_outside = _stamp(buf), False
+            buf.copy_(new)
 
-    def _sync_layout_buffer(self) -> None:
-        """Adopts a layout written into the buffer from outside since the last call (one host read
-        then; none otherwise, and none while torch.compile or torch.export trace or a CUDA graph is
-        captured)."""
-        if torch.compiler.is_compiling():
-            return
+    def _save_to_state_dict(self, destination, prefix, keep_vars):
+        super()._save_to_state_dict(destination, prefix, keep_vars)
+        key = prefix + "layout"
         buf = self._buffers.get("layout")
-        if buf is None or buf.is_meta or _stamp(buf) == self._layout_seen:
-            return
-        if buf.is_cuda and (self._layout_outside or torch.cuda.is_current_stream_capturing()):
-            return
-        self._layout_outside = True
-        new = np.asarray(buf.detach().cpu(), dtype=bool)
-        if not np.array_equal(new, self.block_layout()):
-            errors: list[str] = []
-            if not self._adopt(new, "", False, errors):
-                raise ValueError(f"layout: the layout buffer was overwritten with a layout this layer cannot take: "
-                                 f"{errors[0]}")
-        self._layout_seen = _stamp(self._buffers["layout"])
+        if not keep_vars and key in destination and buf is not None and not buf.is_meta \
+                and not torch.compiler.is_compiling():
+            destination[key] = torch.as_tensor(self.block_layout(), device=buf.device).to(buf.dtype)

@@ -198,7 +198,6 @@ class BlockSparseConv2d(BlockLayoutModule):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: (N, C, H, W), or unbatched (C, H, W); returns (N, K, P, Q) or (K, P, Q). Under
         autocast, runs in its dtype."""
-        self._sync_layout_buffer()
         unbatched = x.dim() == 3
         if x.dim() not in (3, 4) or x.shape[-3] != self.in_channels:
             raise ValueError(f"x: expected (N, {self.in_channels}, H, W) or ({self.in_channels}, H, W), got "

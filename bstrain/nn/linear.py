@@ -116,7 +116,6 @@ class BlockSparseLinear(BlockLayoutModule):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: (*, C) (or (C, *) with feature_axis=0); returns (*, K) (or (K, *)). Under autocast,
         runs in its dtype."""
-        self._sync_layout_buffer()
         w_dt = self.weight.dtype
         if x.dtype != w_dt and not (w_dt == torch.float32 and x.dtype in (torch.float16, torch.bfloat16)) \
                 and compute_dtype(x) == x.dtype:

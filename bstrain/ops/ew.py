@@ -131,12 +131,10 @@ def as_index(name: str, idx, n: int) -> torch.Tensor:
     return idx.long()
 
 
-def _scalar_as(x, y):
-    """y as a tensor of x's dtype and device where y is a Python number (as the seed's ops, and
-    torch's, take ``add(x, 2.0)``); anything else unchanged."""
-    if isinstance(x, torch.Tensor) and isinstance(y, (int, float)) and not isinstance(y, bool):
-        return torch.tensor(y, dtype=x.dtype, device=x.device)
-    return y
+def _number(y) -> bool:
+    """y is a Python number (as the seed's ops, and torch's, take ``add(x, 2.0)``): it goes to the
+    torch op as it is, which computes in x's dtype at fp32 precision (opmath) and rounds once."""
+    return isinstance(y, (int, float)) and not isinstance(y, bool)
 
 
 def _check_same(names: tuple[str, ...], *xs: torch.Tensor) -> None:
@@ -175,28 +173,32 @@ def _param_or_same(x, y) -> bool:
 
 
 def add(x, y):
-    y = _scalar_as(x, y)
+    if _number(y) and isinstance(x, torch.Tensor):
+        return torch.add(x, y)
     if _param_or_same(x, y):
         return torch.add(x.float(), y).to(x.dtype)
     return torch.add(x, y)
 
 
 def multiply(x, y):
-    y = _scalar_as(x, y)
+    if _number(y) and isinstance(x, torch.Tensor):
+        return torch.mul(x, y)
     if _param_or_same(x, y):
         return torch.mul(x.float(), y).to(x.dtype)
     return torch.mul(x, y)
 
 
 def subtract(x, y):
-    y = _scalar_as(x, y)
+    if _number(y) and isinstance(x, torch.Tensor):
+        return torch.sub(x, y)
     _check_same(("x", "y"), x, y)
     return torch.sub(x, y)
 
 
 def divide(x, y):
     """x / y; 16-bit inputs are divided in fp32 and rounded once (their gradients too)."""
-    y = _scalar_as(x, y)
+    if _number(y) and isinstance(x, torch.Tensor):
+        return torch.div(x, y)
     _check_same(("x", "y"), x, y)
     if x.dtype in _HALF:
         return torch.div(x.float(), y.float()).to(x.dtype)
@@ -204,13 +206,15 @@ def divide(x, y):
 
 
 def maximum(x, y):
-    y = _scalar_as(x, y)
+    if _number(y) and isinstance(x, torch.Tensor):
+        return torch.clamp_min(x, y)
     _check_same(("x", "y"), x, y)
     return torch.maximum(x, y)
 
 
 def minimum(x, y):
-    y = _scalar_as(x, y)
+    if _number(y) and isinstance(x, torch.Tensor):
+        return torch.clamp_max(x, y)
     _check_same(("x", "y"), x, y)
     return torch.minimum(x, y)
 
