@@ -93,6 +93,7 @@ def _help(command: str) -> str:
                     + textwrap.fill(intro, 100)]
     for (group, name), node in schema.GROUP_SCHEMAS.items():
         blocks += [f"\n{group}={name}  ({node._target_})", _rows(f"{group}.", node)]
+    blocks += ["\nsparsity=static|set|rigl  (bstrain.sparsity)", _rows("sparsity.", schema.SparsityConfig)]
     for section, node in (("optim", schema.OptimConfig), ("trainer", schema.TrainerConfig)):
         blocks += [f"\n{section}", _rows(f"{section}.", node)]
     blocks.append("\nHydra: hydra.run.dir=DIR (the run directory); `--cfg job` prints the composed config.")

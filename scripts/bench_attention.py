@@ -48,6 +48,15 @@ def bench(fn, smoke: bool) -> float:
     return triton.testing.do_bench(fn, warmup=25, rep=200, return_mode="median")
 
 
+def inputs(B: int, S: int, H: int, D: int, dev, dt):
+    """(q, k, v, g) as (B, S, H·D) for bstrain, and (qh, kh, vh, gh) as (B, H, S, D) copies for SDPA/Flex."""
+    q, k, v = (torch.randn(B, S, H * D, device=dev, dtype=dt, requires_grad=True) for _ in range(3))
+    g = torch.randn(B, S, H * D, device=dev, dtype=dt)
+    qh, kh, vh = (t.detach().view(B, S, H, D).transpose(1, 2).contiguous().requires_grad_() for t in (q, k, v))
+    gh = g.view(B, S, H, D).transpose(1, 2).contiguous()
+    return (q, k, v, g), (qh, kh, vh, gh)
+
+
 def fwd_bwd(attn, q, k, v, g):
     def step():
         out = attn(q, k, v)
@@ -66,10 +75,7 @@ def measure(args) -> list[dict]:
     rows = []
     for S in args.seq:
         for D in args.dims:
-            q, k, v = (torch.randn(B, S, H * D, device=dev, dtype=dt, requires_grad=True) for _ in range(3))
-            g = torch.randn(B, S, H * D, device=dev, dtype=dt)
-            qh, kh, vh = (t.detach().view(B, S, H, D).transpose(1, 2).contiguous().requires_grad_() for t in (q, k, v))
-            gh = g.view(B, S, H, D).transpose(1, 2).contiguous()
+            (q, k, v, g), (qh, kh, vh, gh) = inputs(B, S, H, D, dev, dt)
             sdpa = lambda a, b, c: F.scaled_dot_product_attention(a, b, c, is_causal=True)   # noqa: E731
             dense = {"fwd": bench(lambda: sdpa(qh, kh, vh), smoke),
                      "fb": bench(fwd_bwd(sdpa, qh, kh, vh, gh), smoke)}

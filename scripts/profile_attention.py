@@ -23,7 +23,9 @@ from collections import defaultdict
 import torch
 import torch.nn.functional as F
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from bench_attention import inputs  # noqa: E402
 from bstrain import layout as L  # noqa: E402
 from bstrain.ops.transformer import BlocksparseTransformer  # noqa: E402
 
@@ -67,10 +69,7 @@ def measure(args) -> list[dict]:
     rows = []
     for S in args.seq:
         for D in args.dims:
-            q, k, v = (torch.randn(B, S, H * D, device=dev, dtype=dt, requires_grad=True) for _ in range(3))
-            g = torch.randn(B, S, H * D, device=dev, dtype=dt)
-            qh, kh, vh = (t.detach().view(B, S, H, D).transpose(1, 2).contiguous().requires_grad_() for t in (q, k, v))
-            gh = g.view(B, S, H, D).transpose(1, 2).contiguous()
+            (q, k, v, g), (qh, kh, vh, gh) = inputs(B, S, H, D, dev, dt)
             cases = [("causal", L.causal_mask, 128), ("local", L.local_mask(max(128, S // 8)), 64)]
             for name, mask, bs in cases:
                 lay, cb = L.attention_layout(mask, S, S, bs)

@@ -163,11 +163,33 @@ class TrainerConfig:
                                                             "block-sparse ops stay custom ops); any device, DDP too"})
 
 
+class Policy(str, Enum):
+    static = "static"
+    set = "set"
+    rigl = "rigl"
+
+
+@dataclass
+class SparsityConfig:
+    """Dynamic block sparsity (bstrain.sparsity), applied to every block-sparse layer of the model."""
+    policy: Policy = field(default=Policy.static, metadata={
+        "help": "static: layouts fixed | set: prune the smallest blocks, grow at random | rigl: grow by dense "
+                "gradient norm"})
+    every: int = field(default=100, metadata={"help": "optimizer steps between layout updates"})
+    fraction: float = field(default=0.3, metadata={"help": "share of live blocks replaced at the first update, "
+                                                            "decayed by a cosine"})
+    until: float = field(default=0.75, metadata={"help": "share of trainer.max_steps after which layouts are "
+                                                          "frozen"})
+    balanced: bool = field(default=False, metadata={"help": "keep each column of blocks' live count"})
+    seed: int = field(default=0, metadata={"help": "seed of the random draws (SET's growth, ties)"})
+
+
 @dataclass
 class TrainConfig:
     model: Any = MISSING
     data: Any = MISSING
     task: Any = MISSING
+    sparsity: Any = MISSING
     optim: OptimConfig = field(default_factory=OptimConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
 
@@ -272,3 +294,4 @@ def register() -> None:
     cs.store(name="base_sample", node=SampleConfig)
     for (group, name), node in GROUP_SCHEMAS.items():
         cs.store(group=group, name=f"base_{name}", node=node)
+    cs.store(group="sparsity", name="base_sparsity", node=SparsityConfig)      # sparsity=static|set|rigl

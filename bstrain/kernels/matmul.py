@@ -289,6 +289,12 @@ class SegmentLut:
     def n_out(self) -> int:
         return self.order.numel()
 
+    def take_entries(self, other: "SegmentLut") -> None:
+        """Copies ``other``'s entries into these tensors (lists of the same lengths: checked by
+        :meth:`BsmmLuts.rewrite`)."""
+        for mine, theirs in ((self.blk, other.blk), (self.idx, other.idx), (self.packed, other.packed)):
+            mine.copy_(theirs)
+
 
 @dataclass
 class PanelLut:
@@ -368,6 +374,18 @@ class BsmmLuts:
     bwd: SegmentLut      # per input block-row c: (k, weight idx); dX
     _dw_items: dict = field(default_factory=dict)
     dw_plans: dict = field(default_factory=dict)
+
+    def rewrite(self, layout: np.ndarray) -> None:
+        """Switches these tables to ``layout`` in place (same shape and per-row and per-column
+        live-block counts; a ValueError otherwise, before anything changes): plans and captured
+        CUDA graphs that read them then run the new layout."""
+        new = make_luts(layout, self.block_size, self.fwd.ptr.device)
+        for mine, theirs in ((self.fwd, new.fwd), (self.bwd, new.bwd)):
+            if not (torch.equal(mine.ptr, theirs.ptr) and mine.n_in == theirs.n_in):
+                raise ValueError("layout: an in-place rewrite needs the same live-block count in every block row "
+                                 "and column")
+        self.fwd.take_entries(new.fwd)
+        self.bwd.take_entries(new.bwd)
 
     def dw_items(self, group: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(column, first entry, count) of runs of up to ``group`` entries of one column."""

@@ -268,8 +268,15 @@ class SparseLSTM(nn.Module):
         Each recurrent weight's dW is computed for ``group_size`` timesteps per launch, as
         :func:`bstrain.nn.set_grad_group` set it (the trainer: ``trainer.group_size``).
         """
+        if not isinstance(x, torch.Tensor) or x.dim() != 2 or x.dtype.is_floating_point or x.dtype.is_complex:
+            raise ValueError(f"x: expected a (batch, time) tensor of byte ids, got "
+                             f"{tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__}"
+                             f"{' of ' + str(x.dtype) if isinstance(x, torch.Tensor) else ''}")
         B, T = x.shape
         H = self.cfg.hidden
+        if state is not None and (len(state) != 2 or any(s.shape != (B, H) for s in state)):
+            raise ValueError(f"state: expected (c, h), each ({B}, {H}) for this batch, got "
+                             f"{[tuple(s.shape) for s in state] if isinstance(state, (tuple, list)) else state!r}")
         # time-major (T, B, .) so that every per-timestep slice below is contiguous
         emb = embedding_lookup(self.embedding, x.t())                       # (T, B, E)
         if torch.is_autocast_enabled(x.device.type):

@@ -7,6 +7,23 @@ import torch
 from torch import nn
 
 
+def size_arg(name: str, value, block_size: int) -> int:
+    """``value`` (a Python or numpy int, as nn.Linear takes) as an int, if it is a positive
+    multiple of ``block_size``; a ValueError naming ``name`` otherwise."""
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)) or value <= 0 \
+            or value % block_size:
+        raise ValueError(f"{name}: expected a positive multiple of block_size={block_size}, got {value!r}")
+    return int(value)
+
+
+def bias_arg(bias, layer: str) -> bool:
+    """``bias`` as nn.Linear and nn.Conv2d take it (True/False, or 0/1); a TypeError otherwise (a
+    block size given in its place, say)."""
+    if isinstance(bias, (bool, np.bool_)) or (isinstance(bias, (int, np.integer)) and bias in (0, 1)):
+        return bool(bias)
+    raise TypeError(f"bias: expected True or False ({layer}'s bias argument), got {bias!r}")
+
+
 def layout_of(norms: torch.Tensor | None, density: float | None, layout):
     """The layout a ``from_dense`` keeps: ``layout`` as given, or, with ``density``, the
     round(density·blocks) blocks of largest ``norms`` ((C/bs, K/bs) block norms of the dense
@@ -18,10 +35,30 @@ def layout_of(norms: torch.Tensor | None, density: float | None, layout):
         return layout
     if density is None:
         raise ValueError("layout: expected a layout or a density, got neither")
+    if norms.is_meta:
+        raise ValueError("keep_weights: a model on the meta device has no weights to keep the largest blocks of; "
+                         "pass keep_weights=False (a drawn layout) or a layout")
     keep = min(norms.numel(), max(1, round(layouts.check_density(density) * norms.numel())))
     chosen = np.zeros(tuple(norms.shape), dtype=bool)
     chosen.flat[norms.flatten().argsort(descending=True, stable=True)[:keep].cpu().numpy()] = True
     return chosen
+
+
+def _keeps_block_format(fn):
+    """``fn`` for ``Module._apply``, where a memory format (``model.to(memory_format=
+    torch.channels_last)``, which a whole convnet takes) does not apply to a conv layer's 5-D
+    (nnz, bs, bs, kh, kw) weight: its device and dtype change, its layout stays contiguous."""
+    def apply(t):
+        if t.dim() != 5:
+            return fn(t)
+        try:
+            return fn(t)
+        except RuntimeError as exc:
+            if "channels_last" not in str(exc):
+                raise
+            flat = fn(t.reshape(t.shape[0] * t.shape[1], *t.shape[2:]))      # 4-D: the format applies
+            return flat.contiguous().view(t.shape)
+    return apply
 
 
 class BlockLayoutModule(nn.Module):
@@ -42,8 +79,19 @@ class BlockLayoutModule(nn.Module):
     def block_layout(self) -> np.ndarray:
         raise NotImplementedError
 
-    def _use_layout(self, layout: np.ndarray) -> None:
+    def _use_layout(self, layout: np.ndarray) -> bool:
+        """Switches to ``layout``; True when the op's tables were rewritten in place (graphs made
+        before stay valid)."""
         raise NotImplementedError
+
+    def _switch_layout(self, layout: np.ndarray) -> bool:
+        """:meth:`_use_layout`, then the new tables made on the weight's GPU at once (as ``.to()``
+        does), so that a graph traced later finds them instead of building them inside the trace.
+        True when the switch was made in place."""
+        in_place = bool(self._use_layout(layout))
+        if self.weight.device.type == "cuda":
+            self._layout_tables().on(self.weight.device)
+        return in_place
 
     def _filled(self, dense: nn.Module) -> nn.Module:
         """``dense`` (the nn twin of this layer, built by ``to_dense``) with this layer's weights."""
@@ -85,7 +133,7 @@ class BlockLayoutModule(nn.Module):
         if not new.any():
             error_msgs.append(f"{name}: the checkpoint's layout has no live block")
             return False
-        self._use_layout(new)
+        self._switch_layout(new)
         if nnz != self.weight.shape[0]:            # assign=True: the checkpoint's weight replaces ours
             shape = (nnz,) + tuple(self.weight.shape[1:])
             self.weight = nn.Parameter(self.weight.new_empty(shape, device="meta"))
@@ -94,11 +142,30 @@ class BlockLayoutModule(nn.Module):
     def _apply(self, fn, recurse: bool = True):
         """``.to()``, ``.cuda()``, ``to_empty()``: the layout tables follow to the new device once, and
         the layout buffer is rewritten from the host layout (to_empty leaves it uninitialised)."""
-        out = super()._apply(fn, recurse)
+        out = super()._apply(_keeps_block_format(fn), recurse)
         dev = self.weight.device
         if dev.type != "meta" and not self.layout.is_meta:
-            with torch.no_grad():
-                self.layout.copy_(torch.as_tensor(self.block_layout(), device=self.layout.device))
+            self._write_layout_buffer(self.block_layout())
             if dev.type == "cuda":
                 self._layout_tables().on(dev)
         return out
+
+    # The ``layout`` buffer mirrors the layout the module computes with (its op's), so that state
+    # dicts, DDP and FSDP carry it; a state dict always holds that layout (a write into the buffer
+    # is not taken: ``load_state_dict`` is how a module takes another layout).
+    def _write_layout_buffer(self, layout: np.ndarray) -> None:
+        buf = self.layout
+        new = torch.as_tensor(np.asarray(layout, dtype=bool), device=buf.device).to(buf.dtype)
+        if buf.is_inference() and not torch.is_inference_mode_enabled():
+            self.layout = new.clone()          # built under inference_mode: a normal tensor now
+            return
+        with torch.no_grad():
+            buf.copy_(new)
+
+    def _save_to_state_dict(self, destination, prefix, keep_vars):
+        super()._save_to_state_dict(destination, prefix, keep_vars)
+        key = prefix + "layout"
+        buf = self._buffers.get("layout")
+        if not keep_vars and key in destination and buf is not None and not buf.is_meta \
+                and not torch.compiler.is_compiling():
+            destination[key] = torch.as_tensor(self.block_layout(), device=buf.device).to(buf.dtype)

@@ -87,16 +87,21 @@ class BlockSparseAttention(nn.Module):
         if pad is not None and (not isinstance(pad, torch.Tensor) or pad.shape != (B, Tk)):
             got = tuple(pad.shape) if isinstance(pad, torch.Tensor) else type(pad).__name__
             raise ValueError(f"key_padding_mask: expected a bool ({B}, {Tk}) tensor (True = padding), got {got}")
-        if T < self.op.q_ctx:
+        # a symbolic T (torch.export with a dynamic length, compile with dynamic shapes) pads
+        # always, by zero rows where T is the context: one graph for every length up to it
+        symbolic = isinstance(T, torch.SymInt) or isinstance(Tk, torch.SymInt)
+        if symbolic or T < self.op.q_ctx:
             q = F.pad(q, (0, 0, 0, self.op.q_ctx - T))
-        if Tk < self.op.k_ctx:                                 # the keys past Tk: padding, masked
+        if symbolic or Tk < self.op.k_ctx:                     # the keys past Tk: padding, masked
             k, v = (F.pad(t, (0, 0, 0, self.op.k_ctx - Tk)) for t in (k, v))
             if pad is None:
                 pad = (torch.arange(self.op.k_ctx, device=q.device) >= Tk).expand(B, -1)
             else:
                 pad = F.pad(pad, (0, self.op.k_ctx - Tk), value=True)
         out = self.op.attention(q, k, v, self.scale, pad)
-        if T < self.op.q_ctx:
+        if symbolic:                                           # a gather: no slice guard (T == context)
+            out = out.index_select(1, torch.arange(T, device=out.device))
+        elif T < self.op.q_ctx:
             out = out[:, :T]
         if four:
             out = out.view(B, T, self.op.heads, HD // self.op.heads).transpose(1, 2)

@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 from bstrain import layout as layouts
-from bstrain.nn._sparse import BlockLayoutModule, layout_of
+from bstrain.nn._sparse import BlockLayoutModule, bias_arg, layout_of, size_arg
 from bstrain.ops.conv import bsconv2d_ref, conv_geometry, dense_conv_filter, sparse_conv2d, tables_on
 from bstrain.ops.matmul import compute_dtype
 from bstrain.ops.tables import layout_tables
@@ -91,11 +91,11 @@ class BlockSparseConv2d(BlockLayoutModule):
                  seed: int | None = None, backend: str = "auto", device=None, dtype=None):
         super().__init__()
         bs = block_size
-        if isinstance(bs, bool) or not isinstance(bs, int) or bs < 1:
+        if isinstance(bs, (bool, np.bool_)) or not isinstance(bs, (int, np.integer)) or bs < 1:
             raise ValueError(f"block_size: expected a positive int, got {bs!r}")
-        for name, ch in (("in_channels", in_channels), ("out_channels", out_channels)):
-            if isinstance(ch, bool) or not isinstance(ch, int) or ch <= 0 or ch % bs:
-                raise ValueError(f"{name}: expected a positive multiple of block_size={bs}, got {ch!r}")
+        bs = block_size = int(bs)
+        in_channels, out_channels = size_arg("in_channels", in_channels, bs), size_arg("out_channels", out_channels, bs)
+        bias = bias_arg(bias, "nn.Conv2d")
         if layout is not None and density is not None:
             raise ValueError("layout, density: expected one of them, got both")
         if layout is None:
@@ -116,7 +116,7 @@ class BlockSparseConv2d(BlockLayoutModule):
         factory = {"device": device, "dtype": dtype}
         self.weight = nn.Parameter(torch.empty(int(lay.sum()), bs, bs, *self.kernel_size, **factory))
         self.bias = nn.Parameter(torch.empty(out_channels, **factory)) if bias else None
-        self.register_buffer("layout", torch.as_tensor(lay, device=device), persistent=True)
+        self.register_buffer("layout", torch.tensor(lay, device=device), persistent=True)   # a copy: never the host layout itself
         self.reset_parameters()
 
     # --- the layout (BlockLayoutModule) ---------------------------------------------------------------
@@ -124,12 +124,13 @@ class BlockSparseConv2d(BlockLayoutModule):
         """The (C/bs, K/bs) bool layout (for TensorBoard images and the DDP layout check)."""
         return self._layout
 
-    def _use_layout(self, layout: np.ndarray) -> None:
+    def _use_layout(self, layout: np.ndarray) -> bool:
         self._layout = np.ascontiguousarray(layout, dtype=bool)
         self._density = float(self._layout.mean())
         self._tables = layout_tables("conv", self._layout, self.block_size)    # CPU tables built now
         host = self._tables.host
         self._diagonal = host.gather is None and host.scatter is None            # blocks in channel order
+        return False                                                            # new tables (never in place)
 
     def _layout_tables(self):
         return self._tables

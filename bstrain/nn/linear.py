@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from bstrain import layout as layouts
-from bstrain.nn._sparse import BlockLayoutModule, layout_of
+from bstrain.nn._sparse import BlockLayoutModule, bias_arg, layout_of, size_arg
 from bstrain.ops.matmul import BlocksparseMatMul, check_block_size, compute_dtype
 
 __all__ = ["BlockSparseLinear", "block_sparse_layouts", "set_grad_group", "sparsify"]
@@ -41,11 +41,8 @@ class BlockSparseLinear(BlockLayoutModule):
                  seed: int | None = None, device=None, dtype=None):
         super().__init__()
         bs = check_block_size(block_size)
-        for name, feat in (("in_features", in_features), ("out_features", out_features)):
-            if isinstance(feat, bool) or not isinstance(feat, int) or feat <= 0 or feat % bs:
-                raise ValueError(f"{name}: expected a positive multiple of block_size={bs}, got {feat!r}")
-        if not isinstance(bias, bool):
-            raise TypeError(f"bias: expected True or False (nn.Linear's third argument), got {bias!r}")
+        in_features, out_features = size_arg("in_features", in_features, bs), size_arg("out_features", out_features, bs)
+        bias = bias_arg(bias, "nn.Linear")
         if layout is not None and density is not None:
             raise ValueError("layout, density: expected one of them (a layout or a density to draw one), got both")
         drawn = layout is None
@@ -61,7 +58,7 @@ class BlockSparseLinear(BlockLayoutModule):
         factory = {"device": device, "dtype": dtype}
         self.weight = nn.Parameter(torch.empty(self.op.w_shape, **factory))
         self.bias = nn.Parameter(torch.empty(out_features, **factory)) if bias else None
-        self.register_buffer("layout", torch.as_tensor(lay, device=device), persistent=True)
+        self.register_buffer("layout", torch.tensor(lay, device=device), persistent=True)   # a copy: never the host layout itself
         self._group = None          # (GradGroup, grouped weight) inside grad_group()
         self.group_size = 1         # grad_group()'s default: set_grad_group(model, n) sets it
         self.reset_parameters()
@@ -82,7 +79,7 @@ class BlockSparseLinear(BlockLayoutModule):
         orthogonal_ mixes blocks. Use this method, ``op.ortho_init()`` or ``op.identity_init()``.
         """
         with torch.no_grad():
-            self.layout.copy_(torch.as_tensor(self.op.layout))
+            self._write_layout_buffer(self.op.layout)
             bound = self.fan_in().clamp_min(1).rsqrt().to(self.weight.device, self.weight.dtype)   # (K,)
             k_idx = self.op.coords[1].to(self.weight.device)
             block_bound = bound.view(-1, self.op.block_size)[k_idx]                # (nnz, bs) per column
@@ -119,6 +116,11 @@ class BlockSparseLinear(BlockLayoutModule):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: (*, C) (or (C, *) with feature_axis=0); returns (*, K) (or (K, *)). Under autocast,
         runs in its dtype."""
+        w_dt = self.weight.dtype
+        if x.dtype != w_dt and not (w_dt == torch.float32 and x.dtype in (torch.float16, torch.bfloat16)) \
+                and compute_dtype(x) == x.dtype:
+            raise TypeError(f"x: expected {w_dt} (the weight's dtype; float16 or bfloat16 with float32 weights), "
+                            f"got {x.dtype}; cast the input or the layer (or run under torch.autocast)")
         if self._group is not None:
             group, w = self._group
             if w is None:                              # first call in the context: cast W once
@@ -176,9 +178,12 @@ class BlockSparseLinear(BlockLayoutModule):
         """The (C/bs, K/bs) bool layout."""
         return self.op.layout
 
-    def _use_layout(self, layout: np.ndarray) -> None:
-        self.op = BlocksparseMatMul(layout, self.op.block_size, self.op.feature_axis, backend=self.op.backend)
+    def _use_layout(self, layout: np.ndarray) -> bool:
         self.requested_density = None
+        if int(np.sum(layout)) == self.op.blocks:        # in place where the op's tables allow (dynamic sparsity)
+            return self.op.set_layout(layout)
+        self.op = BlocksparseMatMul(layout, self.op.block_size, self.op.feature_axis, backend=self.op.backend)
+        return False
 
     def _layout_tables(self):
         return self.op._tables

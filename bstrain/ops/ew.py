@@ -131,6 +131,12 @@ def as_index(name: str, idx, n: int) -> torch.Tensor:
     return idx.long()
 
 
+def _number(y) -> bool:
+    """y is a Python number (as the seed's ops, and torch's, take ``add(x, 2.0)``): it goes to the
+    torch op as it is, which computes in x's dtype at fp32 precision (opmath) and rounds once."""
+    return isinstance(y, (int, float)) and not isinstance(y, bool)
+
+
 def _check_same(names: tuple[str, ...], *xs: torch.Tensor) -> None:
     for name, x in zip(names, xs):
         _check_tensor(name, x)
@@ -167,24 +173,32 @@ def _param_or_same(x, y) -> bool:
 
 
 def add(x, y):
+    if _number(y) and isinstance(x, torch.Tensor):
+        return torch.add(x, y)
     if _param_or_same(x, y):
         return torch.add(x.float(), y).to(x.dtype)
     return torch.add(x, y)
 
 
 def multiply(x, y):
+    if _number(y) and isinstance(x, torch.Tensor):
+        return torch.mul(x, y)
     if _param_or_same(x, y):
         return torch.mul(x.float(), y).to(x.dtype)
     return torch.mul(x, y)
 
 
 def subtract(x, y):
+    if _number(y) and isinstance(x, torch.Tensor):
+        return torch.sub(x, y)
     _check_same(("x", "y"), x, y)
     return torch.sub(x, y)
 
 
 def divide(x, y):
     """x / y; 16-bit inputs are divided in fp32 and rounded once (their gradients too)."""
+    if _number(y) and isinstance(x, torch.Tensor):
+        return torch.div(x, y)
     _check_same(("x", "y"), x, y)
     if x.dtype in _HALF:
         return torch.div(x.float(), y.float()).to(x.dtype)
@@ -192,11 +206,15 @@ def divide(x, y):
 
 
 def maximum(x, y):
+    if _number(y) and isinstance(x, torch.Tensor):
+        return torch.clamp_min(x, y)
     _check_same(("x", "y"), x, y)
     return torch.maximum(x, y)
 
 
 def minimum(x, y):
+    if _number(y) and isinstance(x, torch.Tensor):
+        return torch.clamp_max(x, y)
     _check_same(("x", "y"), x, y)
     return torch.minimum(x, y)
 
@@ -630,8 +648,8 @@ def add_n(xs) -> torch.Tensor:
 
 # --- softmax cross-entropy -------------------------------------------------------------------------
 def softmax_cross_entropy_ref(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """Per-row loss in fp32: logsumexp(logits) - logits[label], computed in fp32."""
-    return F.cross_entropy(logits.float(), labels, reduction="none")
+    """Per-row loss in fp32 (fp64 for fp64 logits): logsumexp(logits) - logits[label]."""
+    return F.cross_entropy(logits.to(torch.promote_types(logits.dtype, torch.float32)), labels, reduction="none")
 
 
 def softmax_cross_entropy(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -641,7 +659,7 @@ def softmax_cross_entropy(logits: torch.Tensor, labels: torch.Tensor) -> torch.T
         logits: (..., V) fp32/fp16/bf16, any rank >= 1.
         labels: integer class ids (int64/32/16, uint16, uint8), one per row of logits: any shape
             with logits.numel() // V elements.
-    Returns the fp32 loss of shape logits.shape[:-1]. Works in fp32 internally, so fp16/bf16
+    Returns the fp32 loss (fp64 for fp64 logits) of shape logits.shape[:-1]. Works in fp32 internally, so fp16/bf16
     logits of vocabularies up to 65,536 (and beyond) never overflow; the gradient comes back in
     the logits' dtype. On CUDA the fused kernel of :func:`bstrain.ops.cross_entropy.cross_entropy`
     (no fp32 copy of the logits), elsewhere PyTorch's cross_entropy.

@@ -23,7 +23,7 @@ from torch import Tensor
 
 from bstrain.layout import as_layout
 from bstrain.ops.proj import SparseProj  # noqa: F401  (the seed exports it from matmul)
-from bstrain.ops.tables import eager, family, layout_tables, lookup, real_tensors, tracing
+from bstrain.ops.tables import eager, family, layout_tables, lookup, private_tables, real_tensors, tracing
 
 BLOCK_SIZES = (8, 16, 32, 64, 128)
 _INT32_MAX = 2**31 - 1
@@ -129,6 +129,20 @@ class MatmulTables:
             with real_tensors(self.device):
                 self._luts = make_luts(self.layout, self.block_size, self.device)
         return self._luts
+
+    def rewrite(self, layout: np.ndarray, block_size: int) -> None:
+        """These tables, in place, for ``layout``: the same shape and live-block count in every
+        block row and column (so every table keeps its length and every launch its grid)."""
+        new = np.asarray(layout, dtype=bool)
+        if block_size != self.block_size or new.shape != self.layout.shape or not (
+                np.array_equal(new.sum(0), self.layout.sum(0)) and np.array_equal(new.sum(1), self.layout.sum(1))):
+            raise ValueError(f"layout: an in-place switch needs a {self.layout.shape} layout with the same live-block "
+                             f"count in every block row and column")
+        for mine, theirs in zip((self.c_idx, self.k_idx), np.nonzero(new)):
+            mine.copy_(torch.as_tensor(theirs, dtype=torch.int64))
+        if self._luts is not None:
+            self._luts.rewrite(new)
+        self.layout = new
 
 
 @family("matmul")
@@ -327,7 +341,6 @@ class BlocksparseMatMul:
         self.C, self.K = cb * self.block_size, kb * self.block_size
         # the layout's tables, shared by equal layouts; their key names the layout in torch.ops.bstrain.*
         self._tables = layout_tables("matmul", self.layout, self.block_size)
-        self.key = self._tables.key
         host = self._tables.host
         self.blocks = host.blocks
         with real_tensors(torch.device("cpu")):
@@ -611,6 +624,56 @@ class BlocksparseMatMul:
             return Y
         return Y.reshape(*I.shape[:-1], self.K) if self.feature_axis == 1 else Y.reshape(self.K, *I.shape[1:])
 
+    observer = None
+    """None, or ``observer(I, Y)`` called after each product (``bstrain.sparsity.RigL`` records the
+    inputs and output gradients of the step before a layout update through it)."""
+
+    @property
+    def key(self) -> str:
+        """The key of this op's layout tables: it names the layout in ``torch.ops.bstrain.*`` calls."""
+        return self._tables.key
+
+    def make_private(self) -> None:
+        """Gives this op layout tables that no other op shares (equal layouts share them by
+        default), so that :meth:`set_layout` can rewrite them in place."""
+        if self._tables.private:
+            return
+        devices = [d for d in self._tables.devices if d.type == "cuda"]
+        self._tables = private_tables("matmul", self.layout, self.block_size)
+        for d in devices:
+            self._tables.on(d)
+
+    def set_layout(self, layout) -> bool:
+        """Switches this op to another layout of the same shape and live-block count (so a weight of
+        w_shape stays valid; its blocks are then read in the new layout's row-major order).
+        ``bstrain.sparsity`` moves the weights; this only changes the op and its tables.
+
+        With private tables (:meth:`make_private`) and the same live-block count in every block
+        row and column (``balanced`` dynamic sparsity), the tables are rewritten in place on
+        every device and the op keeps its key: CUDA graphs captured before and graphs compiled
+        before stay valid, and True is returned. Otherwise the op takes new tables (private if
+        its old ones were), made at once on every GPU the old ones were on so that a graph
+        traced later finds them, and False is returned."""
+        new = as_layout(layout)
+        if new.shape != self.layout.shape or int(new.sum()) != self.blocks:
+            raise ValueError(f"layout: expected a {self.layout.shape} layout with {self.blocks} live blocks, got "
+                             f"{new.shape} with {int(new.sum())}")
+        if self._tables.private and np.array_equal(new.sum(0), self.layout.sum(0)) \
+                and np.array_equal(new.sum(1), self.layout.sum(1)):
+            self._tables.rewrite(new, self.block_size)
+            self.layout = self._tables.host.layout
+            host = self._tables.host
+            self._coords.copy_(torch.stack([host.c_idx, host.k_idx]))
+            return True
+        devices = [d for d in self._tables.devices if d.type == "cuda"]
+        private = self._tables.private
+        self.__init__(new, self.block_size, self.feature_axis, self.z_order, self.name, backend=self.backend)
+        if private:
+            self.make_private()
+        for d in devices:
+            self._tables.on(d)
+        return False
+
     def __call__(self, I: torch.Tensor, W: torch.Tensor, dw_dtype: torch.dtype = torch.float32, *, gate=None,
                  gate_grad: bool = True, dw_gated: bool = False, name: str | None = None, bench=0) -> torch.Tensor:
         """Y = I·W with autograd. I: (*, C) with feature_axis=1 ((C, *) with feature_axis=0),
@@ -623,6 +686,12 @@ class BlocksparseMatMul:
         if gate is not None:
             raise NotImplementedError("gate: the seed's gated block-sparse matmul is not provided; multiply W's "
                                       "blocks by the gates instead (W * gate.view(-1, 1, 1))")
+        Y = self._product(I, W, dw_dtype)
+        if self.observer is not None:
+            self.observer(I, Y)
+        return Y
+
+    def _product(self, I: torch.Tensor, W: torch.Tensor, dw_dtype: torch.dtype) -> torch.Tensor:
         self._check_call(I, W, dw_dtype)
         I = _autocast_input(I)
         X = self._as_2d(I)

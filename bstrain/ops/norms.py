@@ -34,7 +34,10 @@ def _groups(x: Tensor, axis: int) -> Tensor:
 def layer_norm_stats_ref(x: Tensor, axis: int, eps: float, segments: int) -> tuple[Tensor, Tensor]:
     """(mean, rstd), each (groups, segments), in fp32 (fp64 for fp64 x)."""
     xr = _groups(x, axis)
-    xs = xr.reshape(xr.shape[0], segments, -1).to(torch.promote_types(x.dtype, torch.float32))
+    if not xr.shape[0]:                                   # no rows: empty statistics (no var_mean warning)
+        empty = xr.new_empty((0, segments), dtype=torch.promote_types(x.dtype, torch.float32))
+        return empty, empty.clone()
+    xs = xr.reshape(xr.shape[0], segments, xr.shape[1] // segments).to(torch.promote_types(x.dtype, torch.float32))
     var, mean = torch.var_mean(xs, dim=-1, correction=0)
     return mean, torch.rsqrt(var + eps)
 
@@ -46,7 +49,7 @@ def layer_norm_ref(x, g, b, axis: int = 1, epsilon: float = 1e-6, relu: bool = F
     fp32 (fp64 for fp64 x); the result in x's dtype."""
     mean, rstd = layer_norm_stats_ref(x, axis, epsilon, segments)
     xr = _groups(x, axis)
-    xhat = ((xr.reshape(xr.shape[0], segments, -1).to(mean.dtype) - mean[..., None]) * rstd[..., None])
+    xhat = ((xr.reshape(xr.shape[0], segments, xr.shape[1] // segments).to(mean.dtype) - mean[..., None]) * rstd[..., None])
     y = xhat.reshape(xr.shape) * g.to(mean.dtype) + b.to(mean.dtype)
     y = torch.relu(y) if relu else y
     if mul is not None:
@@ -61,7 +64,7 @@ def layer_norm_bwd_ref(dy, x, g, b, mean, rstd, axis: int, relu: bool, segments:
     work = mean.dtype
     xr, dyr = _groups(x, axis).to(work), _groups(dy, axis).to(work)
     n, c = xr.shape
-    xhat = ((xr.reshape(n, segments, -1) - mean[..., None]) * rstd[..., None]).reshape(n, c)
+    xhat = ((xr.reshape(n, segments, c // segments) - mean[..., None]) * rstd[..., None]).reshape(n, c)
     gw = g.to(work)
     if relu:
         dyr = dyr * ((xhat * gw + b.to(work)) > 0)
@@ -71,8 +74,8 @@ def layer_norm_bwd_ref(dy, x, g, b, mean, rstd, axis: int, relu: bool, segments:
         dm = (dm if axis == 1 else dm.t()).contiguous()
         dyr = dyr * _groups(mul, axis).to(work)
     dg, db = (dyr * xhat).sum(0), dyr.sum(0)
-    dxhat = (dyr * gw).reshape(n, segments, -1)
-    xh = xhat.reshape(n, segments, -1)
+    dxhat = (dyr * gw).reshape(n, segments, c // segments)
+    xh = xhat.reshape(n, segments, c // segments)
     dx = (dxhat - dxhat.mean(-1, keepdim=True) - xh * (dxhat * xh).mean(-1, keepdim=True)) * rstd[..., None]
     dx = dx.reshape(n, c).to(x.dtype)
     return (dx if axis == 1 else dx.t()).contiguous(), dg.to(g.dtype), db.to(b.dtype), dm

@@ -49,9 +49,10 @@ class SparseProj:
                     or np.unique(lut).size != lut.size:
                 raise ValueError(f"gather_lut: expected distinct indices in [0, {nhidden}), got {lut!r}")
         self.nhidden, self.nproj = nhidden, int(lut.size)
-        self.gather_lut = torch.as_tensor(lut, dtype=torch.int64)
-        scatter = torch.full((nhidden,), -1, dtype=torch.int64)
-        scatter[self.gather_lut] = torch.arange(self.nproj)
+        cpu = torch.device("cpu")                       # host tables, also under a meta or CUDA default device
+        self.gather_lut = torch.as_tensor(lut, dtype=torch.int64, device=cpu)
+        scatter = torch.full((nhidden,), -1, dtype=torch.int64, device=cpu)
+        scatter[self.gather_lut] = torch.arange(self.nproj, device=cpu)
         self.scatter_lut = scatter                      # -1 where a hidden feature is not projected
         self._luts: dict = {}
 

@@ -21,13 +21,14 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import itertools
 import weakref
 from collections.abc import Callable
 
 import numpy as np
 import torch
 
-__all__ = ["family", "layout_tables", "lookup", "LayoutTables", "eager", "tracing", "real_tensors"]
+__all__ = ["family", "layout_tables", "private_tables", "lookup", "LayoutTables", "eager", "tracing", "real_tensors"]
 
 _BUILDERS: dict[str, Callable] = {}
 _REGISTRY: "weakref.WeakValueDictionary[str, LayoutTables]" = weakref.WeakValueDictionary()
@@ -84,12 +85,14 @@ class LayoutTables:
 
     Attributes:
         family: the family's name ("matmul", "attention", "conv").
-        key: the content key; equal layouts have equal keys and share this object.
+        key: the content key; equal layouts have equal keys and share this object. Private
+            tables (:func:`private_tables`) have a key of their own, which stays when
+            :meth:`rewrite` changes their layout in place.
         host: the family's tables on the CPU, built when this object is.
     """
 
-    def __init__(self, name: str, spec: tuple, key: str):
-        self.family, self.spec, self.key = name, spec, key
+    def __init__(self, name: str, spec: tuple, key: str, private: bool = False):
+        self.family, self.spec, self.key, self.private = name, spec, key, private
         with real_tensors(_CPU):
             self.host = _BUILDERS[name](*spec, device=_CPU)
         self._on: dict[torch.device, object] = {_CPU: self.host}
@@ -112,14 +115,38 @@ class LayoutTables:
             tables = self._on[device] = _BUILDERS[self.family](*self.spec, device=device)
         return tables
 
+    def rewrite(self, *spec) -> None:
+        """Private tables only: switches them to ``spec`` in place on every device they are on, so
+        that launch plans, captured CUDA graphs and compiled graphs (which name them by key) run
+        the new layout. The family's tables check first (on the CPU) that the new layout fits the
+        old tensors (a ValueError, with nothing changed, if not)."""
+        if not self.private:
+            raise RuntimeError(f"layout tables {self.key}: shared tables are never rewritten in place")
+        with real_tensors(_CPU):
+            for tables in self._on.values():            # the CPU's first: it checks before anything changes
+                tables.rewrite(*spec)
+        self.spec = spec
+
+    @property
+    def devices(self) -> list[torch.device]:
+        """The devices these tables have been made on (the CPU always)."""
+        return list(self._on)
+
     def __reduce__(self):
-        return layout_tables, (self.family, *self.spec)
+        return (_private_copy if self.private else layout_tables), (self.family, *self.spec)
 
     def __copy__(self):
         return self
 
     def __deepcopy__(self, memo):
-        return self
+        """Shared tables are shared by the copy too; private ones (a layout that changes in place)
+        are not: the copy gets private tables of its own, of the same layout, on the same devices."""
+        if not self.private:
+            return self
+        copy = private_tables(self.family, *self.spec)
+        for device in self.devices:
+            copy.on(device)
+        return copy
 
     def __repr__(self) -> str:
         return f"LayoutTables({self.key!r}, devices={[str(d) for d in self._on]})"
@@ -135,6 +162,24 @@ def layout_tables(name: str, *spec) -> LayoutTables:
     if tables is None:
         tables = _REGISTRY[key] = LayoutTables(name, spec, key)
     return tables
+
+
+_PRIVATE = itertools.count()
+
+
+def private_tables(name: str, *spec) -> LayoutTables:
+    """Tables of family ``name`` for ``spec`` that no other op shares, under a key of their own: a
+    layout that will change in place (:meth:`LayoutTables.rewrite`, dynamic sparsity)."""
+    if name not in _BUILDERS:
+        raise KeyError(f"family: no layout-table builder is registered under {name!r}")
+    key = f"{_content_key(name, spec)}-own{next(_PRIVATE)}"
+    tables = _REGISTRY[key] = LayoutTables(name, spec, key, private=True)
+    return tables
+
+
+def _private_copy(name: str, *spec) -> LayoutTables:
+    """Unpickling private tables: private tables of their own (another process has no others)."""
+    return private_tables(name, *spec)
 
 
 def lookup(key: str) -> LayoutTables:

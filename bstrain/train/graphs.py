@@ -301,8 +301,10 @@ class CapturedStep:
 
     def __init__(self, forward: Forward, loss_fn, optimizer: torch.optim.Optimizer, grad_clip: float,
                  metrics_fn=None, warmup: int = 2, scaler: torch.amp.GradScaler | None = None, ema=None,
-                 ema_decay: float = 0.0, model: torch.nn.Module | None = None):
+                 ema_decay: float = 0.0, model: torch.nn.Module | None = None, before_step=None,
+                 pool_from: "CapturedStep | None" = None):
         self.forward, self.loss_fn, self.optimizer, self.metrics_fn = forward, loss_fn, optimizer, metrics_fn
+        self.before_step, self.pool_from = before_step, pool_from
         self.device, self.grad_clip, self.warmup = forward.device, grad_clip, warmup
         self.scaler = scaler if scaler is not None and scaler.is_enabled() else None
         self.ema, self.ema_decay = ema, ema_decay
@@ -314,6 +316,15 @@ class CapturedStep:
         self.x = self.y = None
         self.state = None                                  # static state buffers (stateful models)
         self.graph: torch.cuda.CUDAGraph | None = None
+
+    def twin(self, before_step=None, forward=None) -> "CapturedStep":
+        """A second capture of the same step (the trainer's: with RigL's gradient hooks armed), on
+        this one's memory pool when this one is captured first (the two never run at once).
+        ``before_step()`` runs at the start of every warm-up and of the captured run; ``forward``
+        replaces this one's (the uncompiled model, whose hooks run)."""
+        return CapturedStep(forward or self.forward, self.loss_fn, self.optimizer, self.grad_clip, self.metrics_fn, self.warmup,
+                            self.scaler, self.ema, self.ema_decay, self.model, before_step=before_step,
+                            pool_from=self)
 
     def _step(self):
         scale = self.scaler._scale.clone() if self.scaler is not None and self.scaler._scale is not None else None
@@ -358,8 +369,10 @@ class CapturedStep:
         self.optimizer.zero_grad(set_to_none=True)
         try:
             # under DDP, NCCL's watchdog thread queries events during the capture: flag this thread's calls only
+            source = self.pool_from.graph if self.pool_from is not None else None
             self.graph, self.outputs = _capture(self._warm_then_step(self._step), self.warmup, self.device, snapshot,
-                                                [self.model], error_mode="thread_local" if self.ddp else "global")
+                                                [self.model], pool=source.pool() if source is not None else None,
+                                                error_mode="thread_local" if self.ddp else "global")
         finally:
             if self.graph is None:
                 self.optimizer.zero_grad(set_to_none=True)
@@ -369,6 +382,8 @@ class CapturedStep:
         makes them in the graph's pool (which every replay rewrites)."""
         def run():
             self.optimizer.zero_grad(set_to_none=True)
+            if self.before_step is not None:
+                self.before_step()
             return once()
         return run
 

@@ -121,6 +121,12 @@ class Board:
         for name, lay in layouts.items():
             self.writer.add_image(f"layout/{name}", layout_picture(lay), 0, dataformats="HW")
 
+    def layouts(self, step: int, layouts: dict[str, np.ndarray]) -> None:
+        """Layout images at ``step`` (dynamic sparsity's updates)."""
+        if self.writer is not None:
+            for name, lay in layouts.items():
+                self.writer.add_image(f"layout/{name}", layout_picture(lay), step, dataformats="HW")
+
     def scalars(self, step: int, values: dict) -> None:
         if self.writer is not None:
             for k, v in values.items():

@@ -36,6 +36,7 @@ from omegaconf import DictConfig, OmegaConf
 from bstrain.errors import RunAborted, RunInterrupted, UserError
 from bstrain.nn import block_sparse_layouts, set_grad_group
 from bstrain.train import checkpoint as ckpt_io
+from bstrain.train import sparsity
 from bstrain.train.checkpoint import (checkpoint_path, latest_checkpoint, load_checkpoint, prune_checkpoints,
                                       save_checkpoint)
 from bstrain.train.distributed import (World, barrier, broadcast, check_same_layouts, device_for, finish, gather,
@@ -254,6 +255,8 @@ class Run:
     ema: Any = None
     params: list = field(default_factory=list)    # the model's parameters, listed once for clipping
     captured: CapturedStep | None = None
+    captured_armed: CapturedStep | None = None    # RigL's gradient step, hooks armed (captured when first run)
+    armed_eager: bool = False             # that step could not be captured: it runs eagerly
     step_mode: str = "eager"              # how steps run: "graph" or "eager", "(compiled)" when compiled
     eval_forwards: dict = field(default_factory=dict)   # graphed evaluation forwards, per model
     throughput: list = field(default_factory=list)      # units/s of each logged window
@@ -266,6 +269,8 @@ class Run:
     valid_history: list = field(default_factory=list)
     stop: str | None = None               # the signal that asked the run to stop
     skipped: Any = 0                      # fp16 steps skipped since the last log (a device tensor)
+    sparsity: Any = None                  # the dynamic-sparsity policy (bstrain.sparsity), None if static
+    forward_hooked: Forward | None = None  # compiled runs: the uncompiled model, for RigL's hooked steps
 
 
 def build(cfg: DictConfig, run_dir: Path, device: torch.device, world: World) -> Run:
@@ -291,6 +296,7 @@ def build(cfg: DictConfig, run_dir: Path, device: torch.device, world: World) ->
             net = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
         if side is not None:
             torch.cuda.current_stream(device).wait_stream(side)
+    uncompiled = net
     if compiled := bool(t_cfg.get("compile", False)):
         net = torch.compile(net)        # the model (and DDP around it); checkpoints keep using `model`
     amp_dtype = PRECISIONS[_value(t_cfg.precision)]
@@ -312,10 +318,17 @@ def build(cfg: DictConfig, run_dir: Path, device: torch.device, world: World) ->
         run.captured = CapturedStep(forward, task.loss, optimizer, cfg.optim.grad_clip, task.batch_metrics,
                                     warmup=11 if world.active else 2, scaler=scaler, ema=ema,
                                     ema_decay=cfg.optim.ema, model=model)
+    run.sparsity = sparsity.make_policy(cfg, model, optimizer, ema, t_cfg.max_steps)
+    if run.sparsity is not None and compiled:
+        sparsity.allow_recompiles(run.sparsity)
+        # a compiled model ignores hooks added after it was compiled: RigL's step runs uncompiled
+        run.forward_hooked = Forward(uncompiled, amp_dtype, device)
     if resume is not None:
         ckpt_io.restore(run, load_checkpoint(resume))
         _match_graph_mode(optimizer, graphed, device)
         log.info("resumed from %s at step %d", resume, run.step)
+        if run.sparsity is not None:
+            run.sparsity.load_state_dict({"steps": run.step})
     return run
 
 
@@ -352,20 +365,30 @@ def one_step(run: Run, x: torch.Tensor, y: torch.Tensor, fresh: bool):
         _place_state(run, x)
     if fresh:
         run.state = None                                # the data stream restarts: so does the state
-    if run.captured is not None and run.captured.graph is None:
-        _start_graph(run, x, y)
-    if run.captured is not None and run.captured.matches(x, y):     # the whole step in one graph replay
-        loss, grad_norm, metrics, skipped = run.captured.step(x, y, reset_state=run.state is None)
+    cap = _graph_for(run, x, y)
+    if cap is not None:                                 # the whole step in one graph replay
+        armed = cap is not run.captured
+        if armed and run.state is not None:
+            cap.load_state(run.state, x)                # the carried state, from the other graph's buffers
+        loss, grad_norm, metrics, skipped = cap.step(x, y, reset_state=run.state is None)
         # the graph's outputs are overwritten by the next replay
         loss, grad_norm, metrics = loss.clone(), grad_norm.clone(), {k: v.clone() for k, v in metrics.items()}
         if run.scaler.is_enabled():
             run.skipped = run.skipped + skipped
-        run.state = run.captured.state
+        run.state = cap.state
+        if armed:
+            run.sparsity.use_captured()                 # the gradient sums this replay wrote
+            if run.state is not None:
+                run.captured.load_state(run.state, x)
     else:                                               # eager (or a batch of another shape than the graph's)
         if run.captured is not None:                    # a replay leaves its gradients in .grad: not added to
             run.optimizer.zero_grad(set_to_none=True)
+        forward = run.forward
+        if sparsity.wants_eager(run):                   # RigL's hooked step: its sums start over
+            run.sparsity.begin_step()
+            forward = run.forward_hooked or forward
         scale = run.scaler._scale.clone() if run.scaler.is_enabled() and run.scaler._scale is not None else None
-        loss, grad_norm, run.state, metrics = train_step(run.forward, run.task.loss, x, y, run.state, run.optimizer,
+        loss, grad_norm, run.state, metrics = train_step(forward, run.task.loss, x, y, run.state, run.optimizer,
                                                          run.params, run.cfg.optim.grad_clip, run.scaler,
                                                          metrics_fn=run.task.batch_metrics)
         if scale is not None:                           # fp16: a lowered scale means a skipped step
@@ -375,6 +398,49 @@ def one_step(run: Run, x: torch.Tensor, y: torch.Tensor, fresh: bool):
         if run.captured is not None and run.state is not None and run.captured.matches(x, y):
             run.captured.load_state(run.state, x)       # the graph's next replay carries this state on
     return loss, grad_norm, metrics
+
+
+def _graph_for(run: Run, x: torch.Tensor, y: torch.Tensor) -> CapturedStep | None:
+    """The captured step this batch replays (captured now if this is its first), or None: eager.
+    The step before a RigL update has a capture of its own, with the gradient hooks armed."""
+    if run.captured is None:
+        return None
+    if sparsity.wants_eager(run):
+        if run.armed_eager:
+            return None
+        if run.captured_armed is None:
+            run.captured_armed = run.captured.twin(before_step=run.sparsity.begin_step, forward=run.forward_hooked)
+        if run.captured_armed.graph is None and not _start_armed_graph(run, x, y):
+            return None
+        cap = run.captured_armed
+    else:
+        if run.captured.graph is None:
+            _start_graph(run, x, y)
+            if run.captured is None:
+                return None
+        cap = run.captured
+    return cap if cap.matches(x, y) else None
+
+
+def _start_armed_graph(run: Run, x: torch.Tensor, y: torch.Tensor) -> bool:
+    """Captures the step with the policy's gradient hooks armed; where it cannot be, that step
+    runs eagerly from now on, with one log line saying why (every rank alike under DDP)."""
+    reason = None
+    try:
+        run.captured_armed.prepare(x, y)
+    except CaptureError as exc:
+        reason = str(exc)
+    if run.world.active:
+        reasons = [r for r in gather(reason, run.world) if r]
+        reason = reasons[0] if reasons else None
+    if reason is None:
+        run.sparsity.keep_captured()                    # the gradient sums the captured run writes
+        if not run.step_mode.startswith("graph"):       # (every step may be armed: sparsity.every=1)
+            run.step_mode = "graph" + (" (compiled)" if "compiled" in run.step_mode else "")
+        return True
+    run.captured_armed, run.armed_eager = None, True
+    log.info("sparsity: the step before each update runs eagerly; it could not be captured: %s", reason)
+    return False
 
 
 def _start_graph(run: Run, x: torch.Tensor, y: torch.Tensor) -> None:
@@ -621,6 +687,8 @@ def fit(run: Run) -> dict:
                 x, y, fresh = run.task.next_batch(run.device)
                 window.add(*one_step(run, x, y, fresh))
                 run.step += 1
+                if run.sparsity is not None:
+                    sparsity.after_step(run, board)
                 progress.tick()
                 log_step = run.step % t_cfg.log_every == 0 or run.step == stop_at
                 out_of_time = bool(t_cfg.time_limit_s) and time.perf_counter() - t_start > t_cfg.time_limit_s

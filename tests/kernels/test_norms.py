@@ -57,12 +57,13 @@ def test_layer_norm_kernel(dtype, axis, segments, relu):
                  base=lambda: layer_norm_ref(x, g, b, axis, 1e-6, relu, segments))
 
 
-@pytest.mark.parametrize("axis, n, block_g", [(0, 37, 32), (1, 37, 1), (1, 531, 4)],
+@pytest.mark.parametrize("axis, n, block_g, sms", [(0, 37, 32, 132), (1, 37, 1, 132), (1, 35, 4, 8)],
                          ids=["axis0", "axis1-row-per-program", "axis1-4-rows"])
-def test_layer_norm_loop_kernel(axis, n, block_g, monkeypatch):
-    """Segments too large for one tile: the three-pass kernels, with a ragged last slice."""
+def test_layer_norm_loop_kernel(axis, n, block_g, sms, monkeypatch):
+    """Segments too large for one tile: the three-pass kernels, with a ragged last slice (and a
+    ragged last group of rows: 4 rows per program once the rows fill a GPU of ``sms`` SMs twice)."""
     monkeypatch.setattr(kernels, "TILE", 32)
-    monkeypatch.setattr(kernels, "_sm_count", lambda device: 132)      # an H200's
+    monkeypatch.setattr(kernels, "_sm_count", lambda device: sms)
     dev, dtype = kernel_device(), torch.float32
     c = 2 * 45
     x = (torch.randn((n, c) if axis == 1 else (c, n), device=dev) * 2 + 3).to(dtype)

@@ -185,8 +185,8 @@ def test_dropout_mask_shape_broadcasts(x_shape, mask_shape):
     assert mask.numel() == (n + 7) // 8
     keep = ew._unpack_bits(mask, n).view(mask_shape).expand(x_shape)
     torch.testing.assert_close(y, torch.where(keep, x / 0.5, 0.0))
-    if n > 1000:
-        assert abs(keep.float().mean().item() - 0.5) < 0.05
+    if n > 1000:                                                    # within 5 sigma of the keep rate
+        assert abs(keep.float().mean().item() - 0.5) < 5 * math.sqrt(0.25 / n)
     y.sum().backward()
     torch.testing.assert_close(x.grad, keep.float() / 0.5)
     y2, _ = ew.dropout(x, 0.5, mask, mask_shape)                    # reused with its shape
@@ -226,7 +226,7 @@ def test_softmax_cross_entropy_any_rank(label_dtype):
     loss = ew.softmax_cross_entropy(logits, labels)
     assert loss.shape == (2, 3, 4)
     ref = torch.nn.functional.cross_entropy(logits.reshape(-1, 50), labels.long(), reduction="none").view(2, 3, 4)
-    torch.testing.assert_close(loss, ref.float())
+    torch.testing.assert_close(loss, ref)                               # float64 kept (gradcheck works)
     torch.testing.assert_close(ew.softmax_cross_entropy(logits, labels.view(2, 12)), loss)
 
 

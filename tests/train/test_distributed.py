@@ -133,3 +133,24 @@ def test_two_gpus_match_one(tmp_path):
     assert sorted(got) == sorted(want) == list(range(1, 7))
     for step in want:
         assert got[step] == pytest.approx(want[step], abs=5e-4), (step, got, want)
+
+
+def test_rigl_two_ranks_match_one_process(tmp_path):
+    """sparsity=rigl under torchrun: the ranks make the layout decisions of one process at the same
+    global batch (the dense gradients are averaged), so the losses and the layouts agree."""
+    over = [*LSTM, "trainer.max_steps=6", "sparsity=rigl", "sparsity.every=2", "sparsity.fraction=0.5",
+            "sparsity.until=1.0", "model.layout=random"]
+    one, two = tmp_path / "one", tmp_path / "two"
+    single = torchrun(one, tmp_path, *over, "data.batch_size=8", nproc=1)
+    assert single.returncode == 0, single.stderr[-3000:]
+    out = torchrun(two, tmp_path, *over, "data.batch_size=4")
+    assert out.returncode == 0, out.stderr[-3000:]
+    want, got = losses(one), losses(two)
+    for step in want:       # sums in another order (and the host's thread count) move losses by ~1e-4 an update
+        assert got[step] == pytest.approx(want[step], abs=1e-3), (step, got, want)
+    a = torch.load(one / "ckpt" / "step_00000006.pt", weights_only=True)["model"]
+    b = torch.load(two / "ckpt" / "step_00000006.pt", weights_only=True)["model"]
+    first = torch.load(one / "ckpt" / "step_00000003.pt", weights_only=True)["model"]
+    layouts = [k for k in a if k.endswith("layout")]
+    assert layouts and all(torch.equal(a[k], b[k]) for k in layouts)
+    assert any(not torch.equal(a[k], first[k]) for k in layouts)          # the update at step 4 or 6 changed them

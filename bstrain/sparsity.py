@@ -1,0 +1,467 @@
+"""Dynamic block sparsity: prune and regrow the blocks of block-sparse layers while training.
+
+    policy = bstrain.sparsity.RigL(model, optimizer, every=100, fraction=0.3, stop=75_000)
+    for x, y in batches:
+        loss_fn(model(x), y).backward()
+        optimizer.step(); optimizer.zero_grad()
+        policy.step()                       # every 100 steps: a new layout for every sparse layer
+
+Every ``every`` optimizer steps (until step ``stop``), each block-sparse layer of the model
+(:class:`bstrain.nn.BlockSparseLinear`, :class:`bstrain.nn.BlockSparseConv2d`) drops the share
+``fraction_at(step)`` of its live blocks with the smallest weight norm and grows as many dead
+ones: at random (:class:`SET`) or those whose dense gradient has the largest norm (:class:`RigL`,
+Evci et al. 2020; the dense gradient X·dY of the step before the update is computed by hooks, on
+that step only). The share decays from ``fraction`` to 0 by a cosine over [0, stop].
+
+An update keeps everything consistent: the live-block count is unchanged, so the weight
+Parameter keeps its shape and stays the optimizer's. Surviving blocks keep their values and
+their optimizer state (every state tensor shaped like the weight, e.g. AdamW's moments) bit for
+bit, moved to their new place in the row-major block order; grown blocks start at zero with zero
+state. Modules named in ``also`` (an EMA copy of the model) get the same layouts and moves. The
+layout tables of the new layouts are built once and shared; the old ones are freed with the last
+op that holds them. Under torch.distributed every rank makes the same decision: the scores are
+averaged over ranks and the random draws are seeded by (seed, step).
+"""
+from __future__ import annotations
+
+import math
+import warnings
+
+import numpy as np
+import torch
+from torch import nn
+
+__all__ = ["DynamicSparsity", "SET", "RigL", "sparse_layers", "POLICIES"]
+
+POLICIES = ("static", "set", "rigl")
+
+
+def sparse_layers(model: nn.Module | None) -> list[tuple[str, nn.Module]]:
+    """(qualified name, module) of every block-sparse layer of ``model``, in module order."""
+    from bstrain.nn._sparse import BlockLayoutModule
+    if model is None:
+        return []
+    return [(name, m) for name, m in model.named_modules() if isinstance(m, BlockLayoutModule)]
+
+
+class _OpLayer:
+    """A :class:`bstrain.ops.BlocksparseMatMul` used directly with its weight, seen as a layer."""
+
+    def __init__(self, op, weight: nn.Parameter):
+        from bstrain.ops.matmul import BlocksparseMatMul
+        if not isinstance(op, BlocksparseMatMul) or not isinstance(weight, torch.Tensor) or \
+                tuple(weight.shape) != tuple(op.w_shape):
+            raise ValueError(f"ops: expected (BlocksparseMatMul, weight of its w_shape) pairs, got "
+                             f"({type(op).__name__}, {getattr(weight, 'shape', type(weight).__name__)})")
+        self.op, self.weight = op, weight
+
+    def block_layout(self) -> np.ndarray:
+        return self.op.layout
+
+    def _switch_layout(self, layout: np.ndarray) -> bool:
+        return self.op.set_layout(layout)           # (it makes the new tables where the old ones were)
+
+
+def _check(name: str, value, ok: bool, expected: str) -> None:
+    if not ok:
+        raise ValueError(f"{name}: expected {expected}, got {value!r}")
+
+
+def _int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+class DynamicSparsity:
+    """Prune the smallest-norm live blocks of each block-sparse layer every ``every`` steps and
+    grow as many dead ones, chosen by :meth:`grow_scores`.
+
+    Args:
+        model: holds the block-sparse layers (a ValueError if none).
+        optimizer: its state of each layer's weight follows the moves (None: no optimizer state).
+        every: optimizer steps between updates (>= 1).
+        fraction: share of a layer's live blocks replaced at the first update, in (0, 1).
+        stop: the last step that may update (None: never stop); the share decays by a cosine to
+            0 at ``stop``.
+        balanced: keep each row's and each column's live-block counts (grow where the pruning
+            left a row and a column short), as :func:`bstrain.layout.balanced` draws them.
+        seed: of the random draws (ties, SET's growth).
+        also: modules shaped like ``model`` (an EMA copy, its ``module`` when wrapped) whose
+            same-named layers take the same layouts and weight moves.
+        ops: (BlocksparseMatMul, weight) pairs used directly, outside modules (``model`` may then
+            be None); each op switches layout in place (``set_layout``).
+    """
+
+    grows = "random"
+
+    def __init__(self, model: nn.Module | None, optimizer: torch.optim.Optimizer | None = None, *, every: int = 100,
+                 fraction: float = 0.3, stop: int | None = None, balanced: bool = False, seed: int = 0,
+                 also: tuple[nn.Module, ...] = (), ops=()):
+        _check("every", every, _int(every) and every >= 1, "an int >= 1")
+        _check("fraction", fraction, isinstance(fraction, (int, float)) and not isinstance(fraction, bool)
+               and 0 < fraction < 1, "a share in (0, 1)")
+        _check("stop", stop, stop is None or (_int(stop) and stop >= 0), "None or an int >= 0")
+        _check("seed", seed, _int(seed), "an int")
+        ops = list(ops)
+        if len({id(pair[0]) for pair in ops}) != len(ops):
+            raise ValueError("ops: expected each BlocksparseMatMul once, got one op in several (op, weight) pairs; "
+                             "give each weight an op of its own (a layout update moves one weight)")
+        self.layers = sparse_layers(model) + [(f"ops.{i}", _OpLayer(op, w)) for i, (op, w) in enumerate(ops)]
+        if not self.layers:
+            raise ValueError(f"model: expected a model with block-sparse layers (BlockSparseLinear, "
+                             f"BlockSparseConv2d) or ops=[(BlocksparseMatMul, weight)], got a "
+                             f"{type(model).__name__} with none")
+        self.model, self.optimizer = model, optimizer
+        self.every, self.fraction, self.stop, self.balanced, self.seed = every, float(fraction), stop, balanced, seed
+        self.also = [self._twin_layers(m) for m in also]
+        twins = [layer for other in self.also for layer in other.values()]
+        for layer in [layer for _, layer in self.layers] + twins:     # tables of their own: balanced
+            op = getattr(layer, "op", None)                           # updates rewrite them in place
+            if hasattr(op, "make_private"):
+                op.make_private()
+        self.steps = 0                  # optimizer steps seen
+        self.history: list[dict] = []   # one entry per update: step, share changed per layer
+        self._hooks: list = []
+        self._grads: dict[str, torch.Tensor] = {}
+        self._captured_grads: dict[str, torch.Tensor] = {}
+        self._arm()
+
+    def _twin_layers(self, module: nn.Module) -> dict:
+        """The layers of an ``also`` module (an ``AveragedModel``'s own model), by name: the same
+        names, shapes and layouts as the model's (a ValueError otherwise)."""
+        from torch.optim.swa_utils import AveragedModel
+        twin = dict(sparse_layers(module.module if isinstance(module, AveragedModel) else module))
+        for name, layer in self.layers:
+            if isinstance(layer, _OpLayer):
+                continue
+            other = twin.get(name)
+            if other is None or tuple(other.weight.shape) != tuple(layer.weight.shape) or \
+                    not np.array_equal(other.block_layout(), layer.block_layout()):
+                raise ValueError(f"also: expected modules shaped like the model, with its layouts; its layer "
+                                 f"{name!r} is {'missing' if other is None else 'of another shape or layout'} in "
+                                 f"a {type(module).__name__}")
+        return twin
+
+    # --- schedule ---------------------------------------------------------------------------------
+    def fraction_at(self, step: int) -> float:
+        """The share of live blocks replaced at ``step``: ``fraction`` decayed by a cosine to 0 at stop."""
+        if self.stop is None:
+            return self.fraction
+        if self.stop == 0 or step > self.stop:
+            return 0.0
+        return self.fraction * 0.5 * (1 + math.cos(math.pi * step / self.stop))
+
+    def updates_at(self, step: int) -> bool:
+        """Whether ``step`` (counted in optimizer steps) changes the layouts."""
+        return step > 0 and step % self.every == 0 and (self.stop is None or step < self.stop)
+
+    @property
+    def armed(self) -> bool:
+        """The coming optimizer step is followed by an update that needs that step's gradients
+        (RigL): run it eagerly (hooks record the layers' inputs and output gradients)."""
+        return False
+
+    # --- the update -------------------------------------------------------------------------------
+    def step(self, step: int | None = None) -> dict | None:
+        """Call once after each optimizer step (``step``: its 1-based count; default: one more than
+        the last call's). On update steps, changes every layer's layout and returns
+        ``{"step", "changed" {name: share of live blocks replaced}, "density" {name: live share},
+        "in_place" (every changed layer's tables rewritten in place: graphs made before stay valid)}``;
+        else None."""
+        self.steps = self.steps + 1 if step is None else int(step)
+        info = None
+        if self.updates_at(self.steps):
+            info = self._update(self.steps)
+        self._arm()
+        return info
+
+    @torch.no_grad()
+    def _update(self, step: int) -> dict:
+        share = self.fraction_at(step)
+        gen = torch.Generator().manual_seed(self.seed * 1_000_003 + step)
+        changed, density, in_place = {}, {}, True
+        for name, layer in self.layers:
+            old = np.asarray(layer.block_layout(), dtype=bool)
+            new = self._new_layout(name, layer, old, share, gen)
+            changed[name] = float((new & ~old).sum() / max(1, old.sum()))
+            density[name] = float(new.mean())
+            if not np.array_equal(new, old):
+                in_place &= self._move(layer, old, new, self._optimizer_states(layer.weight))
+                for other in self.also:
+                    twin = other.get(name)
+                    if twin is not None:
+                        in_place &= self._move(twin, np.asarray(twin.block_layout(), dtype=bool), new, [])
+        self._grads.clear()
+        info = {"step": step, "fraction": share, "changed": changed, "density": density, "in_place": in_place}
+        self.history.append(info)
+        return info
+
+    def _new_layout(self, name: str, layer: nn.Module, old: np.ndarray, share: float,
+                    gen: torch.Generator) -> np.ndarray:
+        """The layout after pruning and growing ``round(share·live)`` blocks (per column if balanced)."""
+        w = layer.weight.detach()
+        live_norm = _all_reduce_mean(w.float().flatten(1).norm(dim=1)).cpu()          # (nnz,) row-major order
+        prune_score = torch.full(old.shape, math.inf)
+        prune_score[torch.as_tensor(old)] = live_norm
+        grow_score = self.grow_scores(name, layer, old, gen)                           # (Cb, Kb), higher first
+        grow_score = grow_score.masked_fill(torch.as_tensor(old), -math.inf)
+        n = min(int(round(share * int(old.sum()))), int((~old).sum()))
+        if n <= 0:
+            return old.copy()
+        new = old.copy()
+        pruned = _top(-prune_score, n, gen)
+        new.flat[pruned] = False
+        if not self.balanced:
+            new.flat[_top(grow_score, n, gen)] = True
+            return new
+        return _grow_balanced(old, new, pruned, grow_score, gen)
+
+    def grow_scores(self, name: str, layer: nn.Module, old: np.ndarray, gen: torch.Generator) -> torch.Tensor:
+        """(C/bs, K/bs) scores of the dead blocks; the highest grow. SET: uniform random."""
+        return torch.rand(old.shape, generator=gen)
+
+    def _optimizer_states(self, weight: nn.Parameter) -> list[torch.Tensor]:
+        if self.optimizer is None:
+            return []
+        state = self.optimizer.state.get(weight, {})
+        return [t for t in state.values() if isinstance(t, torch.Tensor) and t.shape == weight.shape]
+
+    @staticmethod
+    def _move(layer: nn.Module, old: np.ndarray, new: np.ndarray, states: list[torch.Tensor]) -> bool:
+        """Switches ``layer`` to ``new``: surviving blocks (and their optimizer state) move to their
+        place in the new row-major block order, grown blocks (and state) start at zero. True when
+        the layer's tables were rewritten in place."""
+        old_id = np.full(old.shape, -1)
+        old_id[old] = np.arange(int(old.sum()))
+        src = torch.as_tensor(old_id[new])                                   # new block i <- old src[i] (or -1)
+        keep = src >= 0
+        dst_idx, src_idx = torch.nonzero(keep).flatten(), src[keep]
+        for t in [layer.weight, *states]:
+            moved = torch.zeros_like(t)
+            moved[dst_idx.to(t.device)] = t[src_idx.to(t.device)]
+            t.copy_(moved)
+        in_place = layer._switch_layout(new)
+        if hasattr(layer, "_write_layout_buffer"):                              # a module's layout buffer
+            layer._write_layout_buffer(new)
+        return in_place
+
+    # --- RigL's gradient hooks ----------------------------------------------------------------------
+    def _arm(self) -> None:
+        pass
+
+    # --- a captured gradient step (the trainer's CUDA graph) ------------------------------------------
+    def begin_step(self) -> None:
+        """A (warm-up or captured) run of the step before an update starts: the gradient sums
+        start over."""
+        self._grads.clear()
+
+    def keep_captured(self) -> None:
+        """The gradient sums a capture of that step wrote: every replay rewrites these tensors."""
+        self._captured_grads = dict(self._grads)
+
+    def use_captured(self) -> None:
+        """After a replay of the captured step: the update reads the sums it wrote."""
+        self._grads = dict(self._captured_grads)
+
+    # --- checkpoints ----------------------------------------------------------------------------------
+    def state_dict(self) -> dict:
+        """The step count and history; the layouts themselves are in the model's state dict."""
+        return {"steps": self.steps, "history": list(self.history)}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.steps = int(state["steps"])
+        self.history = list(state.get("history", []))
+        self._arm()
+
+
+class SET(DynamicSparsity):
+    """Sparse Evolutionary Training (Mocanu et al. 2018) on blocks: prune the smallest-norm live
+    blocks, grow dead blocks at random."""
+
+
+class RigL(DynamicSparsity):
+    """RigL (Evci et al. 2020) on blocks: prune the smallest-norm live blocks, grow the dead blocks
+    whose dense gradient (X·dY of the step before the update, all calls of the step summed) has
+    the largest norm. The gradient is computed by hooks on that one step only."""
+
+    grows = "gradient"
+    _warned: set
+
+    def __init__(self, *args, **kwargs):
+        self._warned = set()
+        super().__init__(*args, **kwargs)
+
+    @property
+    def armed(self) -> bool:
+        return bool(self._hooks)
+
+    def _arm(self) -> None:
+        want = self.updates_at(self.steps + 1)
+        if want and not self._hooks:
+            self._hooks = [self._watch(name, layer) for name, layer in self.layers]
+        elif not want and self._hooks:
+            self._disarm()
+
+    def _disarm(self) -> None:
+        for h in self._hooks:
+            h.remove()
+        self._hooks = []
+
+    def _watch(self, name: str, layer):
+        """Records (x, dY) of each call of ``layer`` on the coming step; returns a handle with remove()."""
+        def record(x, out):
+            if not torch.is_grad_enabled() or not out.requires_grad:
+                return
+            x = x.detach()
+
+            def on_grad(dy):
+                g = _dense_grad(layer, x, dy.detach())
+                if name in self._grads:
+                    self._grads[name].add_(g)
+                else:
+                    self._grads[name] = g
+            out.register_hook(on_grad)
+        if isinstance(layer, _OpLayer):
+            layer.op.observer = record
+            return _Unobserve(layer.op)
+        return layer.register_forward_hook(lambda mod, args, out: record(args[0], out))
+
+    def grow_scores(self, name: str, layer: nn.Module, old: np.ndarray, gen: torch.Generator) -> torch.Tensor:
+        g = self._grads.get(name)
+        if g is not None:                   # the step's dense gradient, averaged over ranks, then block norms
+            g = _block_norms(layer, _all_reduce_mean(g)).cpu()
+        if g is None or not bool(torch.isfinite(g).all()):
+            # no gradient reached the layer (a model compiled before the hooks were added runs
+            # none: run the step before an update uncompiled), or an fp16 step overflowed
+            if name not in self._warned:
+                self._warned.add(name)
+                warnings.warn(f"RigL: {'no' if g is None else 'a non-finite'} dense gradient for layer {name!r} on "
+                              f"the step before the update at step {self.steps}; it grows at random this time. A "
+                              f"model compiled before the policy's hooks were added does not run them: run the "
+                              f"step when policy.armed is True through the uncompiled model", RuntimeWarning,
+                              stacklevel=3)
+            return torch.rand(old.shape, generator=gen)
+        # ties (e.g. zero gradients) broken at random, below any real difference
+        return g + 1e-12 * torch.rand(old.shape, generator=gen)
+
+    def _update(self, step: int) -> dict:
+        info = super()._update(step)
+        self._disarm()
+        return info
+
+
+class _Unobserve:
+    def __init__(self, op):
+        self.op = op
+
+    def remove(self) -> None:
+        self.op.observer = None
+
+
+def _dense_grad(layer: nn.Module, x: torch.Tensor, dy: torch.Tensor) -> torch.Tensor:
+    """The dense fp32 weight gradient of one call of ``layer``: (C, K) for a product, (K, C, kh, kw)
+    for a convolution (the calls of a step are summed before :func:`_block_norms`)."""
+    from bstrain.nn.conv import BlockSparseConv2d
+    if isinstance(layer, BlockSparseConv2d):
+        from bstrain.ops.conv import conv_nd
+        xb = x if x.dim() == 4 else x.unsqueeze(0)
+        dyb = dy if dy.dim() == 4 else dy.unsqueeze(0)
+        _, _, pads, _ = layer._geometry(xb.shape[2], xb.shape[3])
+        with torch.enable_grad():
+            wd = torch.zeros(layer.out_channels, layer.in_channels, *layer.kernel_size, device=x.device,
+                             dtype=torch.float32, requires_grad=True)
+            y = conv_nd(xb.float(), wd, layer.stride, layer.dilation, pads)
+            (g,) = torch.autograd.grad(y, wd, dyb.float())                    # (K, C, kh, kw)
+        return g
+    # in the activations' dtype (bf16 under autocast: the GEMM accumulates in fp32; the scores only rank)
+    dt = x.dtype if x.dtype == dy.dtype and x.is_cuda else torch.float32
+    if layer.op.feature_axis == 1:
+        x2, dy2 = x.reshape(-1, x.shape[-1]).to(dt), dy.reshape(-1, dy.shape[-1]).to(dt)
+        g = (x2.t() @ dy2).float()                                              # (C, K)
+    else:
+        x2, dy2 = x.reshape(x.shape[0], -1).to(dt), dy.reshape(dy.shape[0], -1).to(dt)
+        g = (x2 @ dy2.t()).float()
+    return g
+
+
+def _block_norms(layer: nn.Module, g: torch.Tensor) -> torch.Tensor:
+    """(C/bs, K/bs) block norms of a dense gradient from :func:`_dense_grad`."""
+    bs = layer.block_size if hasattr(layer, "block_size") else layer.op.block_size
+    if g.dim() == 4:                                                            # a conv's (K, C, kh, kw)
+        K, C = g.shape[:2]
+        return g.reshape(K // bs, bs, C // bs, bs, -1).square().sum((1, 3, 4)).t().sqrt()
+    C, K = g.shape
+    return g.reshape(C // bs, bs, K // bs, bs).square().sum((1, 3)).sqrt()
+
+
+def _grow_balanced(old: np.ndarray, new: np.ndarray, pruned: np.ndarray, score: torch.Tensor,
+                   gen: torch.Generator) -> np.ndarray:
+    """Grows blocks into ``new`` (``old`` with ``pruned`` dropped) so that every row and column of
+    blocks gets its count back: the best-scored dead blocks whose row and column both still lack
+    one (the just-pruned ones last), then, where that greedy choice leaves gaps, augmenting swaps
+    close them (a b-matching; one always exists, since regrowing the pruned blocks closes every gap)."""
+    need_r, need_c = old.sum(1) - new.sum(1), old.sum(0) - new.sum(0)      # blocks each still lacks
+    score = score.clone()
+    score.view(-1)[torch.as_tensor(pruned)] = -1e30                        # just-pruned: last resort
+    free = ~new                                                            # where a block may grow
+    order = _top(score.masked_fill(torch.as_tensor(new), -math.inf), int(free.sum()), gen)
+    grown = np.zeros_like(old)
+    for flat in order:
+        r, c = divmod(int(flat), old.shape[1])
+        if need_r[r] > 0 and need_c[c] > 0:
+            grown[r, c] = True
+            need_r[r] -= 1
+            need_c[c] -= 1
+    while need_r.any():
+        path = _augmenting_path(free, grown, need_r, need_c)
+        if path is None:                    # cannot happen (the pruned blocks are a solution)
+            raise RuntimeError("sparsity: no balanced regrowth found; please report this layout")
+        for k, (r, c) in enumerate(path):   # add, remove, add, ..., add
+            grown[r, c] = k % 2 == 0
+        need_r[path[0][0]] -= 1
+        need_c[path[-1][1]] -= 1
+    return new | grown
+
+
+def _augmenting_path(free: np.ndarray, grown: np.ndarray, need_r: np.ndarray, need_c: np.ndarray):
+    """Cells [(r0, c0), (r1, c0), (r1, c1), ...] from a row that lacks a block to a column that
+    lacks one: grow the 1st, 3rd, ... (free, not grown) and drop the 2nd, 4th, ... (grown); None if
+    there is none. Breadth-first over the rows and columns."""
+    rows, cols = free.shape
+    row_from = np.full(rows, -2)            # the column a row was reached from (-1: a start)
+    col_from = np.full(cols, -1)            # the row a column was reached from
+    queue = [int(r) for r in np.flatnonzero(need_r > 0)]
+    row_from[queue] = -1
+    for r in queue:                         # (the queue grows while it is walked)
+        for c in np.flatnonzero(free[r] & ~grown[r] & (col_from < 0)):
+            col_from[c] = r
+            if need_c[c] > 0:               # reached a column that lacks one: walk back
+                path, c = [], int(c)
+                while True:
+                    r0 = int(col_from[c])
+                    path.append((r0, c))
+                    if row_from[r0] == -1:
+                        return path[::-1]
+                    path.append((r0, int(row_from[r0])))
+                    c = int(row_from[r0])
+            for r2 in np.flatnonzero(grown[:, c] & (row_from == -2)):
+                row_from[r2] = c
+                queue.append(int(r2))
+    return None
+
+
+def _top(score: torch.Tensor, n: int, gen: torch.Generator) -> np.ndarray:
+    """Flat indices of the n highest scores of ``score`` (ties in a random order drawn from gen)."""
+    flat = score.flatten()
+    order = torch.randperm(flat.numel(), generator=gen)
+    best = torch.argsort(flat[order], descending=True, stable=True)[:n]
+    return order[best].numpy()
+
+
+def _all_reduce_mean(t: torch.Tensor) -> torch.Tensor:
+    """``t`` averaged over the ranks of the default process group (unchanged without one)."""
+    import torch.distributed as dist
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return t
+    t = t.clone()
+    dist.all_reduce(t)
+    return t / dist.get_world_size()

@@ -1,0 +1,165 @@
+"""Dynamic block sparsity on the GPU (issue 23), in sub-commands:
+
+    PYTHONPATH=$PWD python scripts/bench_sparsity.py cost --out DIR [--steps 400]
+        The update's share of training time: each model (lstm_enwik8; transformer_enwik8 with a 25%
+        block-sparse FFN) trained through the trainer for --steps steps with sparsity=static and with
+        sparsity=rigl (and set) at every=100; the share is 1 - (mean tokens/s with updates) / (static's),
+        over the logged windows after the first. Writes sparsity_cost.json.
+    PYTHONPATH=$PWD python scripts/bench_sparsity.py curve --which NAME --seconds 600 --out DIR
+        One model for a fixed wall-clock budget on this machine's site-packages *.py sources (whole
+        files held out): lstm_dense, lstm_static, lstm_set, lstm_rigl (equal parameters, as
+        bench_lstm.py's pair), ffn_sparse (transformer, 25% FFN blocks, RigL), ffn_dense (the
+        dense FFN of equal parameters). Writes sparsity_curve_NAME.json.
+    python scripts/bench_sparsity.py report --out DIR
+        sparsity.md (and sparsity.png with matplotlib) from the JSON files in DIR.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import re
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from bench_lstm import CURVE_COMMON, PAIR, build, config, site_packages_glob  # noqa: E402
+
+RUN = ["trainer.progress=false", "trainer.ckpt_every=0", "trainer.max_steps=1000000", "optim.lr=1e-3",
+       "optim.warmup_steps=200", "optim.schedule=constant"]
+FFN = ["config=transformer_enwik8", "data.name=bytes", "model.attention=dense", "trainer.precision=bf16",
+       "model.ffn_block_size=64", "trainer.eval_every=500", "trainer.eval_batches=16", "trainer.log_every=50"]
+SPARSE = ["sparsity.every=100", "sparsity.fraction=0.3", "sparsity.until=0.75"]
+WHICH = {
+    "lstm_dense": CURVE_COMMON + PAIR["dense"],
+    "lstm_static": CURVE_COMMON + PAIR["sparse"],
+    "lstm_set": CURVE_COMMON + PAIR["sparse"] + ["sparsity=set"] + SPARSE,
+    "lstm_rigl": CURVE_COMMON + PAIR["sparse"] + ["sparsity=rigl"] + SPARSE,
+    # 25% of a 4x FFN's blocks against a dense 1x FFN: equal FFN parameters
+    "ffn_sparse": FFN + ["model.ffn_density=0.25", "sparsity=rigl"] + SPARSE,
+    "ffn_dense": FFN + ["model.ffn_mult=1"],
+}
+COST = {"lstm": ["config=lstm_enwik8", "data.name=bytes", "trainer.eval_every=0", "trainer.log_every=50"],
+        "ffn": FFN[:-3] + ["model.ffn_density=0.25", "trainer.eval_every=0", "trainer.log_every=50"]}
+
+
+def _rates(run_dir: Path) -> list[float]:
+    return [float(v) for v in re.findall(r" step \d+ loss .* tokens/s (\d+)", (run_dir / "train.log").read_text())]
+
+
+# the policies the cost is measured for: balanced updates keep the captured step (tables rewritten
+# in place); unbalanced ones capture it again after each update
+POLICIES = {"static": ["sparsity=static"], "set": ["sparsity=set"], "rigl": ["sparsity=rigl"],
+            "set_balanced": ["sparsity=set", "sparsity.balanced=true"],
+            "rigl_balanced": ["sparsity=rigl", "sparsity.balanced=true"]}
+
+
+def cmd_cost(args) -> None:
+    from bstrain.train.trainer import train
+    corpus = args.corpus or site_packages_glob()
+    out = {}
+    for model, over in COST.items():
+        row = {}
+        for policy, sparsity in POLICIES.items():
+            run = Path(args.runs) / f"cost_{model}_{policy}"
+            cfg = config(*over, *RUN, f"data.path={corpus}", "data.max_bytes=67108864", *sparsity,
+                         "sparsity.every=100", "sparsity.until=1.0", f"trainer.max_steps={args.steps}",
+                         f"trainer.run_dir={run}")
+            train(cfg)
+            rates = _rates(run)[1:]
+            row[policy] = {"mean_tokens_per_s": statistics.fmean(rates), "windows": rates}
+            print(model, policy, round(row[policy]["mean_tokens_per_s"]), flush=True)
+        for policy in POLICIES:
+            if policy != "static":
+                row[policy]["share"] = 1 - row[policy]["mean_tokens_per_s"] / row["static"]["mean_tokens_per_s"]
+        out[model] = row
+    out["steps"], out["device"] = args.steps, torch.cuda.get_device_name()
+    with open(os.path.join(args.out, "sparsity_cost.json"), "w") as f:
+        json.dump(out, f)
+
+
+def cmd_curve(args) -> None:
+    from bstrain.train.trainer import train
+    corpus = args.corpus or site_packages_glob()
+    over = [*WHICH[args.which], *RUN, f"data.path={corpus}", f"trainer.time_limit_s={args.seconds}",
+            f"trainer.run_dir={args.runs}/{args.which}"]
+    cfg = config(*over)
+    params = sum(p.numel() for p in build(cfg).parameters())
+    res = train(cfg)
+    out = dict(which=args.which, params=params, steps=res["steps"], seconds=args.seconds, valid_bpb=res["valid_bpb"],
+               history=res["history"], valid_history=res["valid_history"], overrides=over,
+               device=torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu")
+    with open(os.path.join(args.out, f"sparsity_curve_{args.which}.json"), "w") as f:
+        json.dump(out, f)
+    print(f"{args.which}: {res['steps']} steps, valid {res['valid_bpb']:.4f} bits/byte", flush=True)
+
+
+def cmd_report(args) -> None:
+    out = Path(args.out)
+    curves = {w: json.loads((out / f"sparsity_curve_{w}.json").read_text())
+              for w in WHICH if (out / f"sparsity_curve_{w}.json").exists()}
+    lines = [f"# Dynamic block sparsity (issue 23), {datetime.date.today()}", "",
+             "`scripts/bench_sparsity.py`. Curves: equal wall time on this machine's site-packages `*.py` sources, "
+             "whole files held out.", ""]
+    cost = out / "sparsity_cost.json"
+    if cost.exists():
+        c = json.loads(cost.read_text())
+        others = [p for p in POLICIES if p != "static"]
+        lines += ["Share of training time spent on updates at every=100 (target <= 2%): "
+                  "1 - tokens/s with updates / tokens/s of the static run.", "",
+                  "| model | static tokens/s | " + " | ".join(others) + " |", "|---|---|" + "---|" * len(others)]
+        for model in COST:
+            if model in c:
+                r = c[model]
+                lines.append(f"| {model} | {r['static']['mean_tokens_per_s']:,.0f} | "
+                             + " | ".join(f"{100 * r[p]['share']:.1f}%" if p in r else "-" for p in others) + " |")
+        lines.append("")
+    if curves:
+        lines += ["| model | parameters | steps | valid bits/byte |", "|---|---|---|---|"]
+        for w, cv in curves.items():
+            lines.append(f"| {w} | {cv['params']:,} | {cv['steps']} | {cv['valid_bpb']:.4f} |")
+    (out / "sparsity.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return
+    if curves:
+        fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
+        for w, cv in curves.items():
+            ax = axes[0 if w.startswith("lstm") else 1]
+            _, t, b = zip(*cv["valid_history"])
+            ax.plot(t, b, marker="o", ms=3, label=f"{w}: {cv['valid_bpb']:.3f}")
+        for ax, title in zip(axes, ("LSTM, equal parameters", "transformer FFN, equal parameters")):
+            ax.set(xlabel="seconds", ylabel="valid bits/byte", title=title)
+            ax.legend()
+            ax.grid(alpha=0.3)
+        fig.tight_layout()
+        fig.savefig(out / "sparsity.png", dpi=110)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    for name in ("cost", "curve", "report"):
+        p = sub.add_parser(name)
+        p.add_argument("--out", default="benchmarks")
+        p.add_argument("--runs", default="/tmp/bstrain-sparsity-runs")
+        p.add_argument("--corpus", default=None, help="data.path (default: site-packages/**/*.py)")
+    sub.choices["cost"].add_argument("--steps", type=int, default=400)
+    sub.choices["curve"].add_argument("--which", choices=sorted(WHICH), required=True)
+    sub.choices["curve"].add_argument("--seconds", type=float, default=600)
+    args = ap.parse_args()
+    os.makedirs(args.out, exist_ok=True)
+    {"cost": cmd_cost, "curve": cmd_curve, "report": cmd_report}[args.cmd](args)
+
+
+if __name__ == "__main__":
+    main()

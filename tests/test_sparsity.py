@@ -1,0 +1,491 @@
+"""bstrain.sparsity: SET and RigL on block-sparse layers. An update keeps the live-block count,
+moves surviving blocks and their optimizer state bit for bit, starts grown blocks at zero, and
+grown blocks learn at the next step; RigL grows where the dense gradient is; the schedule, the
+balanced mode, an EMA copy, convolutions, ranks that agree, and the argument checks."""
+from __future__ import annotations
+
+import copy
+
+import numpy as np
+import pytest
+import torch
+import torch.multiprocessing as mp
+from torch import nn
+
+from bstrain.nn import BlockSparseConv2d, BlockSparseLinear
+from bstrain.sparsity import SET, RigL, sparse_layers
+
+
+def mlp(seed=0, density=0.5):
+    torch.manual_seed(seed)
+    return nn.Sequential(BlockSparseLinear(64, 96, block_size=16, density=density), nn.GELU(),
+                         BlockSparseLinear(96, 64, block_size=16, density=density))
+
+
+def blocks_by_coord(layer, t=None) -> dict:
+    """{(c, k): block} of a layer's weight (or of a tensor shaped like it) by layout coordinate."""
+    t = layer.weight if t is None else t
+    coords = np.argwhere(np.asarray(layer.block_layout()))              # row-major: the weight's order
+    return {tuple(c): t[i].detach().clone() for i, c in enumerate(coords)}
+
+
+def train(model, opt, policy, steps, x=None):
+    infos = []
+    for _ in range(steps):
+        inp = torch.randn(16, 64) if x is None else x
+        model(inp).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+        infos.append(policy.step())
+    return infos
+
+
+@pytest.mark.parametrize("cls", [SET, RigL], ids=["set", "rigl"])
+def test_update_keeps_counts_and_moves_state_exactly(cls):
+    model = mlp()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    policy = cls(model, opt, every=3, fraction=0.4, seed=1)
+    train(model, opt, policy, 2)
+    model(torch.randn(16, 64)).square().mean().backward()                 # step 3, up to the update
+    opt.step()
+    opt.zero_grad()
+    before = {name: (layer.block_layout().copy(), blocks_by_coord(layer),
+                     {k: blocks_by_coord(layer, v) for k, v in opt.state[layer.weight].items() if k != "step"},
+                     layer.weight)
+              for name, layer in sparse_layers(model)}
+    info = policy.step()
+    assert info is not None and info["step"] == 3
+    for name, layer in sparse_layers(model):
+        old, w_old, states_old, param = before[name]
+        new = np.asarray(layer.block_layout())
+        assert layer.weight is param                                       # the optimizer's Parameter stays
+        assert new.sum() == old.sum() and not np.array_equal(new, old)
+        assert np.array_equal(np.asarray(layer.layout), new) and np.array_equal(layer.op.layout, new)
+        assert info["changed"][name] == pytest.approx((new & ~old).sum() / old.sum())
+        w_new = blocks_by_coord(layer)
+        states_new = {k: blocks_by_coord(layer, v) for k, v in opt.state[layer.weight].items() if k != "step"}
+        for coord, block in w_new.items():
+            if coord in w_old:                                              # a survivor: bit for bit
+                assert torch.equal(block, w_old[coord])
+                for k in states_new:
+                    assert torch.equal(states_new[k][coord], states_old[k][coord]), (name, k, coord)
+            else:                                                           # grown: zero, zero moments
+                assert not block.any()
+                for k in states_new:
+                    assert not states_new[k][coord].any(), (name, k, coord)
+
+
+def test_grown_blocks_receive_gradients_at_the_next_step():
+    """(One layer: in a stack, a block whose outputs only reach grown, still-zero blocks of the next
+    layer gets no gradient until those have moved, as in RigL's zero-initialised growth.)"""
+    torch.manual_seed(0)
+    layer = BlockSparseLinear(64, 96, block_size=16, density=0.5)
+    opt = torch.optim.SGD(layer.parameters(), lr=0.1)
+    policy = SET(layer, opt, every=1, fraction=0.5, seed=3)
+    old = layer.block_layout().copy()
+    layer(torch.randn(16, 64)).square().mean().backward()
+    opt.step()
+    opt.zero_grad()
+    policy.step()
+    grown = [tuple(c) for c in np.argwhere(layer.block_layout() & ~old)]
+    assert grown
+    layer(torch.randn(16, 64)).square().mean().backward()
+    grads = blocks_by_coord(layer, layer.weight.grad)
+    assert all(grads[c].abs().sum() > 0 for c in grown)
+
+
+def test_rigl_grows_where_the_dense_gradient_is():
+    """Inputs only in features 0..15 and a target that needs input block 0 everywhere: the
+    dense gradient lives in row 0 of the layout, so RigL grows the dead blocks of row 0."""
+    torch.manual_seed(0)
+    layer = BlockSparseLinear(64, 64, block_size=16, layout=np.eye(4, dtype=bool), bias=False)
+    with torch.no_grad():
+        layer.weight[0] *= 10                                              # block (0, 0) survives the pruning
+    opt = torch.optim.SGD(layer.parameters(), lr=0.0)                     # the weights stay: scores by gradient
+    policy = RigL(layer, opt, every=1, fraction=0.5)                       # 2 of 4 blocks replaced
+    x = torch.zeros(32, 64)
+    x[:, :16] = torch.randn(32, 16)
+    assert policy.armed
+    (layer(x) - x[:, :16].repeat(1, 4)).square().mean().backward()
+    opt.step()
+    opt.zero_grad()
+    info = policy.step()
+    new = layer.block_layout()
+    assert info is not None and new.sum() == 4
+    assert new[0].sum() == 3                                               # two grown blocks, both in row 0
+    assert not policy.armed or policy.updates_at(policy.steps + 1)
+
+
+def test_schedule_stop_and_no_update_when_frozen():
+    model = mlp()
+    policy = SET(model, None, every=2, fraction=0.5, stop=4)
+    assert policy.fraction_at(0) == 0.5 and policy.fraction_at(2) == pytest.approx(0.25)
+    assert policy.fraction_at(4) == pytest.approx(0.0) and policy.fraction_at(6) == 0.0
+    # step 4 is stop, where the share has decayed to 0: no update (and no RigL step before it)
+    assert [policy.updates_at(s) for s in range(1, 7)] == [False, True, False, False, False, False]
+    layouts = [model[0].block_layout().copy()]
+    for _ in range(6):
+        policy.step()
+        layouts.append(model[0].block_layout().copy())
+    assert not np.array_equal(layouts[2], layouts[1])                      # step 2 changed
+    assert np.array_equal(layouts[6], layouts[2]) and len(policy.history) == 1    # frozen from stop
+
+
+@pytest.mark.parametrize("cls", [SET, RigL], ids=["set", "rigl"])
+def test_balanced_keeps_each_rows_and_columns_count(cls):
+    model = mlp(density=0.5)
+    policy = cls(model, None, every=1, fraction=0.5, balanced=True, seed=5)
+    before = [layer.block_layout().copy() for _, layer in sparse_layers(model)]
+    train(model, torch.optim.SGD(model.parameters(), lr=0.1), policy, 1)
+    for (_, layer), old in zip(sparse_layers(model), before):
+        new = layer.block_layout()
+        assert not np.array_equal(new, old)
+        assert np.array_equal(new.sum(0), old.sum(0)) and np.array_equal(new.sum(1), old.sum(1))
+
+
+def test_ema_copy_follows_and_conv_layers_update():
+    torch.manual_seed(0)
+    model = nn.Sequential(BlockSparseConv2d(32, 32, 3, padding=1, block_size=8, density=0.5), nn.ReLU(),
+                          BlockSparseConv2d(32, 32, 3, padding=1, block_size=8, density=0.5))
+    ema = copy.deepcopy(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    policy = RigL(model, opt, every=1, fraction=0.5, also=(ema,))
+    dense_before = [layer.dense_weight().detach().clone() for _, layer in sparse_layers(model)]
+    old = [layer.block_layout().copy() for _, layer in sparse_layers(model)]
+    model(torch.randn(2, 32, 8, 8)).square().mean().backward()
+    w_step = [layer.weight.detach().clone() for _, layer in sparse_layers(model)]
+    opt.step()
+    dense_after_opt = [layer.dense_weight().detach().clone() for _, layer in sparse_layers(model)]
+    policy.step()
+    for i, (name, layer) in enumerate(sparse_layers(model)):
+        new = layer.block_layout()
+        assert new.sum() == old[i].sum() and not np.array_equal(new, old[i])
+        both = torch.as_tensor(np.kron(new & old[i], np.ones((8, 8), bool)).T)       # (K, C) survivors
+        d = layer.dense_weight().detach()
+        assert torch.equal(d[both], dense_after_opt[i][both])
+        assert np.array_equal(dict(sparse_layers(ema))[name].block_layout(), new)
+        assert w_step[i].shape == layer.weight.shape and dense_before[i].shape == d.shape
+
+
+@pytest.mark.parametrize("kw, match", [
+    (dict(fraction=0.0), r"fraction: expected a share in \(0, 1\), got 0.0"),
+    (dict(fraction=1.0), r"fraction: expected a share in \(0, 1\)"),
+    (dict(every=0), "every: expected an int >= 1, got 0"),
+    (dict(stop=-1), "stop: expected None or an int >= 0"),
+])
+def test_bad_settings(kw, match):
+    with pytest.raises(ValueError, match=match):
+        RigL(mlp(), None, **kw)
+
+
+def test_a_model_without_block_sparse_layers():
+    with pytest.raises(ValueError, match="model: expected a model with block-sparse layers"):
+        SET(nn.Linear(4, 4), None)
+
+
+def _rank(rank: int, world: int, path: str, out: dict) -> None:
+    import torch.distributed as dist
+    dist.init_process_group("gloo", init_method=f"file://{path}", rank=rank, world_size=world)
+    model = mlp(seed=0)                                   # the same start everywhere
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    policy = RigL(model, opt, every=1, fraction=0.5, seed=0)
+    torch.manual_seed(100 + rank)                          # each rank its own data: other gradients
+    train(model, opt, policy, 1)
+    out[rank] = [layer.block_layout().copy() for _, layer in sparse_layers(model)]
+    dist.destroy_process_group()
+
+
+def test_ranks_agree(tmp_path):
+    """Two gloo ranks with different data make the same layout decision (scores averaged)."""
+    with mp.Manager() as manager:
+        out = manager.dict()
+        mp.spawn(_rank, args=(2, str(tmp_path / "init"), out), nprocs=2, join=True)
+        a, b = out[0], out[1]
+    for la, lb in zip(a, b):
+        assert np.array_equal(la, lb)
+
+
+@pytest.mark.triton
+@pytest.mark.parametrize("balanced", [False, True], ids=["new-tables", "in-place"])
+def test_compile_recompiles_once_per_update(monkeypatch, balanced):
+    """On the kernel path (the custom op names its layout) each update makes one new graph, and
+    the compiled layer computes the new layout's product; on the CPU path (the tables are graph
+    inputs) none is needed; balanced updates (tables rewritten in place, the key kept) need none
+    on either."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+    if not torch.cuda.is_available():
+        monkeypatch.setenv("TRITON_INTERPRET", "1")
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    for backend, per_update in (("triton", 0 if balanced else 1), ("torch", 0)):
+        torch._dynamo.reset()
+        torch.manual_seed(0)
+        layer = BlockSparseLinear(64, 64, block_size=16, density=0.5).to(dev)
+        layer.op.backend = backend
+        counter = CompileCounterWithBackend("aot_eager")
+        compiled = torch.compile(layer, backend=counter, fullgraph=True)
+        policy = SET(layer, None, every=1, fraction=0.5, balanced=balanced)
+        x = torch.randn(4, 64, device=dev)
+        for updates in range(3):
+            with torch.no_grad():
+                torch.testing.assert_close(compiled(x), layer(x), rtol=1e-5, atol=1e-5)
+            assert counter.frame_count == 1 + per_update * updates, (backend, updates)
+            with torch.no_grad():
+                layer.weight.add_(0.5)                               # grown blocks then differ from zero
+            policy.step()
+            layer.op.backend = backend                               # (the policy keeps the op's backend)
+
+
+@pytest.mark.parametrize("cls", [SET, RigL], ids=["set", "rigl"])
+@pytest.mark.parametrize("axis", [1, 0])
+def test_blocksparse_matmul_used_directly(cls, axis):
+    """A user's own BlocksparseMatMul and weight: the op switches layout in place, the weight's
+    surviving blocks follow, and its products stay those of the new layout's dense weight."""
+    from bstrain.layout import balanced
+    from bstrain.ops import BlocksparseMatMul
+    torch.manual_seed(0)
+    op = BlocksparseMatMul(balanced((4, 6), 0.5, seed=1), block_size=8, feature_axis=axis)
+    w = nn.Parameter(torch.randn(op.w_shape))
+    opt = torch.optim.AdamW([w], lr=1e-2)
+    policy = cls(None, opt, every=1, fraction=0.5, ops=[(op, w)])
+    old = op.layout.copy()
+    blocks_old = {tuple(c): w[i].detach().clone() for i, c in enumerate(np.argwhere(old))}
+    x = torch.randn(*op.i_shape(10))
+    op(x, w).square().mean().backward()
+    opt.step()
+    blocks_old = {tuple(c): w[i].detach().clone() for i, c in enumerate(np.argwhere(old))}
+    opt.zero_grad()
+    assert ("ops.0" in policy._grads) == (cls is RigL)                   # RigL saw X·dY through the observer
+    assert policy.step() is not None and (op.observer is not None) == policy.armed
+    new = op.layout
+    assert new.sum() == old.sum() and not np.array_equal(new, old) and tuple(w.shape) == op.w_shape
+    for i, c in enumerate(np.argwhere(new)):
+        want = blocks_old.get(tuple(c))
+        assert torch.equal(w[i], want) if want is not None else not w[i].any()
+    dense = op.to_dense(w.detach())                                       # (C, K)
+    y = op(x, w.detach())
+    torch.testing.assert_close(y, x @ dense if axis == 1 else dense.t() @ x, rtol=1e-5, atol=1e-5)
+
+
+def test_set_layout_checks_the_count():
+    from bstrain.ops import BlocksparseMatMul
+    op = BlocksparseMatMul(np.eye(4, dtype=bool), block_size=8)
+    with pytest.raises(ValueError, match=r"layout: expected a \(4, 4\) layout with 4 live blocks, got \(4, 4\) with 5"):
+        five = np.eye(4, dtype=bool)
+        five[0, 1] = True
+        op.set_layout(five)
+
+
+def test_old_tables_are_freed_and_the_name_is_reachable():
+    import gc
+
+    import bstrain
+    from bstrain.ops.tables import _REGISTRY
+    assert bstrain.sparsity.RigL is RigL
+    model = mlp(seed=7)
+    keys = [layer.op.key for _, layer in sparse_layers(model)]
+    policy = SET(model, None, every=1, fraction=0.5, seed=2)
+    policy.step()
+    gc.collect()
+    new = [layer.op.key for _, layer in sparse_layers(model)]
+    assert all(k not in _REGISTRY for k in keys if k not in new)
+    assert all(k in _REGISTRY for k in new)
+
+
+# --- in-place updates: balanced layouts keep every table's length, so graphs stay valid ----------------
+def _swapped(layout: np.ndarray, swaps: int, seed: int) -> np.ndarray:
+    """``layout`` with ``swaps`` 2x2 swaps (live (c1,k1), (c2,k2) -> (c1,k2), (c2,k1)): every block
+    row and column keeps its count."""
+    rng = np.random.default_rng(seed)
+    new, done = layout.copy(), 0
+    while done < swaps:
+        (c1, k1), (c2, k2) = np.argwhere(new)[rng.choice(int(new.sum()), 2, replace=False)]
+        if not new[c1, k2] and not new[c2, k1]:
+            new[c1, k1] = new[c2, k2] = False
+            new[c1, k2] = new[c2, k1] = True
+            done += 1
+    return new
+
+
+def _lut_tensors(op, dev):
+    t = op._tables.on(dev)
+    luts = t.luts
+    return [t.c_idx, t.k_idx] + [getattr(s, n) for s in (luts.fwd, luts.bwd) for n in ("ptr", "blk", "idx", "packed")]
+
+
+@pytest.mark.triton
+def test_a_private_op_switches_a_balanced_layout_in_place():
+    """make_private + set_layout with the same row and column counts: the same table tensors (and
+    key) now hold the new layout, so a launch plan made before the switch computes the new
+    product; another op that had the same layout keeps it; other counts get new tables."""
+    from bstrain.layout import balanced
+    from bstrain.ops import BlocksparseMatMul
+    from bstrain.ops.matmul import bsmm_ref
+    torch.manual_seed(0)
+    old = balanced((4, 6), 0.5, seed=1)
+    op, twin = BlocksparseMatMul(old, 16, backend="triton"), BlocksparseMatMul(old, 16, backend="triton")
+    assert op.key == twin.key
+    op.make_private()
+    assert op.key != twin.key and op._tables.private
+    dev = torch.device("cpu")
+    x = torch.randn(op.i_shape(9), dtype=torch.float32, requires_grad=True)
+    w = torch.randn(op.w_shape, requires_grad=True)
+    op(x, w).sum().backward()                                    # plans made on the old layout
+    tensors = [t.data_ptr() for t in _lut_tensors(op, dev)]
+    key = op.key
+    new = _swapped(old, 3, seed=2)
+    assert op.set_layout(new) is True
+    assert op.key == key and np.array_equal(op.layout, new) and np.array_equal(twin.layout, old)
+    assert [t.data_ptr() for t in _lut_tensors(op, dev)] == tensors
+    assert torch.equal(op.coords, torch.as_tensor(np.stack(np.nonzero(new))))
+    for layer, lay in ((op, new), (twin, old)):                   # kernels (interpreter) against float64
+        xd = x.detach().double().requires_grad_()
+        wd = w.detach().double().requires_grad_()
+        c, k = (torch.as_tensor(a) for a in np.nonzero(lay))
+        ref = bsmm_ref(xd, wd, c, k, layer.K)
+        g = torch.randn_like(ref)
+        ref_dx, ref_dw = torch.autograd.grad(ref, (xd, wd), g)
+        xk, wk = x.detach().clone().requires_grad_(), w.detach().clone().requires_grad_()
+        y = layer(xk, wk)
+        dx, dw = torch.autograd.grad(y, (xk, wk), g.float())
+        for got, want in ((y, ref), (dx, ref_dx), (dw, ref_dw)):
+            torch.testing.assert_close(got.double(), want, rtol=1e-4, atol=1e-4)
+    other = balanced((4, 6), 0.5, seed=3)
+    if not (np.array_equal(other.sum(0), new.sum(0)) and np.array_equal(other.sum(1), new.sum(1))):
+        assert op.set_layout(other) is False and op.key != key and op._tables.private
+    with pytest.raises(ValueError, match="live blocks"):
+        op.set_layout(np.ones((4, 6), bool))
+
+
+def test_shared_tables_are_never_rewritten():
+    from bstrain.ops import BlocksparseMatMul
+    op = BlocksparseMatMul(np.eye(4, dtype=bool), 16)
+    with pytest.raises(RuntimeError, match="shared tables"):
+        op._tables.rewrite(np.eye(4, dtype=bool)[::-1].copy(), 16)
+    op.make_private()
+    with pytest.raises(ValueError, match="same live-block count"):
+        op._tables.rewrite(np.eye(4, dtype=bool)[:, [0, 0, 2, 3]] | np.eye(4, dtype=bool), 16)
+    assert np.array_equal(op.layout, np.eye(4, dtype=bool))
+
+
+@pytest.mark.parametrize("cls", [SET, RigL], ids=["set", "rigl"])
+def test_balanced_policy_updates_in_place(cls):
+    """balanced=True: each layer keeps its op and key (its tables rewritten in place), and the
+    update says so; the products are those of the new layouts."""
+    model = mlp(density=0.5)
+    policy = cls(model, None, every=1, fraction=0.5, balanced=True, seed=5)
+    ops = [(layer.op, layer.op.key) for _, layer in sparse_layers(model)]
+    (info,) = train(model, torch.optim.SGD(model.parameters(), lr=0.1), policy, 1)
+    assert info["in_place"] is True and any(v > 0 for v in info["changed"].values())
+    for (_, layer), (op, key) in zip(sparse_layers(model), ops):
+        assert layer.op is op and op.key == key
+        x = torch.randn(3, layer.in_features)
+        torch.testing.assert_close(layer(x), x @ layer.dense_weight().t() + layer.bias, rtol=1e-5, atol=1e-5)
+
+
+def test_balanced_update_rewrites_the_ema_copys_tables_in_place_too():
+    """The EMA copy's layers follow in place as well (its graphed evaluation stays valid)."""
+    model = mlp(density=0.5)
+    ema = copy.deepcopy(model)
+    policy = SET(model, None, every=1, fraction=0.5, balanced=True, seed=5, also=(ema,))
+    keys = [layer.op.key for _, layer in sparse_layers(ema)]
+    (info,) = train(model, torch.optim.SGD(model.parameters(), lr=0.1), policy, 1)
+    assert info["in_place"] is True
+    for (_, mine), (_, twin), key in zip(sparse_layers(model), sparse_layers(ema), keys):
+        assert twin.op.key == key and np.array_equal(twin.block_layout(), mine.block_layout())
+        x = torch.randn(3, twin.in_features)
+        torch.testing.assert_close(twin(x), x @ twin.dense_weight().t() + twin.bias, rtol=1e-5, atol=1e-5)
+
+
+def test_balanced_growth_always_closes_the_gaps():
+    """Balanced growth keeps every row's and column's count and grows into the pruned layout,
+    also where the best-scored first choice leaves gaps (wide and tall layouts, where a greedy
+    fill alone got stuck on most updates); and a balanced update changes blocks there."""
+    import math
+
+    from bstrain.layout import balanced
+    from bstrain.sparsity import _grow_balanced
+    rng = np.random.default_rng(int(torch.randint(1 << 30, ())))
+    for shape, density in [((4, 4), 0.5), ((16, 64), 0.25), ((64, 16), 0.25), ((8, 32), 0.5), ((32, 32), 0.1)]:
+        for t in range(6):
+            old = balanced(shape, density, seed=int(rng.integers(1 << 30)))
+            pruned = rng.choice(np.flatnonzero(old), int(round(0.3 * old.sum())), replace=False)
+            new = old.copy()
+            new.flat[pruned] = False
+            gen = torch.Generator().manual_seed(t)
+            score = torch.rand(shape, generator=gen).masked_fill(torch.as_tensor(old), -math.inf)
+            out = _grow_balanced(old, new, pruned, score, gen)
+            assert (out.sum(0) == old.sum(0)).all() and (out.sum(1) == old.sum(1)).all(), (shape, t)
+            assert (out >= new).all() and out.sum() == old.sum()
+    for seed in range(4):
+        layer = BlockSparseLinear(256, 1024, block_size=16, density=0.25)
+        policy = SET(layer, None, every=1, fraction=0.3, balanced=True, seed=seed)
+        info = policy.step()
+        assert info["changed"][""] > 0.2, (seed, info)
+
+
+def test_rigl_scores_the_dense_gradient_of_the_whole_step():
+    """A layer called twice per step with inputs x and -x: the step's dense gradient is zero (the
+    calls cancel), though each call's alone is not; RigL sums the gradients, not their norms."""
+    from bstrain.sparsity import _block_norms
+    torch.manual_seed(0)
+    layer = BlockSparseLinear(64, 64, block_size=16, density=0.5, bias=False)
+    policy = RigL(layer, None, every=1, fraction=0.5)
+    x, target = torch.randn(8, 64), torch.randn(8, 64)
+    ((layer(x) + layer(-x) - target) ** 2).mean().backward()
+    g = policy._grads[""]
+    assert g.shape == (64, 64) and g.abs().max() < 1e-6
+    # one call alone: the norms of its dense gradient, as a dense layer of the same weights has it
+    policy._grads.clear()
+    dense = torch.nn.Linear(64, 64, bias=False)
+    with torch.no_grad():
+        dense.weight.copy_(layer.dense_weight())
+    layer.zero_grad()
+    ((layer(x) - target) ** 2).mean().backward()
+    ((dense(x) - target) ** 2).mean().backward()
+    expect = dense.weight.grad.t().reshape(4, 16, 4, 16).square().sum((1, 3)).sqrt()
+    torch.testing.assert_close(_block_norms(layer, policy._grads[""]), expect, rtol=1e-5, atol=1e-6)
+
+
+def test_rigl_warns_when_no_gradient_reaches_a_layer():
+    layer = BlockSparseLinear(64, 64, block_size=16, density=0.5)
+    policy = RigL(layer, None, every=1, fraction=0.5)
+    with pytest.warns(RuntimeWarning, match="grows at random this time"):
+        policy.step()                                                      # no step ran through the layer
+
+
+def test_a_copy_made_after_the_policy_keeps_its_own_layout():
+    """Private tables (rewritten in place by balanced updates) are not shared by a deep copy or
+    an unpickled model: an update of the original leaves the copy's output and tables alone."""
+    import io
+    from bstrain.ops.tables import lookup
+    model = mlp(density=0.5)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    policy = SET(model, opt, every=1, fraction=0.5, balanced=True, seed=3)
+    copied = copy.deepcopy(model)
+    buf = io.BytesIO()
+    torch.save(model, buf)
+    buf.seek(0)
+    loaded = torch.load(buf, weights_only=False)
+    x = torch.randn(5, 64)
+    with torch.no_grad():
+        before = copied(x), loaded(x)
+    info = train(model, opt, policy, 1)[0]
+    assert info["in_place"] and sum(info["changed"].values()) > 0
+    with torch.no_grad():
+        after = copied(x), loaded(x)
+    for b, a in zip(before, after):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    for other in (copied, loaded):
+        for (_, mine), (_, theirs) in zip(sparse_layers(model), sparse_layers(other)):
+            assert theirs.op.key != mine.op.key and lookup(theirs.op.key) is theirs.op._tables
+            assert np.array_equal(theirs.op._tables.host.layout, theirs.block_layout())
+
+
+def test_an_op_given_twice_and_a_twin_of_another_shape():
+    from bstrain.ops import BlocksparseMatMul
+    op = BlocksparseMatMul(np.eye(4, dtype=bool), 16)
+    w1, w2 = torch.zeros(op.w_shape), torch.zeros(op.w_shape)
+    with pytest.raises(ValueError, match="ops: expected each BlocksparseMatMul once"):
+        SET(None, None, ops=[(op, w1), (op, w2)])
+    with pytest.raises(ValueError, match="also: expected modules shaped like the model"):
+        SET(mlp(seed=0), None, also=(mlp(seed=1),))                        # other random layouts
