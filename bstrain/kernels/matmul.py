@@ -375,6 +375,11 @@ class BsmmLuts:
     _dw_items: dict = field(default_factory=dict)
     dw_plans: dict = field(default_factory=dict)
 
+    def has_panels(self) -> bool:
+        """Whether output panels (layout-dependent groupings, BSTRAIN_BSMM_PANEL=1) were built for
+        these tables: then they are never rewritten in place."""
+        return any(lut.panels not in (False, None) for lut in (self.fwd, self.bwd))
+
     def rewrite(self, layout: np.ndarray) -> None:
         """Switches these tables to ``layout`` in place (same shape and per-row and per-column
         live-block counts; a ValueError otherwise, before anything changes): plans and captured

@@ -130,14 +130,22 @@ class MatmulTables:
                 self._luts = make_luts(self.layout, self.block_size, self.device)
         return self._luts
 
-    def rewrite(self, layout: np.ndarray, block_size: int) -> None:
-        """These tables, in place, for ``layout``: the same shape and live-block count in every
-        block row and column (so every table keeps its length and every launch its grid)."""
+    def check_rewrite(self, layout: np.ndarray, block_size: int) -> None:
+        """A ValueError if :meth:`rewrite` cannot switch these tables to ``layout`` in place."""
         new = np.asarray(layout, dtype=bool)
         if block_size != self.block_size or new.shape != self.layout.shape or not (
                 np.array_equal(new.sum(0), self.layout.sum(0)) and np.array_equal(new.sum(1), self.layout.sum(1))):
             raise ValueError(f"layout: an in-place switch needs a {self.layout.shape} layout with the same live-block "
                              f"count in every block row and column")
+        if self._luts is not None and self._luts.has_panels():
+            raise ValueError("layout: tables whose output panels are built (BSTRAIN_BSMM_PANEL=1) group blocks by "
+                             "layout and are not switched in place")
+
+    def rewrite(self, layout: np.ndarray, block_size: int) -> None:
+        """These tables, in place, for ``layout``: the same shape and live-block count in every
+        block row and column (so every table keeps its length and every launch its grid)."""
+        self.check_rewrite(layout, block_size)
+        new = np.asarray(layout, dtype=bool)
         for mine, theirs in zip((self.c_idx, self.k_idx), np.nonzero(new)):
             mine.copy_(torch.as_tensor(theirs, dtype=torch.int64))
         if self._luts is not None:
@@ -659,7 +667,7 @@ class BlocksparseMatMul:
             raise ValueError(f"layout: expected a {self.layout.shape} layout with {self.blocks} live blocks, got "
                              f"{new.shape} with {int(new.sum())}")
         if self._tables.private and np.array_equal(new.sum(0), self.layout.sum(0)) \
-                and np.array_equal(new.sum(1), self.layout.sum(1)):
+                and np.array_equal(new.sum(1), self.layout.sum(1)) and self._tables.can_rewrite(new, self.block_size):
             self._tables.rewrite(new, self.block_size)
             self.layout = self._tables.host.layout
             host = self._tables.host

@@ -123,9 +123,27 @@ class LayoutTables:
         if not self.private:
             raise RuntimeError(f"layout tables {self.key}: shared tables are never rewritten in place")
         with real_tensors(_CPU):
-            for tables in self._on.values():            # the CPU's first: it checks before anything changes
+            for tables in self._on.values():            # every device's check before anything changes
+                check = getattr(tables, "check_rewrite", None)
+                if check is not None:
+                    check(*spec)
+            for tables in self._on.values():
                 tables.rewrite(*spec)
         self.spec = spec
+
+    def can_rewrite(self, *spec) -> bool:
+        """Whether :meth:`rewrite` would take ``spec`` (private tables whose every device's tables
+        fit it)."""
+        if not self.private:
+            return False
+        try:
+            for tables in self._on.values():
+                check = getattr(tables, "check_rewrite", None)
+                if check is not None:
+                    check(*spec)
+        except ValueError:
+            return False
+        return True
 
     @property
     def devices(self) -> list[torch.device]:

@@ -237,3 +237,26 @@ def test_panel_products(dtype, bs, axis, monkeypatch):
         assert table.panels is not None and table.panels.n_groups == 3, product
         assert_close(rows(got, axis), rows(src, axis) @ dense, torch_mm(rows(src, axis), dense, dtype), dtype,
                      product)
+
+
+def test_tables_with_panels_are_not_rewritten_in_place(monkeypatch):
+    """Panels group output blocks by layout: a private op whose panels were built takes new
+    tables at a balanced switch (set_layout -> False) instead of rewriting them, and computes the
+    new layout."""
+    from bstrain.ops import BlocksparseMatMul
+    monkeypatch.setattr(kernels, "PANELS", True)
+    dev = kernel_device()
+    lay = _tiled_layout(fresh_seed())
+    op = BlocksparseMatMul(lay, 16, backend="triton")
+    op.make_private()
+    x = torch.randn(kernels.SMALL_M + 11, op.C, device=dev)
+    w = torch.randn(op.w_shape, device=dev) / 4
+    op(x, w)
+    luts = op._tables.on(dev).luts
+    assert luts.has_panels()
+    new = lay[:, np.random.default_rng(fresh_seed()).permutation(lay.shape[1])]     # same row and column counts
+    if np.array_equal(new, lay):
+        new = lay[:, ::-1].copy()
+    key = op.key
+    assert op.set_layout(new) is False and op.key != key
+    torch.testing.assert_close(op(x, w).double(), x.double() @ dense_weight(new, w).double(), rtol=1e-4, atol=1e-4)
