@@ -200,9 +200,19 @@ def _private_copy(name: str, *spec) -> LayoutTables:
     return private_tables(name, *spec)
 
 
+# Tables a traced graph (torch.compile, torch.export) names: kept alive as long as the process,
+# since the graph outlives the module that made them (an exported program runs after the module
+# is gone). Tables are index tensors of a layout: small.
+_TRACED: dict[str, LayoutTables] = {}
+
+
 def lookup(key: str) -> LayoutTables:
     """The live tables named ``key`` (the layout argument of a ``torch.ops.bstrain.*`` call)."""
     tables = _REGISTRY.get(key)
+    if tables is None:
+        tables = _TRACED.get(key)
+    elif key not in _TRACED and tracing():
+        _TRACED[key] = tables
     if tables is None:
         raise RuntimeError(f"layout: no block-sparse layout is registered under {key!r}; build the op (or the "
                            f"module holding it) in this process before running a graph that uses it")

@@ -159,3 +159,22 @@ def test_export_with_any_length_up_to_the_context():
         got, want = program.module()(x), model(x)
         got, want = (r[0] if isinstance(r, tuple) else r for r in (got, want))
         torch.testing.assert_close(got, want)
+
+
+@pytest.mark.triton
+def test_an_exported_program_outlives_its_module():
+    """The kernel path (the interpreter here, CUDA by default) names the layout by key: the
+    tables a traced graph names stay alive after the module that made them is gone."""
+    import gc
+
+    from bstrain.ops import BlocksparseMatMul
+    layout = np.random.default_rng(int(torch.randint(1 << 30, ()))).random((2, 3)) < 0.6
+    layout[0, 0] = True
+    layer = BlockSparseLinear(32, 48, block_size=16, layout=layout)
+    layer.op = BlocksparseMatMul(layout, 16, backend="triton")
+    x = torch.randn(5, 32)
+    want = layer(x).detach()
+    program = torch.export.export(layer, (x,))
+    del layer
+    gc.collect()
+    torch.testing.assert_close(program.module()(x), want)
