@@ -135,6 +135,11 @@ class BlockSparseConv2d(BlockLayoutModule):
     def _layout_tables(self):
         return self._tables
 
+    # nn.Conv2d's attributes that tools (FLOP counters, exporters) read: one group of the dense
+    # shape, zero padding
+    groups = 1
+    padding_mode = "zeros"
+
     @property
     def density(self) -> float:
         return self._density

@@ -95,7 +95,7 @@ def test_sizes_and_bias_as_nn_linear_takes_them():
     layer = BlockSparseLinear(np.int64(64), np.int32(32), 0, block_size=16, density=0.5)
     assert layer.in_features == 64 and type(layer.out_features) is int and layer.bias is None
     conv = BlockSparseConv2d(np.int64(32), 32, 3, bias=np.bool_(False), block_size=np.int64(16), density=0.5)
-    assert conv.bias is None and conv.in_channels == 32
+    assert conv.bias is None and conv.in_channels == 32 and (conv.groups, conv.padding_mode) == (1, "zeros")
     with pytest.raises(TypeError, match="bias: expected True or False"):
         BlockSparseLinear(64, 64, 32, density=0.5)                # a block size in bias's place
     with pytest.raises(ValueError, match="in_features: expected a positive multiple of block_size=16"):
