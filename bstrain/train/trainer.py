@@ -422,17 +422,24 @@ def _graph_for(run: Run, x: torch.Tensor, y: torch.Tensor) -> CapturedStep | Non
     return cap if cap.matches(x, y) else None
 
 
-def _start_armed_graph(run: Run, x: torch.Tensor, y: torch.Tensor) -> bool:
-    """Captures the step with the policy's gradient hooks armed; where it cannot be, that step
-    runs eagerly from now on, with one log line saying why (every rank alike under DDP)."""
+def _capture(run: Run, captured: CapturedStep, x: torch.Tensor, y: torch.Tensor) -> str | None:
+    """Captures ``captured`` on this batch; None, or why it cannot be (under DDP the first rank's
+    reason on every rank, so that all fall back alike)."""
     reason = None
     try:
-        run.captured_armed.prepare(x, y)
+        captured.prepare(x, y)
     except CaptureError as exc:
         reason = str(exc)
     if run.world.active:
         reasons = [r for r in gather(reason, run.world) if r]
         reason = reasons[0] if reasons else None
+    return reason
+
+
+def _start_armed_graph(run: Run, x: torch.Tensor, y: torch.Tensor) -> bool:
+    """Captures the step with the policy's gradient hooks armed; where it cannot be, that step
+    runs eagerly from now on, with one log line saying why (every rank alike under DDP)."""
+    reason = _capture(run, run.captured_armed, x, y)
     if reason is None:
         run.sparsity.keep_captured()                    # the gradient sums the captured run writes
         if not run.step_mode.startswith("graph"):       # (every step may be armed: sparsity.every=1)
@@ -446,14 +453,7 @@ def _start_armed_graph(run: Run, x: torch.Tensor, y: torch.Tensor) -> bool:
 def _start_graph(run: Run, x: torch.Tensor, y: torch.Tensor) -> None:
     """Captures the step on the first batch. Where it cannot be (auto), the run trains eagerly
     and one log line names why; under DDP every rank falls back if any must."""
-    reason = None
-    try:
-        run.captured.prepare(x, y)
-    except CaptureError as exc:
-        reason = str(exc)
-    if run.world.active:
-        reasons = [r for r in gather(reason, run.world) if r]
-        reason = reasons[0] if reasons else None
+    reason = _capture(run, run.captured, x, y)
     if reason is None:
         run.step_mode = "graph" + (" (compiled)" if "compiled" in run.step_mode else "")
         log.info("step: one CUDA graph per step (trainer.cuda_graph=%s)", graph_mode(run.cfg.trainer.cuda_graph))
