@@ -70,6 +70,22 @@ def site_packages_glob() -> str:
     return os.path.join(os.path.dirname(os.path.dirname(torch.__file__)), "**", "*.py")
 
 
+def equal_time_curve(cfg, which: str, seconds: float, path: str, **fields) -> dict:
+    """Trains ``cfg`` (its trainer.time_limit_s set) and writes the curve to ``path`` as JSON:
+    which, steps, seconds, valid bits/byte, the loss and validation histories, the data, the
+    device, and ``fields`` (or, callable, ``fields(train's result)``). Returns it."""
+    from bstrain.train.trainer import train
+    res = train(cfg)
+    out = dict(which=which, steps=res["steps"], seconds=seconds, valid_bpb=res["valid_bpb"], history=res["history"],
+               valid_history=res["valid_history"], data=res["data"],
+               device=torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu")
+    out.update({k: (v(res) if callable(v) else v) for k, v in fields.items()})
+    with open(path, "w") as f:
+        json.dump(out, f)
+    print(f"{which}: {res['steps']} steps, valid {res['valid_bpb']:.4f} bits/byte", flush=True)
+    return out
+
+
 # --- step time ---------------------------------------------------------------------------------------
 def _step_fn(cfg, batch: int, seq: int, group: int, graph: bool, fused: bool = True):
     """(one optimizer step in bf16 on random bytes, the model): the trainer's step, eager or
@@ -220,21 +236,15 @@ def cmd_profile(args) -> None:
 
 # --- learning curves ---------------------------------------------------------------------------------
 def cmd_curve(args) -> None:
-    from bstrain.train.trainer import train
     corpus = args.corpus or site_packages_glob()
     cfg = config(*CURVE_COMMON, *PAIR[args.which], f"data.path={corpus}", f"trainer.time_limit_s={args.seconds}",
                  f"trainer.run_dir={args.runs}/{args.which}")
     model = build(cfg)
     live, full = recurrent(model)
-    res = train(cfg)
-    out = dict(which=args.which, hidden=cfg.model.hidden, density=live / full, recurrent_params=live,
-               total_params=sum(p.numel() for p in model.parameters()), steps=res["steps"], seconds=args.seconds,
-               valid_bpb=res["valid_bpb"], history=res["history"], valid_history=res["valid_history"],
-               corpus=corpus, data=res["data"], device=torch.cuda.get_device_name(),
-               overrides=CURVE_COMMON + PAIR[args.which])
-    with open(os.path.join(args.out, f"lstm_curve_{args.which}.json"), "w") as f:
-        json.dump(out, f)
-    print(f"{args.which}: {res['steps']} steps, valid {res['valid_bpb']:.4f} bits/byte", flush=True)
+    equal_time_curve(cfg, args.which, args.seconds, os.path.join(args.out, f"lstm_curve_{args.which}.json"),
+                     hidden=cfg.model.hidden, density=live / full, recurrent_params=live,
+                     total_params=sum(p.numel() for p in model.parameters()), corpus=corpus,
+                     overrides=CURVE_COMMON + PAIR[args.which])
 
 
 SCALING = ["config=lstm_enwik8", "data.name=bytes", "data.max_bytes=67108864", "trainer.eval_every=0",

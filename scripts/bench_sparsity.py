@@ -28,7 +28,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from bench_lstm import CURVE_COMMON, PAIR, build, config, site_packages_glob  # noqa: E402
+from bench_lstm import CURVE_COMMON, PAIR, build, config, equal_time_curve, site_packages_glob  # noqa: E402
 
 RUN = ["trainer.progress=false", "trainer.ckpt_every=0", "trainer.max_steps=1000000", "optim.lr=1e-3",
        "optim.warmup_steps=200", "optim.schedule=constant"]
@@ -84,19 +84,12 @@ def cmd_cost(args) -> None:
 
 
 def cmd_curve(args) -> None:
-    from bstrain.train.trainer import train
     corpus = args.corpus or site_packages_glob()
     over = [*WHICH[args.which], *RUN, f"data.path={corpus}", f"trainer.time_limit_s={args.seconds}",
             f"trainer.run_dir={args.runs}/{args.which}"]
     cfg = config(*over)
-    params = sum(p.numel() for p in build(cfg).parameters())
-    res = train(cfg)
-    out = dict(which=args.which, params=params, steps=res["steps"], seconds=args.seconds, valid_bpb=res["valid_bpb"],
-               history=res["history"], valid_history=res["valid_history"], overrides=over,
-               device=torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu")
-    with open(os.path.join(args.out, f"sparsity_curve_{args.which}.json"), "w") as f:
-        json.dump(out, f)
-    print(f"{args.which}: {res['steps']} steps, valid {res['valid_bpb']:.4f} bits/byte", flush=True)
+    equal_time_curve(cfg, args.which, args.seconds, os.path.join(args.out, f"sparsity_curve_{args.which}.json"),
+                     params=sum(p.numel() for p in build(cfg).parameters()), corpus=corpus, overrides=over)
 
 
 def cmd_report(args) -> None:

@@ -26,7 +26,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from bench_lstm import build, config, site_packages_glob, torchrun_tokens_per_s  # noqa: E402
+from bench_lstm import build, config, equal_time_curve, site_packages_glob, torchrun_tokens_per_s  # noqa: E402
 
 COMMON = ["config=transformer_enwik8", "data.name=bytes", "model.d_model=512", "model.n_layer=8", "model.n_head=8",
           "model.context=8192", "model.positions=rotary", "data.seq_len=8192", "data.batch_size=4",
@@ -47,25 +47,21 @@ WHICH = {
 
 
 def cmd_curve(args) -> None:
-    from bstrain.train.trainer import train
     corpus = args.corpus or site_packages_glob()
     over = [*COMMON, *WHICH[args.which], f"data.path={corpus}", f"trainer.time_limit_s={args.seconds}",
             f"trainer.eval_every={args.eval_every}", f"trainer.eval_batches={args.eval_batches}",
             f"trainer.run_dir={args.runs}/{args.which}", *args.extra]
     cfg = config(*over)
-    n_params = sum(p.numel() for p in build(cfg).parameters())
-    res = train(cfg)
-    log = (Path(args.runs) / args.which / "train.log").read_text()
-    rates = [float(v) for v in re.findall(r" step \d+ loss .* tokens/s (\d+)", log)]
-    steady = rates[2:] or rates
-    out = dict(which=args.which, params=n_params, steps=res["steps"], seconds=args.seconds,
-               valid_bpb=res["valid_bpb"], history=res["history"], valid_history=res["valid_history"],
-               tokens_per_s=sorted(steady)[len(steady) // 2] if steady else None, corpus=corpus, data=res["data"],
-               device=torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu", overrides=over)
-    with open(os.path.join(args.out, f"transformer_curve_{args.which}.json"), "w") as f:
-        json.dump(out, f)
-    print(f"{args.which}: {res['steps']} steps, valid {res['valid_bpb']:.4f} bits/byte, "
-          f"{out['tokens_per_s']} tokens/s", flush=True)
+
+    def tokens_per_s(_res):
+        log = (Path(args.runs) / args.which / "train.log").read_text()
+        rates = [float(v) for v in re.findall(r" step \d+ loss .* tokens/s (\d+)", log)]
+        steady = rates[2:] or rates
+        return sorted(steady)[len(steady) // 2] if steady else None
+    out = equal_time_curve(cfg, args.which, args.seconds, os.path.join(args.out, f"transformer_curve_{args.which}.json"),
+                           params=sum(p.numel() for p in build(cfg).parameters()), tokens_per_s=tokens_per_s,
+                           corpus=corpus, overrides=over)
+    print(f"{args.which}: {out['tokens_per_s']} tokens/s", flush=True)
 
 
 def cmd_scaling(args) -> None:
