@@ -8,6 +8,8 @@ widths 128,256,512, depth 2, 25% live blocks of 64), against the dense network o
 widths and the dense one of equal parameters (half the widths). Median ms per step over
 --steps steps after warm-up (CUDA events): eager, under torch.compile, and captured in a CUDA
 graph (trainer.cuda_graph=true), which takes the host out of the step. Writes convnet_speed.md.
+With --profile, instead: the graphed step, the summed GPU kernel time of one eager step and its
+top kernels (torch.profiler) per model: convnet_profile.md.
 """
 from __future__ import annotations
 
@@ -69,14 +71,62 @@ def graph_step_ms(model, steps: int) -> float:
     return median_ms(lambda: cap.step(x, y, False), steps)
 
 
+def profile_step(model) -> tuple[float, list]:
+    """(summed GPU kernel ms of one eager step, its top kernels: (name, ms, calls)) after warm-up."""
+    from torch.profiler import ProfilerActivity, profile
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    x = torch.randn(128, 3, 32, 32, device="cuda")
+    y = torch.randint(0, 10, (128,), device="cuda")
+
+    def step():
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            loss = F.cross_entropy(model(x).float(), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    for _ in range(3):
+        step()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        step()
+        torch.cuda.synchronize()
+    rows = sorted(((e.key, e.device_time_total / 1e3, e.count) for e in prof.key_averages()
+                   if e.device_time_total > 0 and not e.key.startswith(("Memcpy", "Memset"))), key=lambda r: -r[1])
+    return sum(r[1] for r in rows), rows[:8]
+
+
+def write_profile(models: dict, steps: int, out: str) -> None:
+    """convnet_profile.md: per model, the graphed step and where its GPU time goes."""
+    lines = [f"# Sparse ResNet step: where the GPU time goes. {torch.cuda.get_device_name()}, {datetime.date.today()}",
+             "", f"torch {torch.__version__}; scripts/bench_convnet_speed.py --profile; batch 128 of 3x32x32, bf16 "
+             "autocast, AdamW. CUDA graph: median ms per replayed step; GPU: summed kernel time of one eager step "
+             "(torch.profiler); then its top kernels.", ""]
+    for name, kw in models.items():
+        torch.manual_seed(0)
+        model = SparseResNet(depth=2, classes=10, **kw).cuda()
+        gpu, top = profile_step(model)
+        graph = graph_step_ms(model, steps)
+        lines += [f"## {name}: CUDA graph {graph:.2f} ms/step, GPU kernels {gpu:.2f} ms", "",
+                  "| kernel | ms | calls |", "|---|---|---|"]
+        lines += [f"| `{k[:90]}` | {ms:.3f} | {c} |" for k, ms, c in top] + [""]
+        print(f"{name}: graph {graph:.2f} ms, GPU {gpu:.2f} ms", flush=True)
+    os.makedirs(out, exist_ok=True)
+    with open(os.path.join(out, "convnet_profile.md"), "w") as f:
+        f.write("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="benchmarks")
     ap.add_argument("--steps", type=int, default=30)
+    ap.add_argument("--profile", action="store_true", help="write convnet_profile.md (graphed step, top kernels) only")
     args = ap.parse_args()
     models = {"sparse 128,256,512 at 25%, blocks of 64": dict(widths="128,256,512", density=0.25, block_size=64),
               "dense 128,256,512": dict(widths="128,256,512", density=1.0),
               "dense 64,128,256 (about equal parameters)": dict(widths="64,128,256", density=1.0)}
+    if args.profile:
+        return write_profile(models, args.steps, args.out)
     rows = []
     for name, kw in models.items():
         torch.manual_seed(0)

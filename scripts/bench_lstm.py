@@ -5,6 +5,10 @@
         and >= 90% sparsity against density x the dense step time (target: ratio <= 1.5), with the
         step captured in a CUDA graph (as trainer.cuda_graph=true runs it) and in eager mode. The
         step is the trainer's own (bstrain.train.step.train_step).
+    PYTHONPATH=$PWD python scripts/bench_lstm.py pair --out DIR [--tag NAME]
+        The CUDA-graphed step of the equal-parameter pair below (sparse hidden 4096 at 3.5% against
+        dense hidden 1024; batch 128 x 64), sparse over dense (target, issue 22: <= 1.15), with the
+        summed GPU kernel time and the top kernels of one eager step: lstm_pair.json.
     PYTHONPATH=$PWD python scripts/bench_lstm.py curve --which sparse|dense --seconds 450 --out DIR
         Trains one model of an equal-parameter pair for a fixed time through the trainer, on this
         machine's site-packages *.py sources (whole files held out for valid/test); writes
@@ -202,6 +206,50 @@ def cmd_steptime(args) -> None:
         json.dump(old + rows, f, indent=1)
 
 
+def kernel_times(fn, top: int = 8) -> tuple[float, list[tuple[str, float, int]]]:
+    """(summed GPU kernel ms of one call of ``fn``, the ``top`` kernels by GPU time: (name, ms, count))."""
+    from torch.profiler import ProfilerActivity, profile
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    rows = [(e.key, e.device_time_total / 1e3, e.count) for e in prof.key_averages()
+            if e.device_time_total > 0 and not e.key.startswith(("Memcpy", "Memset"))]
+    rows.sort(key=lambda r: -r[1])
+    return sum(r[1] for r in rows), rows[:top]
+
+
+def cmd_pair(args) -> None:
+    """The equal-parameter pair of the curve runs (batch 128 x 64, bf16): the CUDA-graphed step of
+    each, sparse over dense (target, issue 22: <= 1.15), and the summed GPU kernel time and top
+    kernels of one eager step. Appends to lstm_pair.json (tag: --tag, e.g. panels on or off)."""
+    out = {}
+    for which in ("dense", "sparse"):
+        cfg = config(*CURVE_COMMON, *PAIR[which])
+        batch, seq, group = cfg.data.batch_size, cfg.data.seq_len, cfg.trainer.group_size
+        graphed, density = step_time(cfg, batch, seq, group, graph=True)
+        fn, model = _step_fn(cfg, batch, seq, group, graph=False)
+        for _ in range(2):
+            fn()
+        gpu, top = kernel_times(fn)
+        out[which] = dict(graphed_ms=round(graphed, 3), eager_gpu_ms=round(gpu, 3), density=round(density, 4),
+                          params=sum(p.numel() for p in model.parameters()),
+                          top=[(n[:80], round(ms, 3), c) for n, ms, c in top])
+        del model, fn
+        torch.cuda.empty_cache()
+        print(which, out[which], flush=True)
+    out.update(tag=args.tag, ratio=round(out["sparse"]["graphed_ms"] / out["dense"]["graphed_ms"], 3),
+               panels=os.environ.get("BSTRAIN_BSMM_PANEL", "0") == "1", device=torch.cuda.get_device_name(),
+               torch=torch.__version__, date=str(datetime.date.today()))
+    path = os.path.join(args.out, "lstm_pair.json")
+    old = json.loads(Path(path).read_text()) if os.path.exists(path) else []
+    with open(path, "w") as f:
+        json.dump(old + [out], f, indent=1)
+    print("| tag | dense graphed ms | sparse graphed ms | sparse / dense | dense GPU ms | sparse GPU ms |")
+    print(f"| {args.tag} | {out['dense']['graphed_ms']} | {out['sparse']['graphed_ms']} | {out['ratio']} | "
+          f"{out['dense']['eager_gpu_ms']} | {out['sparse']['eager_gpu_ms']} |", flush=True)
+
+
 def cmd_profile(args) -> None:
     """GPU time per kernel name of one eager sparse step (the same kernels a graph replays)."""
     from torch.profiler import ProfilerActivity, profile
@@ -373,8 +421,9 @@ def cmd_report(args) -> None:
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("command", choices=["steptime", "profile", "curve", "scaling", "report", "eager"])
+    ap.add_argument("command", choices=["steptime", "pair", "profile", "curve", "scaling", "report", "eager"])
     ap.add_argument("--out", default="benchmarks")
+    ap.add_argument("--tag", default="", help="pair: a name for this row")
     ap.add_argument("--which", choices=sorted(PAIR), default="sparse")
     ap.add_argument("--seconds", type=float, default=450.0)
     ap.add_argument("--corpus", default=None, help="data.path (default: site-packages/**/*.py)")
@@ -391,7 +440,7 @@ def main():
     ap.add_argument("--group", type=int, default=0, help="eager: gradient group size (default: trainer.group_size)")
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
-    {"steptime": cmd_steptime, "profile": cmd_profile, "curve": cmd_curve, "scaling": cmd_scaling,
+    {"steptime": cmd_steptime, "pair": cmd_pair, "profile": cmd_profile, "curve": cmd_curve, "scaling": cmd_scaling,
      "report": cmd_report, "eager": cmd_eager}[args.command](args)
 
 

@@ -45,42 +45,44 @@ def measure(args) -> list[dict]:
     dense_w = torch.randn(H, 4 * H, device=dev, dtype=dt)
     dense_ms = bench(lambda: x @ dense_w, smoke)
     rows = []
-    for bs in args.blocks:
-        for density in args.densities:
-            base = layouts.random((H // bs, H // bs), density, seed=0)
-            lay = np.tile(base, (1, 4))
-            luts = K.make_luts(lay, bs, dev)
-            w = torch.randn(luts.nnz, bs, bs, device=dev, dtype=dt) / bs**0.5
-            row = dict(bs=bs, density=float(lay.mean()), M=M, H=H, dense_ms=round(dense_ms, 4))
-            outs = {}
-            for name, on in (("one_block", False), ("panels", True)):
-                K.PANELS = on
-                outs[name] = K.bsmm_forward(x, w, luts)
-                row[f"{name}_ms"] = round(bench(lambda: K.bsmm_forward(x, w, luts), smoke), 4)
-            K.PANELS = False
-            torch.testing.assert_close(outs["panels"], outs["one_block"], rtol=2e-2, atol=2e-2)
-            useful = 2.0 * M * luts.nnz * bs * bs
-            dense_rate = 2.0 * M * H * 4 * H / dense_ms
-            for name in ("one_block", "panels"):
-                rate = useful / row[f"{name}_ms"]
-                row[f"{name}_tflops"] = round(rate / 1e9, 1)
-                row[f"{name}_frac_dense_rate"] = round(rate / dense_rate, 3)
-            row["panels_speedup"] = round(row["one_block_ms"] / row["panels_ms"], 2)
-            rows.append(row)
-            print(row, flush=True)
+    for bs, density, kind in [(b, d, k) for k in args.layouts for b in args.blocks for d in args.densities]:
+        base = layouts.random((H // bs, H // bs), density, seed=0)
+        # tiled: the gate layout (one pattern 4 times); random: an independent (H/bs, 4H/bs) draw,
+        # where output blocks rarely share their input lists and panels do not apply
+        lay = np.tile(base, (1, 4)) if kind == "tiled" else layouts.random((H // bs, 4 * H // bs), density, seed=0)
+        luts = K.make_luts(lay, bs, dev)
+        w = torch.randn(luts.nnz, bs, bs, device=dev, dtype=dt) / bs**0.5
+        row = dict(layout=kind, bs=bs, density=float(lay.mean()), M=M, H=H, dense_ms=round(dense_ms, 4))
+        outs = {}
+        for name, on in (("one_block", False), ("panels", True)):
+            K.PANELS = on
+            outs[name] = K.bsmm_forward(x, w, luts)
+            row[f"{name}_ms"] = round(bench(lambda: K.bsmm_forward(x, w, luts), smoke), 4)
+        K.PANELS = False
+        torch.testing.assert_close(outs["panels"], outs["one_block"], rtol=2e-2, atol=2e-2)
+        useful = 2.0 * M * luts.nnz * bs * bs
+        dense_rate = 2.0 * M * H * 4 * H / dense_ms
+        for name in ("one_block", "panels"):
+            rate = useful / row[f"{name}_ms"]
+            row[f"{name}_tflops"] = round(rate / 1e9, 1)
+            row[f"{name}_frac_dense_rate"] = round(rate / dense_rate, 3)
+        row["panels_speedup"] = round(row["one_block_ms"] / row["panels_ms"], 2)
+        rows.append(row)
+        print(row, flush=True)
     return rows
 
 
 def report(rows: list[dict], extra: dict, out: str) -> None:
     lines = [f"# Panels on the mLSTM gate layout: {extra['device']}, {extra['date']}", "",
              f"torch {extra['torch']}; scripts/bench_panels.py; Y = X·W, X ({rows[0]['M']}, {rows[0]['H']}) bf16, W "
-             f"{rows[0]['H']} -> {4 * rows[0]['H']} with one random (H/bs)^2 pattern tiled 4 times; medians of "
+             f"{rows[0]['H']} -> {4 * rows[0]['H']}: tiled, one random (H/bs)^2 pattern 4 times (the mLSTM's gates); random, one draw over "
+             f"the whole (H/bs, 4H/bs) grid; medians of "
              "triton.testing.do_bench. frac dense rate: useful FLOP/s over cuBLAS's on the dense product "
              "(targets, issue 22: >= 0.55 at blocks of 32, >= 0.3 at 16, density >= 20%).", "",
-             "| bs | density | one-block ms | panels ms | speedup | one-block frac dense rate | panels frac dense rate |",
-             "|---|---|---|---|---|---|---|"]
+             "| layout | bs | density | one-block ms | panels ms | speedup | one-block frac dense rate | panels frac dense rate |",
+             "|---|---|---|---|---|---|---|---|"]
     for r in rows:
-        lines.append(f"| {r['bs']} | {r['density']:.3f} | {r['one_block_ms']} | {r['panels_ms']} | {r['panels_speedup']} "
+        lines.append(f"| {r['layout']} | {r['bs']} | {r['density']:.3f} | {r['one_block_ms']} | {r['panels_ms']} | {r['panels_speedup']} "
                      f"| {r['one_block_frac_dense_rate']} | {r['panels_frac_dense_rate']} |")
     with open(os.path.join(out, "panels.md"), "w") as f:
         f.write("\n".join(lines) + "\n")
@@ -96,6 +98,7 @@ def main() -> None:
     ap.add_argument("--rows", type=int, default=8192)
     ap.add_argument("--blocks", type=lambda s: [int(v) for v in s.split(",")], default=[16, 32])
     ap.add_argument("--densities", type=lambda s: [float(v) for v in s.split(",")], default=[0.5, 0.2, 0.05])
+    ap.add_argument("--layouts", type=lambda s: s.split(","), default=["tiled", "random"])
     ap.add_argument("--cpu-smoke", action="store_true")
     args = ap.parse_args()
     if args.cpu_smoke:

@@ -326,9 +326,9 @@ def test_a_private_op_switches_a_balanced_layout_in_place():
     assert op.key == twin.key
     op.make_private()
     assert op.key != twin.key and op._tables.private
-    dev = torch.device("cpu")
-    x = torch.randn(op.i_shape(9), dtype=torch.float32, requires_grad=True)
-    w = torch.randn(op.w_shape, requires_grad=True)
+    dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    x = torch.randn(op.i_shape(9), dtype=torch.float32, device=dev, requires_grad=True)
+    w = torch.randn(op.w_shape, device=dev, requires_grad=True)
     op(x, w).sum().backward()                                    # plans made on the old layout
     tensors = [t.data_ptr() for t in _lut_tensors(op, dev)]
     key = op.key
@@ -338,17 +338,17 @@ def test_a_private_op_switches_a_balanced_layout_in_place():
     assert [t.data_ptr() for t in _lut_tensors(op, dev)] == tensors
     assert torch.equal(op.coords, torch.as_tensor(np.stack(np.nonzero(new))))
     for layer, lay in ((op, new), (twin, old)):                   # kernels (interpreter) against float64
-        xd = x.detach().double().requires_grad_()
-        wd = w.detach().double().requires_grad_()
+        xd = x.detach().cpu().double().requires_grad_()
+        wd = w.detach().cpu().double().requires_grad_()
         c, k = (torch.as_tensor(a) for a in np.nonzero(lay))
         ref = bsmm_ref(xd, wd, c, k, layer.K)
         g = torch.randn_like(ref)
         ref_dx, ref_dw = torch.autograd.grad(ref, (xd, wd), g)
         xk, wk = x.detach().clone().requires_grad_(), w.detach().clone().requires_grad_()
         y = layer(xk, wk)
-        dx, dw = torch.autograd.grad(y, (xk, wk), g.float())
+        dx, dw = torch.autograd.grad(y, (xk, wk), g.float().to(dev))
         for got, want in ((y, ref), (dx, ref_dx), (dw, ref_dw)):
-            torch.testing.assert_close(got.double(), want, rtol=1e-4, atol=1e-4)
+            torch.testing.assert_close(got.cpu().double(), want, rtol=1e-4, atol=1e-4)
     other = balanced((4, 6), 0.5, seed=3)
     if not (np.array_equal(other.sum(0), new.sum(0)) and np.array_equal(other.sum(1), new.sum(1))):
         assert op.set_layout(other) is False and op.key != key and op._tables.private

@@ -259,4 +259,4 @@ def test_tables_with_panels_are_not_rewritten_in_place(monkeypatch):
         new = lay[:, ::-1].copy()
     key = op.key
     assert op.set_layout(new) is False and op.key != key
-    torch.testing.assert_close(op(x, w).double(), x.double() @ dense_weight(new, w).double(), rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(op(x, w).double(), x.double() @ dense_weight(new, w).double().to(dev), rtol=1e-4, atol=1e-4)

@@ -170,9 +170,10 @@ def test_an_exported_program_outlives_its_module():
     from bstrain.ops import BlocksparseMatMul
     layout = np.random.default_rng(int(torch.randint(1 << 30, ()))).random((2, 3)) < 0.6
     layout[0, 0] = True
-    layer = BlockSparseLinear(32, 48, block_size=16, layout=layout)
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    layer = BlockSparseLinear(32, 48, block_size=16, layout=layout).to(dev)
     layer.op = BlocksparseMatMul(layout, 16, backend="triton")
-    x = torch.randn(5, 32)
+    x = torch.randn(5, 32, device=dev)
     want = layer(x).detach()
     program = torch.export.export(layer, (x,))
     del layer
