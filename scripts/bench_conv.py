@@ -88,7 +88,7 @@ def measure(args) -> list[dict]:
             print(rows[-1], flush=True)
         for density in args.densities:
             for bs in args.block_sizes:
-                for backend in ("grouped", "dense", "triton"):
+                for backend in args.backends.split(","):
                     conv = BlockSparseConv2d(C, C, 3, padding=1, bias=False, block_size=bs, density=density, seed=0,
                                              backend=backend).to(device=dev, dtype=dt)
                     live = conv.density
@@ -188,6 +188,8 @@ def main() -> None:
     ap.add_argument("--groups", type=ints, default=[4, 8], help="cuDNN grouped conv rows (orientation)")
     ap.add_argument("--formats", default="channels_last,nchw")
     ap.add_argument("--configs", help="a tune_conv.json whose best kernel configs to use")
+    ap.add_argument("--backends", default="grouped,dense,triton",
+                    help="BlockSparseConv2d backends to time (auto: the one it picks for this layer)")
     ap.add_argument("--cpu-smoke", action="store_true")
     ap.add_argument("--compiled", action="store_true", help="also time fwd+bwd under torch.compile(reduce-overhead)")
     args = ap.parse_args()

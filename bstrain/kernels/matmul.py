@@ -376,8 +376,8 @@ class BsmmLuts:
     dw_plans: dict = field(default_factory=dict)
 
     def has_panels(self) -> bool:
-        """Whether output panels (layout-dependent groupings, BSTRAIN_BSMM_PANEL=1) were built for
-        these tables: then they are never rewritten in place."""
+        """Whether output panels (layout-dependent groupings: see PANELS) were built for these
+        tables: then they are never rewritten in place."""
         return any(lut.panels not in (False, None) for lut in (self.fwd, self.bwd))
 
     def rewrite(self, layout: np.ndarray) -> None:
@@ -671,9 +671,22 @@ def _panels(lut: SegmentLut, bs: int) -> PanelLut | None:
     return lut.panels
 
 
-# Panels (output blocks that share their input-block lists, computed together): opt-in until timed
-# on a GPU (env BSTRAIN_BSMM_PANEL=1).
-PANELS = os.environ.get("BSTRAIN_BSMM_PANEL", "0") == "1"
+# Panels (output blocks that share their input-block lists, computed together), above SMALL_M rows.
+# None (the default): where the panels hold at least PANEL_SHARE of the entries, as in the tiled gate
+# layouts (1.1-1.7x faster there on an H200; benchmarks/panels.md); True (BSTRAIN_BSMM_PANEL=1):
+# wherever two output blocks share a list; False (=0): never.
+_PANEL_ENV = os.environ.get("BSTRAIN_BSMM_PANEL", "")
+PANELS: bool | None = None if _PANEL_ENV == "" else _PANEL_ENV == "1"
+PANEL_SHARE = 0.5
+
+
+def _use_panels(lut: SegmentLut, bs: int) -> bool:
+    if PANELS is False:
+        return False
+    pl = _panels(lut, bs)
+    if pl is not None and PANELS is None and pl.share < PANEL_SHARE:
+        lut.panels = pl = None          # too few shared lists: these tables stay one-block (and rewritable)
+    return pl is not None
 
 
 def _launch_ds(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, lut: SegmentLut, bs: int,
@@ -683,7 +696,7 @@ def _launch_ds(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, lut: Segment
         split = 0                                          # one launch, pointer kernel
     key = (a.shape[0], a.dtype, a.stride(0), a.stride(1), out.stride(0), out.stride(1), transpose_w, split,
            aligned(a, w, out), a.device, a.dtype == torch.float32 and torch.backends.cuda.matmul.allow_tf32)
-    if PANELS and split is None and a.shape[0] > SMALL_M and _panels(lut, bs) is not None:
+    if split is None and a.shape[0] > SMALL_M and _use_panels(lut, bs):
         pl = lut.panels
         plan(pl.plans, key, lambda: _panel_plan(a, w, out, pl, bs, transpose_w))(a, w, out)
         return

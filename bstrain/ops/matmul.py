@@ -138,7 +138,7 @@ class MatmulTables:
             raise ValueError(f"layout: an in-place switch needs a {self.layout.shape} layout with the same live-block "
                              f"count in every block row and column")
         if self._luts is not None and self._luts.has_panels():
-            raise ValueError("layout: tables whose output panels are built (BSTRAIN_BSMM_PANEL=1) group blocks by "
+            raise ValueError("layout: tables whose output panels are built (kernels.matmul.PANELS) group blocks by "
                              "layout and are not switched in place")
 
     def rewrite(self, layout: np.ndarray, block_size: int) -> None:

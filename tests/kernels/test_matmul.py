@@ -239,6 +239,30 @@ def test_panel_products(dtype, bs, axis, monkeypatch):
                      product)
 
 
+def test_panels_by_default_only_where_most_entries_share_lists(monkeypatch):
+    """PANELS=None (the default): a tiled layout takes panels; a layout where one pair of columns
+    shares its list (under PANEL_SHARE of the entries) stays one-block, its tables rewritable.
+    Both products against float64, into poisoned outputs."""
+    monkeypatch.setattr(kernels, "PANELS", None)
+    dev = kernel_device()
+    n = kernels.SMALL_M + 11
+    tiled = _tiled_layout(fresh_seed())
+    rng = np.random.default_rng(fresh_seed())
+    few = np.zeros((4, 9), bool)
+    for j in range(8):                                       # 8 distinct row sets, then one repeated
+        few[:, j] = (j + 1) >> np.arange(4) & 1
+    few[:, 8] = few[:, 0]
+    few = few[:, rng.permutation(9)]
+    for lay, panels in ((tiled, True), (few, False)):
+        luts = kernels.make_luts(lay, 16, dev)
+        w = torch.randn(luts.nnz, 16, 16, device=dev) / 4
+        x = torch.randn(n, lay.shape[0] * 16, device=dev)
+        out = torch.full((n, lay.shape[1] * 16), float("nan"), device=dev)
+        got = kernels.bsmm_forward(x, w, luts, out=out)
+        assert luts.has_panels() is panels, lay
+        torch.testing.assert_close(got.double(), x.double() @ dense_weight(lay, w).to(dev), rtol=1e-4, atol=1e-4)
+
+
 def test_tables_with_panels_are_not_rewritten_in_place(monkeypatch):
     """Panels group output blocks by layout: a private op whose panels were built takes new
     tables at a balanced switch (set_layout -> False) instead of rewriting them, and computes the
