@@ -72,15 +72,19 @@ def cmd_cost(args) -> None:
                          f"trainer.run_dir={run}")
             train(cfg)
             rates = _rates(run)[1:]
-            row[policy] = {"mean_tokens_per_s": statistics.fmean(rates), "windows": rates}
-            print(model, policy, round(row[policy]["mean_tokens_per_s"]), flush=True)
-        for policy in POLICIES:
+            log = (run / "train.log").read_text()
+            updates = [dict(step=int(a), ms=float(c), in_place=b == "tables rewritten in place")
+                       for a, b, c in re.findall(r"sparsity: step (\d+), .*?, (tables rewritten in place|new tables), "
+                                                 r"(\d+) ms", log)]
+            row[policy] = {"mean_tokens_per_s": statistics.fmean(rates), "windows": rates, "updates": updates}
             if policy != "static":
                 row[policy]["share"] = 1 - row[policy]["mean_tokens_per_s"] / row["static"]["mean_tokens_per_s"]
-        out[model] = row
-    out["steps"], out["device"] = args.steps, torch.cuda.get_device_name()
-    with open(os.path.join(args.out, "sparsity_cost.json"), "w") as f:
-        json.dump(out, f)
+            print(model, policy, round(row[policy]["mean_tokens_per_s"]),
+                  f"{100 * row[policy].get('share', 0):.1f}%", updates, flush=True)
+            out[model] = row
+            out["steps"], out["device"] = args.steps, torch.cuda.get_device_name()
+            with open(os.path.join(args.out, "sparsity_cost.json"), "w") as f:      # what is done so far
+                json.dump(out, f)
 
 
 def cmd_curve(args) -> None:
@@ -111,6 +115,17 @@ def cmd_report(args) -> None:
                 r = c[model]
                 lines.append(f"| {model} | {r['static']['mean_tokens_per_s']:,.0f} | "
                              + " | ".join(f"{100 * r[p]['share']:.1f}%" if p in r else "-" for p in others) + " |")
+        lines += ["", "Host time of one update (mean over the run's updates, ms; the trainer's log line) and whether "
+                  "every layer's tables were rewritten in place (the captured step kept):", "",
+                  "| model | " + " | ".join(others) + " |", "|---|" + "---|" * len(others)]
+        for model in COST:
+            if model in c:
+                cells = []
+                for p in others:
+                    ups = c[model].get(p, {}).get("updates", [])
+                    cells.append(f"{statistics.fmean(u['ms'] for u in ups):.0f} ms, "
+                                 f"{'in place' if all(u['in_place'] for u in ups) else 'new tables'}" if ups else "-")
+                lines.append(f"| {model} | " + " | ".join(cells) + " |")
         lines.append("")
     if curves:
         lines += ["| model | parameters | steps | valid bits/byte |", "|---|---|---|---|"]

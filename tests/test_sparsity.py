@@ -206,17 +206,24 @@ def test_ranks_agree(tmp_path):
 
 
 @pytest.mark.triton
-@pytest.mark.parametrize("balanced", [False, True], ids=["new-tables", "in-place"])
-def test_compile_recompiles_once_per_update(monkeypatch, balanced):
-    """On the kernel path (the custom op names its layout) each update makes one new graph, and
-    the compiled layer computes the new layout's product; on the CPU path (the tables are graph
-    inputs) none is needed; balanced updates (tables rewritten in place, the key kept) need none
-    on either."""
+@pytest.mark.parametrize("mode", ["balanced", "unbalanced", "new-tables"])
+def test_compile_recompiles_once_per_update(monkeypatch, mode):
+    """Updates rewrite the tables in place (balanced or not: the key kept) and need no new graph;
+    where the tables cannot take the new layout (forced here), the kernel path (the custom op
+    names its layout) makes one new graph per update and the CPU path (the tables are graph
+    inputs) none. The compiled layer always computes the new layout's product."""
     from torch._dynamo.testing import CompileCounterWithBackend
+
+    from bstrain.ops.matmul import MatmulTables
     if not torch.cuda.is_available():
         monkeypatch.setenv("TRITON_INTERPRET", "1")
+    if mode == "new-tables":
+        def refuse(self, layout, block_size):
+            raise ValueError("layout: refused (test)")
+        monkeypatch.setattr(MatmulTables, "check_rewrite", refuse)
+    balanced = mode == "balanced"
     dev = "cuda" if torch.cuda.is_available() else "cpu"
-    for backend, per_update in (("triton", 0 if balanced else 1), ("torch", 0)):
+    for backend, per_update in (("triton", 1 if mode == "new-tables" else 0), ("torch", 0)):
         torch._dynamo.reset()
         torch.manual_seed(0)
         layer = BlockSparseLinear(64, 64, block_size=16, density=0.5).to(dev)
@@ -291,7 +298,7 @@ def test_old_tables_are_freed_and_the_name_is_reachable():
     assert all(k in _REGISTRY for k in new)
 
 
-# --- in-place updates: balanced layouts keep every table's length, so graphs stay valid ----------------
+# --- in-place updates: layouts of the same count keep every table's length, so graphs stay valid ------
 def _swapped(layout: np.ndarray, swaps: int, seed: int) -> np.ndarray:
     """``layout`` with ``swaps`` 2x2 swaps (live (c1,k1), (c2,k2) -> (c1,k2), (c2,k1)): every block
     row and column keeps its count."""
@@ -312,11 +319,22 @@ def _lut_tensors(op, dev):
     return [t.c_idx, t.k_idx] + [getattr(s, n) for s in (luts.fwd, luts.bwd) for n in ("ptr", "blk", "idx", "packed")]
 
 
+def _moved(layout: np.ndarray, moves: int, seed: int) -> np.ndarray:
+    """``layout`` with ``moves`` live blocks moved to dead places: the count is kept, the row and
+    column counts are not."""
+    rng = np.random.default_rng(seed)
+    new = layout.copy()
+    new.flat[rng.choice(np.flatnonzero(new), moves, replace=False)] = False
+    new.flat[rng.choice(np.flatnonzero(~new & ~layout), moves, replace=False)] = True
+    return new
+
+
 @pytest.mark.triton
-def test_a_private_op_switches_a_balanced_layout_in_place():
-    """make_private + set_layout with the same row and column counts: the same table tensors (and
-    key) now hold the new layout, so a launch plan made before the switch computes the new
-    product; another op that had the same layout keeps it; other counts get new tables."""
+@pytest.mark.parametrize("kind", ["balanced", "unbalanced"])
+def test_a_private_op_switches_its_layout_in_place(kind):
+    """make_private + set_layout with the same live-block count: the same table tensors (and key)
+    now hold the new layout, so launch plans made before the switch (forward, dX, and dW with its
+    padded runs) compute the new product; another op that had the same layout keeps it."""
     from bstrain.layout import balanced
     from bstrain.ops import BlocksparseMatMul
     from bstrain.ops.matmul import bsmm_ref
@@ -330,14 +348,19 @@ def test_a_private_op_switches_a_balanced_layout_in_place():
     x = torch.randn(op.i_shape(9), dtype=torch.float32, device=dev, requires_grad=True)
     w = torch.randn(op.w_shape, device=dev, requires_grad=True)
     op(x, w).sum().backward()                                    # plans made on the old layout
+    luts = op._tables.on(dev).luts
+    items = {g: [t.data_ptr() for t in v] for g, v in luts._dw_items.items()}
     tensors = [t.data_ptr() for t in _lut_tensors(op, dev)]
     key = op.key
-    new = _swapped(old, 3, seed=2)
+    new = _swapped(old, 3, seed=2) if kind == "balanced" else _moved(old, 4, seed=int(torch.randint(1 << 30, ())))
+    if kind == "unbalanced":
+        assert not (np.array_equal(new.sum(0), old.sum(0)) and np.array_equal(new.sum(1), old.sum(1)))
     assert op.set_layout(new) is True
     assert op.key == key and np.array_equal(op.layout, new) and np.array_equal(twin.layout, old)
     assert [t.data_ptr() for t in _lut_tensors(op, dev)] == tensors
+    assert {g: [t.data_ptr() for t in v] for g, v in luts._dw_items.items()} == items
     assert torch.equal(op.coords, torch.as_tensor(np.stack(np.nonzero(new))))
-    for layer, lay in ((op, new), (twin, old)):                   # kernels (interpreter) against float64
+    for layer, lay in ((op, new), (twin, old)):                   # kernels against float64
         xd = x.detach().cpu().double().requires_grad_()
         wd = w.detach().cpu().double().requires_grad_()
         c, k = (torch.as_tensor(a) for a in np.nonzero(lay))
@@ -349,11 +372,37 @@ def test_a_private_op_switches_a_balanced_layout_in_place():
         dx, dw = torch.autograd.grad(y, (xk, wk), g.float().to(dev))
         for got, want in ((y, ref), (dx, ref_dx), (dw, ref_dw)):
             torch.testing.assert_close(got.cpu().double(), want, rtol=1e-4, atol=1e-4)
-    other = balanced((4, 6), 0.5, seed=3)
-    if not (np.array_equal(other.sum(0), new.sum(0)) and np.array_equal(other.sum(1), new.sum(1))):
-        assert op.set_layout(other) is False and op.key != key and op._tables.private
     with pytest.raises(ValueError, match="live blocks"):
         op.set_layout(np.ones((4, 6), bool))
+
+
+@pytest.mark.triton
+def test_a_column_longer_than_the_tables_hold_takes_new_tables():
+    """The kernels' tables hold at most ``cap`` blocks per column in place (the next power of two of
+    the longest, at least 16): a switch to a layout with a longer column takes new tables
+    (set_layout -> False, a new key), and the product is the new layout's."""
+    from bstrain.ops import BlocksparseMatMul
+    from bstrain.ops.matmul import bsmm_ref
+    old = np.eye(20, dtype=bool)                                  # one block per column: cap 16
+    op = BlocksparseMatMul(old, 8, backend="triton")
+    op.make_private()
+    dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    x, w = torch.randn(5, op.C, device=dev), torch.randn(op.w_shape, device=dev)
+    op(x, w)
+    assert op._tables.on(dev).luts.fwd.cap == 16
+    fits = np.zeros_like(old)
+    fits[:16, 0] = fits[:4, 1] = True                             # 16 in one column: fits
+    def check(lay):
+        c, k = (torch.as_tensor(a) for a in np.nonzero(lay))
+        torch.testing.assert_close(op(x, w).cpu().double(), bsmm_ref(x.cpu().double(), w.cpu().double(), c, k, op.K),
+                                   rtol=1e-4, atol=1e-4)
+    key = op.key
+    assert op.set_layout(fits) is True and op.key == key
+    check(fits)
+    longer = np.zeros_like(old)
+    longer[:, 0] = True                                           # 20 in one column: more than 16
+    assert op.set_layout(longer) is False and op.key != key
+    check(longer)
 
 
 def test_shared_tables_are_never_rewritten():
@@ -362,7 +411,7 @@ def test_shared_tables_are_never_rewritten():
     with pytest.raises(RuntimeError, match="shared tables"):
         op._tables.rewrite(np.eye(4, dtype=bool)[::-1].copy(), 16)
     op.make_private()
-    with pytest.raises(ValueError, match="same live-block count"):
+    with pytest.raises(ValueError, match="live blocks"):
         op._tables.rewrite(np.eye(4, dtype=bool)[:, [0, 0, 2, 3]] | np.eye(4, dtype=bool), 16)
     assert np.array_equal(op.layout, np.eye(4, dtype=bool))
 

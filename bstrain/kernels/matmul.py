@@ -168,7 +168,7 @@ def _bsmm_dw_kernel(
     k_off = col * BS + q                                                 # (BS_PAD,) output features
     per_split = tl.cdiv(tl.cdiv(N, BLOCK_N), n_split) * BLOCK_N
     lo = split * per_split
-    hi = tl.minimum(lo + per_split, N)
+    hi = tl.minimum(lo + per_split, tl.where(count > 0, N, 0))     # a padding run (count 0) does nothing
     nn = tl.arange(0, BLOCK_N)
     acc = tl.zeros((G * BS, BS_PAD), dtype=tl.float32)
     for n0 in range(lo, hi, BLOCK_N):
@@ -273,7 +273,8 @@ class SegmentLut:
     """Entries grouped by output block: entries ptr[j]:ptr[j+1] feed output block j.
 
     blk: input block of each entry; idx: weight block of each entry; order: output blocks,
-    heaviest first; max_count: the longest list.
+    heaviest first; max_count: the longest list; cap: the longest list the launch plans hold in
+    registers (the next power of two, at least 16), which an in-place rewrite must not exceed.
     """
     ptr: torch.Tensor    # (n_out + 1,) int32
     blk: torch.Tensor    # (nnz,) int32
@@ -282,6 +283,7 @@ class SegmentLut:
     max_count: int
     packed: torch.Tensor  # (nnz,) int32: idx * n_in + blk, one load per entry
     n_in: int
+    cap: int = 16
     plans: dict = field(default_factory=dict)    # launch plans by argument shape/layout (launch.plan)
     panels: object = field(default=False, repr=False)   # PanelLut, None (no shared lists), False (not built)
 
@@ -290,10 +292,12 @@ class SegmentLut:
         return self.order.numel()
 
     def take_entries(self, other: "SegmentLut") -> None:
-        """Copies ``other``'s entries into these tensors (lists of the same lengths: checked by
-        :meth:`BsmmLuts.rewrite`)."""
-        for mine, theirs in ((self.blk, other.blk), (self.idx, other.idx), (self.packed, other.packed)):
+        """Copies ``other``'s lists into these tensors (the same output and entry counts, no list
+        longer than ``cap``: checked by :meth:`BsmmLuts.check_rewrite`)."""
+        for mine, theirs in ((self.ptr, other.ptr), (self.blk, other.blk), (self.idx, other.idx),
+                             (self.packed, other.packed), (self.order, other.order)):
             mine.copy_(theirs)
+        self.max_count = other.max_count
 
 
 @dataclass
@@ -357,7 +361,7 @@ def panel_lut(lut: SegmentLut, bs: int) -> PanelLut | None:
     order = lut.order.cpu().numpy()
     single = [j for j in order if j not in grouped]
     rest = SegmentLut(lut.ptr, lut.blk, lut.idx, as_t(np.asarray(single, dtype=np.int64)), lut.max_count, lut.packed,
-                      lut.n_in)
+                      lut.n_in, lut.cap)
     grouped_entries = sum(int(ptr[j + 1] - ptr[j]) for j in grouped)
     return PanelLut(nb, as_t(g_ptr), as_t(g_blk), as_t(np.concatenate(g_idx)), as_t(g_col),
                     as_t(np.argsort(-counts, kind="stable")), rest, grouped_entries / max(1, int(ptr[-1])))
@@ -380,20 +384,38 @@ class BsmmLuts:
         tables: then they are never rewritten in place."""
         return any(lut.panels not in (False, None) for lut in (self.fwd, self.bwd))
 
-    def rewrite(self, layout: np.ndarray) -> None:
-        """Switches these tables to ``layout`` in place (same shape and per-row and per-column
-        live-block counts; a ValueError otherwise, before anything changes): plans and captured
-        CUDA graphs that read them then run the new layout."""
+    def check_rewrite(self, layout: np.ndarray) -> "BsmmLuts":
+        """The tables of ``layout`` (same shape and live-block count) if these can take them in
+        place; else a ValueError. Per-row and per-column counts may differ, as long as no list
+        outgrows the ``cap`` that launch plans were made for, and no panels were built."""
+        if self.has_panels():
+            raise ValueError("layout: tables whose output panels are built (kernels.matmul.PANELS) group blocks by "
+                             "layout and are not switched in place")
         new = make_luts(layout, self.block_size, self.fwd.ptr.device)
-        for mine, theirs in ((self.fwd, new.fwd), (self.bwd, new.bwd)):
-            if not (torch.equal(mine.ptr, theirs.ptr) and mine.n_in == theirs.n_in):
-                raise ValueError("layout: an in-place rewrite needs the same live-block count in every block row "
-                                 "and column")
+        if (new.C, new.K, new.nnz) != (self.C, self.K, self.nnz):
+            raise ValueError(f"layout: an in-place rewrite needs a layout of {self.C // self.block_size}x"
+                             f"{self.K // self.block_size} blocks with {self.nnz} live")
+        for mine, theirs, what in ((self.fwd, new.fwd, "column"), (self.bwd, new.bwd, "row")):
+            if theirs.max_count > mine.cap:
+                raise ValueError(f"layout: a block {what} with {theirs.max_count} live blocks; these tables hold "
+                                 f"at most {mine.cap} per {what} in place")
+        return new
+
+    def rewrite(self, layout: np.ndarray) -> None:
+        """Switches these tables to ``layout`` in place (a ValueError first, with nothing changed,
+        where :meth:`check_rewrite` refuses): plans and captured CUDA graphs that read them then run
+        the new layout. Every tensor keeps its length, and every launch its grid."""
+        new = self.check_rewrite(layout)
         self.fwd.take_entries(new.fwd)
         self.bwd.take_entries(new.bwd)
+        for group, tensors in self._dw_items.items():
+            for mine, theirs in zip(tensors, new.dw_items(group)):
+                mine.copy_(theirs)
 
     def dw_items(self, group: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(column, first entry, count) of runs of up to ``group`` entries of one column."""
+        """(column, first entry, count) of runs of up to ``group`` entries of one column, padded with
+        empty runs (count 0) to a length that no layout of this shape and live-block count exceeds:
+        the dW grid stays the same when the layout changes in place."""
         if group not in self._dw_items:
             ptr = self.fwd.ptr.cpu().numpy()
             cols, starts, counts = [], [], []
@@ -402,13 +424,17 @@ class BsmmLuts:
                     cols.append(k)
                     starts.append(s)
                     counts.append(min(group, int(ptr[k + 1]) - s))
+            n_out = len(ptr) - 1
+            length = min(self.nnz, (self.nnz + min(n_out, self.nnz) * (group - 1)) // group)
+            pad = length - len(cols)
+            cols, starts, counts = cols + [0] * pad, starts + [0] * pad, counts + [0] * pad
             dev = self.fwd.ptr.device
             self._dw_items[group] = tuple(
                 torch.tensor(v, dtype=torch.int32, device=dev) for v in (cols, starts, counts))
         return self._dw_items[group]
 
 
-def _segment_lut(out_of_entry: np.ndarray, in_of_entry: np.ndarray, n_out: int,
+def _segment_lut(out_of_entry: np.ndarray, in_of_entry: np.ndarray, n_out: int, n_in: int,
                  device: torch.device) -> SegmentLut:
     weight_idx = np.arange(out_of_entry.size)
     perm = np.lexsort((in_of_entry, out_of_entry))            # by output block, then input block
@@ -418,12 +444,13 @@ def _segment_lut(out_of_entry: np.ndarray, in_of_entry: np.ndarray, n_out: int,
 
     def as_t(v):
         return torch.as_tensor(np.ascontiguousarray(v), dtype=torch.int32, device=device)
-    n_in = int(in_of_entry.max(initial=0)) + 1
+    n_in = max(1, n_in)                                           # the layout's, so a rewrite keeps the decoding
     packed = weight_idx[perm].astype(np.int64) * n_in + in_of_entry[perm]
     if packed.size and packed.max() > _INT32_MAX:
         raise ValueError("layout: too many blocks for 32-bit lookup tables")
+    max_count = int(counts.max(initial=0))
     return SegmentLut(as_t(ptr), as_t(in_of_entry[perm]), as_t(weight_idx[perm]), as_t(order),
-                      int(counts.max(initial=0)), as_t(packed), n_in)
+                      max_count, as_t(packed), n_in, max(16, triton.next_power_of_2(max(1, max_count))))
 
 
 def make_luts(layout: np.ndarray, block_size: int, device: torch.device | str) -> BsmmLuts:
@@ -432,8 +459,8 @@ def make_luts(layout: np.ndarray, block_size: int, device: torch.device | str) -
     cb, kb = layout.shape
     device = torch.device(device)
     return BsmmLuts(block_size, cb * block_size, kb * block_size, int(c_idx.size),
-                    fwd=_segment_lut(k_idx, c_idx, kb, device),
-                    bwd=_segment_lut(c_idx, k_idx, cb, device))
+                    fwd=_segment_lut(k_idx, c_idx, kb, cb, device),
+                    bwd=_segment_lut(c_idx, k_idx, cb, kb, device))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -590,7 +617,7 @@ def _ds_tma_plan(a: torch.Tensor, out: torch.Tensor, a_src: torch.Tensor, y_src:
     y_t = _template(y_src, [bn, cfg.block_m] if trans else [cfg.block_m, bn])
     w_t = _template(w.view(-1, bs), [bn, cfg.kc] if transpose_w else [cfg.kc, bn])
     launch = Launch(_bsmm_ds_tma_kernel, (num_m * lut.n_out * (bs // bn),), a.device, dict(
-        BS=bs, BN=bn, KC=cfg.kc, BLOCK_M=cfg.block_m, MAXC=max(16, triton.next_power_of_2(lut.max_count)),
+        BS=bs, BN=bn, KC=cfg.kc, BLOCK_M=cfg.block_m, MAXC=lut.cap,
         GROUP_M=GROUP_M, TRANS_A=trans, TRANS_W=transpose_w, PRECISION=_precision(a.dtype)),
         num_warps=cfg.warps, num_stages=_fit_stages(cfg.stages, (cfg.block_m + bn) * cfg.kc * a.element_size()))
     ints = (M, lut.n_out, lut.n_in)
@@ -613,7 +640,7 @@ def _ds_plan(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, lut: SegmentLu
     cfg = ds_config(bs, M, a.device, mean_steps)
     trans = a.stride(0) == 1 and a.stride(1) != 1                # axis-0 activations
     a_src, y_src = (a.t(), out.t()) if trans else (a, out)
-    if cfg.tma and cfg.kc <= bs and split in (None, 1) and lut.max_count <= MAX_REGISTER_LUT \
+    if cfg.tma and cfg.kc <= bs and split in (None, 1) and lut.cap <= MAX_REGISTER_LUT \
             and _tma_ok(a_src, y_src, w):
         return _ds_tma_plan(a, out, a_src, y_src, trans, w, lut, bs, transpose_w, cfg)
     group = max(1, cfg.kc // bs)

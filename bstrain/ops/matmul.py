@@ -131,19 +131,19 @@ class MatmulTables:
         return self._luts
 
     def check_rewrite(self, layout: np.ndarray, block_size: int) -> None:
-        """A ValueError if :meth:`rewrite` cannot switch these tables to ``layout`` in place."""
+        """A ValueError if :meth:`rewrite` cannot switch these tables to ``layout`` in place: another
+        shape, block size or live-block count, or (where the kernels' tables are built) a row or
+        column longer than they hold, or output panels built on the old layout."""
         new = np.asarray(layout, dtype=bool)
-        if block_size != self.block_size or new.shape != self.layout.shape or not (
-                np.array_equal(new.sum(0), self.layout.sum(0)) and np.array_equal(new.sum(1), self.layout.sum(1))):
-            raise ValueError(f"layout: an in-place switch needs a {self.layout.shape} layout with the same live-block "
-                             f"count in every block row and column")
-        if self._luts is not None and self._luts.has_panels():
-            raise ValueError("layout: tables whose output panels are built (kernels.matmul.PANELS) group blocks by "
-                             "layout and are not switched in place")
+        if block_size != self.block_size or new.shape != self.layout.shape or int(new.sum()) != self.blocks:
+            raise ValueError(f"layout: an in-place switch needs a {self.layout.shape} layout with {self.blocks} live "
+                             f"blocks, got {new.shape} with {int(new.sum())} at block size {block_size}")
+        if self._luts is not None:
+            self._luts.check_rewrite(new)
 
     def rewrite(self, layout: np.ndarray, block_size: int) -> None:
-        """These tables, in place, for ``layout``: the same shape and live-block count in every
-        block row and column (so every table keeps its length and every launch its grid)."""
+        """These tables, in place, for ``layout``: the same shape and live-block count (so every
+        table keeps its length and every launch its grid)."""
         self.check_rewrite(layout, block_size)
         new = np.asarray(layout, dtype=bool)
         for mine, theirs in zip((self.c_idx, self.k_idx), np.nonzero(new)):
@@ -656,18 +656,18 @@ class BlocksparseMatMul:
         w_shape stays valid; its blocks are then read in the new layout's row-major order).
         ``bstrain.sparsity`` moves the weights; this only changes the op and its tables.
 
-        With private tables (:meth:`make_private`) and the same live-block count in every block
-        row and column (``balanced`` dynamic sparsity), the tables are rewritten in place on
-        every device and the op keeps its key: CUDA graphs captured before and graphs compiled
-        before stay valid, and True is returned. Otherwise the op takes new tables (private if
-        its old ones were), made at once on every GPU the old ones were on so that a graph
-        traced later finds them, and False is returned."""
+        With private tables (:meth:`make_private`), the tables are rewritten in place on every
+        device and the op keeps its key: CUDA graphs captured before and graphs compiled before
+        stay valid, and True is returned. That holds unless a block row or column outgrows what
+        the kernels' tables hold (the next power of two of the longest, at least 16; balanced
+        dynamic sparsity keeps every count) or output panels were built. Otherwise the op takes
+        new tables (private if its old ones were), made at once on every GPU the old ones were on
+        so that a graph traced later finds them, and False is returned."""
         new = as_layout(layout)
         if new.shape != self.layout.shape or int(new.sum()) != self.blocks:
             raise ValueError(f"layout: expected a {self.layout.shape} layout with {self.blocks} live blocks, got "
                              f"{new.shape} with {int(new.sum())}")
-        if self._tables.private and np.array_equal(new.sum(0), self.layout.sum(0)) \
-                and np.array_equal(new.sum(1), self.layout.sum(1)) and self._tables.can_rewrite(new, self.block_size):
+        if self._tables.private and self._tables.can_rewrite(new, self.block_size):
             self._tables.rewrite(new, self.block_size)
             self.layout = self._tables.host.layout
             host = self._tables.host

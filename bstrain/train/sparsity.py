@@ -1,9 +1,10 @@
 """The trainer's side of dynamic block sparsity (:mod:`bstrain.sparsity`): the policy the
 ``sparsity`` config group names, its cadence, and what an update means for the run.
 
-A balanced update rewrites the layers' layout tables in place, so the captured step and the
-graphed evaluation stay valid; any other update makes new tables, and the graphs are dropped and
-captured again when next needed. The step whose gradients RigL reads (the one before an update)
+An update rewrites the layers' layout tables in place (the live-block count is kept, so every
+table keeps its length), and the captured step and the graphed evaluation stay valid; where a
+layer's tables cannot take its new layout (a block row or column longer than they hold; a
+convolution), it gets new tables, and the graphs are dropped and captured again when next needed. The step whose gradients RigL reads (the one before an update)
 has a capture of its own with the hooks armed (where it cannot be captured, it runs eagerly). The
 layouts travel in the model's state dict; the policy's step count is the run's.
 """
@@ -79,8 +80,9 @@ def after_step(run, board) -> dict | None:
                 captured.graph = None              # captured again when next needed, on the new tables
         run.eval_forwards.clear()
     changed = sum(info["changed"].values()) / max(1, len(info["changed"]))
-    log.info("sparsity: step %d, %.1f%% of the live blocks replaced (share %.3f)", run.step, 100 * changed,
-             info["fraction"])
+    log.info("sparsity: step %d, %.1f%% of the live blocks replaced (share %.3f), %s, %.0f ms", run.step,
+             100 * changed, info["fraction"], "tables rewritten in place" if info["in_place"] else "new tables",
+             1e3 * info["seconds"])
     board.scalars(run.step, {"sparsity/changed": changed,
                              **{f"sparsity/changed/{k}": v for k, v in info["changed"].items()},
                              **{f"sparsity/density/{k}": v for k, v in info["density"].items()}})

@@ -95,10 +95,17 @@ def test_a_model_without_block_sparse_layers(tmp_path):
 
 
 @pytest.mark.gpu
-def test_graphed_steps_follow_the_updates(tmp_path):
-    """On the GPU with the step in a CUDA graph: RigL's gradient step replays its own capture (hooks
-    armed), each (unbalanced) update drops both graphs and they are captured again on the new
-    tables; the loss curve and the layouts are the eager run's."""
+def test_graphed_steps_follow_the_updates(tmp_path, monkeypatch):
+    """On the GPU with the step in a CUDA graph, where an update makes new tables (forced here:
+    the tables refuse every in-place switch): RigL's gradient step replays its own capture (hooks
+    armed), each update drops both graphs and they are captured again on the new tables; the
+    loss curve and the layouts are the eager run's."""
+    from bstrain.ops.matmul import MatmulTables
+
+    def refuse(self, layout, block_size):
+        raise ValueError("layout: refused (test)")
+    monkeypatch.setattr(MatmulTables, "check_rewrite", refuse)
+
     def cfg(run, graph):
         c = _cfg(tmp_path, run)
         with open_dict(c):
@@ -112,31 +119,38 @@ def test_graphed_steps_follow_the_updates(tmp_path):
                                                     _layouts(tmp_path / "graph").values()))
 
 
-@pytest.mark.parametrize("balanced", [False, True])
-def test_graphs_are_dropped_only_for_new_tables(balanced):
-    """after_step: an update that rewrote every table in place (balanced) keeps the captured step
-    and the graphed evaluation forwards; one that made new tables drops them."""
+@pytest.mark.parametrize("mode", ["balanced", "unbalanced", "new-tables"])
+def test_graphs_are_dropped_only_for_new_tables(mode, monkeypatch):
+    """after_step: an update that rewrote every table in place (balanced or not) keeps the captured
+    step and the graphed evaluation forwards; one that made new tables (forced here) drops them."""
     from types import SimpleNamespace
 
+    from bstrain.ops.matmul import MatmulTables
     from bstrain.sparsity import SET
     from bstrain.train.sparsity import after_step
     from tests.test_sparsity import mlp
+    if mode == "new-tables":
+        def refuse(self, layout, block_size):
+            raise ValueError("layout: refused (test)")
+        monkeypatch.setattr(MatmulTables, "check_rewrite", refuse)
     model = mlp()
     captured = SimpleNamespace(graph="a graph")
-    run = SimpleNamespace(sparsity=SET(model, None, every=1, fraction=0.5, balanced=balanced, seed=3), step=1,
-                          captured=captured, eval_forwards={"shape": "graph"})
+    run = SimpleNamespace(sparsity=SET(model, None, every=1, fraction=0.5, balanced=mode == "balanced", seed=3),
+                          step=1, captured=captured, eval_forwards={"shape": "graph"})
     board = SimpleNamespace(scalars=lambda *a: None, layouts=lambda *a: None)
     info = after_step(run, board)
-    assert info["in_place"] is balanced                 # (unbalanced: this seed's counts change)
-    assert (captured.graph is not None) is balanced and bool(run.eval_forwards) is balanced
+    kept = mode != "new-tables"
+    assert info["in_place"] is kept
+    assert (captured.graph is not None) is kept and bool(run.eval_forwards) is kept
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("balanced", [True, False], ids=["balanced", "unbalanced"])
 @pytest.mark.parametrize("policy", ["set", "rigl"])
-def test_balanced_updates_keep_the_captured_step(tmp_path, monkeypatch, policy):
-    """On the GPU, sparsity.balanced=true: the step is captured once for the whole run (the
-    updates rewrite the tables the graph reads; RigL's gradient step has one capture of its own,
-    hooks armed, on the same memory pool), and the loss curve is the eager run's."""
+def test_updates_keep_the_captured_step(tmp_path, monkeypatch, policy, balanced):
+    """On the GPU, balanced or not: the step is captured once for the whole run (the updates
+    rewrite the tables the graph reads; RigL's gradient step has one capture of its own, hooks
+    armed, on the same memory pool), and the loss curve is the eager run's."""
     from bstrain.train.graphs import CapturedStep
     captures = []
     real = CapturedStep.prepare
@@ -146,7 +160,7 @@ def test_balanced_updates_keep_the_captured_step(tmp_path, monkeypatch, policy):
         return real(self, x, y)
 
     def cfg(run, graph):
-        c = _cfg(tmp_path, run, policy, balanced=True)
+        c = _cfg(tmp_path, run, policy, balanced=balanced)
         with open_dict(c):
             c.trainer.update(device="cuda", cuda_graph=graph)
         return c
