@@ -167,7 +167,8 @@ class DynamicSparsity:
         the last call's). On update steps, changes every layer's layout and returns
         ``{"step", "changed" {name: share of live blocks replaced}, "density" {name: live share},
         "in_place" (every changed layer's tables rewritten in place: graphs made before stay valid),
-        "seconds" (the update's host time; its GPU work may still be queued)}``;
+        "seconds" (the update's wall time, its GPU work included; on a GPU, timed from when the
+        queued steps are done)}``;
         else None."""
         self.steps = self.steps + 1 if step is None else int(step)
         info = None
@@ -178,6 +179,9 @@ class DynamicSparsity:
 
     @torch.no_grad()
     def _update(self, step: int) -> dict:
+        cuda = next((layer.weight.device for _, layer in self.layers if layer.weight.is_cuda), None)
+        if cuda is not None:            # the queued steps first (the norms are read on the host anyway),
+            torch.cuda.synchronize(cuda)    # so that "seconds" is the update's own time
         t0 = time.perf_counter()
         share = self.fraction_at(step)
         gen = torch.Generator().manual_seed(self.seed * 1_000_003 + step)
@@ -194,6 +198,8 @@ class DynamicSparsity:
                     if twin is not None:
                         in_place &= self._move(twin, np.asarray(twin.block_layout(), dtype=bool), new, [])
         self._grads.clear()
+        if cuda is not None:
+            torch.cuda.synchronize(cuda)
         info = {"step": step, "fraction": share, "changed": changed, "density": density, "in_place": in_place,
                 "seconds": time.perf_counter() - t0}
         self.history.append(info)

@@ -107,8 +107,9 @@ def cmd_report(args) -> None:
     if cost.exists():
         c = json.loads(cost.read_text())
         others = [p for p in POLICIES if p != "static"]
-        lines += ["Share of training time spent on updates at every=100 (target <= 2%): "
-                  "1 - tokens/s with updates / tokens/s of the static run.", "",
+        lines += [f"Share of training time spent on updates at every=100 (target <= 2%), {c['device']}, {c['steps']} "
+                  "steps per run (updates at steps 100, 200, ...; `bench_sparsity.py cost`): 1 - tokens/s with "
+                  "updates / tokens/s of the static run, over the logged windows after the first.", "",
                   "| model | static tokens/s | " + " | ".join(others) + " |", "|---|---|" + "---|" * len(others)]
         for model in COST:
             if model in c:

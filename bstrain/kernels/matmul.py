@@ -384,6 +384,13 @@ class BsmmLuts:
         tables: then they are never rewritten in place."""
         return any(lut.panels not in (False, None) for lut in (self.fwd, self.bwd))
 
+    def no_panels(self) -> None:
+        """Never build output panels on these tables (a layout that changes in place), unless
+        they were built already."""
+        for lut in (self.fwd, self.bwd):
+            if lut.panels is False:
+                lut.panels = None
+
     def check_rewrite(self, layout: np.ndarray) -> "BsmmLuts":
         """The tables of ``layout`` (same shape and live-block count) if these can take them in
         place; else a ValueError. Per-row and per-column counts may differ, as long as no list

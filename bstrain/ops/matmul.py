@@ -108,6 +108,14 @@ class MatmulTables:
     c_idx: Tensor          # (nnz,) int64 input block of each weight block, row-major order
     k_idx: Tensor          # (nnz,) int64 output block
     _luts: object = field(default=None, repr=False)
+    private: bool = False  # a layout that changes in place (dynamic sparsity): no output panels
+
+    def mark_private(self) -> None:
+        """Tables of a layout that will change in place: the kernels never build output panels on
+        them (panels group blocks by layout, and would make every switch take new tables)."""
+        self.private = True
+        if self._luts is not None:
+            self._luts.no_panels()
 
     @property
     def blocks(self) -> int:
@@ -128,6 +136,8 @@ class MatmulTables:
             from bstrain.kernels.matmul import make_luts
             with real_tensors(self.device):
                 self._luts = make_luts(self.layout, self.block_size, self.device)
+            if self.private:
+                self._luts.no_panels()
         return self._luts
 
     def check_rewrite(self, layout: np.ndarray, block_size: int) -> None:

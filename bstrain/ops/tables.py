@@ -94,8 +94,14 @@ class LayoutTables:
     def __init__(self, name: str, spec: tuple, key: str, private: bool = False):
         self.family, self.spec, self.key, self.private = name, spec, key, private
         with real_tensors(_CPU):
-            self.host = _BUILDERS[name](*spec, device=_CPU)
+            self.host = self._mark(_BUILDERS[name](*spec, device=_CPU))
         self._on: dict[torch.device, object] = {_CPU: self.host}
+
+    def _mark(self, tables):
+        """Private tables are told so (a family may then skip what an in-place rewrite cannot keep)."""
+        if self.private and hasattr(tables, "mark_private"):
+            tables.mark_private()
+        return tables
 
     def on(self, device: torch.device | str):
         """The tables on ``device``: made once per device and cached (an uncached copy while a
@@ -110,9 +116,9 @@ class LayoutTables:
             raise ValueError("device: layout tables are never made on the meta device; move the module to a real "
                              "device (to_empty) before running it")
         if tracing():
-            return _BUILDERS[self.family](*self.spec, device=device)
+            return self._mark(_BUILDERS[self.family](*self.spec, device=device))
         with real_tensors(device):
-            tables = self._on[device] = _BUILDERS[self.family](*self.spec, device=device)
+            tables = self._on[device] = self._mark(_BUILDERS[self.family](*self.spec, device=device))
         return tables
 
     def rewrite(self, *spec) -> None:

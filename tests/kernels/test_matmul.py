@@ -263,10 +263,10 @@ def test_panels_by_default_only_where_most_entries_share_lists(monkeypatch):
         torch.testing.assert_close(got.double(), x.double() @ dense_weight(lay, w).to(dev), rtol=1e-4, atol=1e-4)
 
 
-def test_tables_with_panels_are_not_rewritten_in_place(monkeypatch):
-    """Panels group output blocks by layout: a private op whose panels were built takes new
-    tables at a balanced switch (set_layout -> False) instead of rewriting them, and computes the
-    new layout."""
+def test_private_tables_take_no_panels_and_built_panels_are_not_rewritten(monkeypatch):
+    """A private op (a layout that changes in place) gets no output panels, even with panels
+    forced on, so a switch of its tiled layout stays in place and computes the new layout; tables
+    whose panels were built refuse an in-place rewrite."""
     from bstrain.ops import BlocksparseMatMul
     monkeypatch.setattr(kernels, "PANELS", True)
     dev = kernel_device()
@@ -276,11 +276,15 @@ def test_tables_with_panels_are_not_rewritten_in_place(monkeypatch):
     x = torch.randn(kernels.SMALL_M + 11, op.C, device=dev)
     w = torch.randn(op.w_shape, device=dev) / 4
     op(x, w)
-    luts = op._tables.on(dev).luts
-    assert luts.has_panels()
+    assert not op._tables.on(dev).luts.has_panels()
     new = lay[:, np.random.default_rng(fresh_seed()).permutation(lay.shape[1])]     # same row and column counts
     if np.array_equal(new, lay):
         new = lay[:, ::-1].copy()
     key = op.key
-    assert op.set_layout(new) is False and op.key != key
+    assert op.set_layout(new) is True and op.key == key
     torch.testing.assert_close(op(x, w).double(), x.double() @ dense_weight(new, w).double().to(dev), rtol=1e-4, atol=1e-4)
+    shared = kernels.make_luts(lay, 16, dev)                      # tables that are not private: panels built
+    kernels.bsmm_forward(x, w, shared)
+    assert shared.has_panels()
+    with pytest.raises(ValueError, match="panels"):
+        shared.check_rewrite(new)
