@@ -50,7 +50,7 @@ def as_layout(layout, name: str = "layout") -> np.ndarray:
     if arr.size and not np.isin(arr, (0, 1)).all():
         bad = arr[~np.isin(arr, (0, 1))].ravel()[0]
         raise ValueError(f"{name}: expected only 0/1 entries, got value {bad!r}")
-    out = arr.astype(bool)
+    out = np.ascontiguousarray(arr, dtype=bool)                # row-major, whatever the input's order
     if not out.any():
         raise ValueError(f"{name}: expected at least one live block, got an all-zero layout of shape {arr.shape}")
     return out

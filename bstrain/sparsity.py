@@ -17,9 +17,14 @@ An update keeps everything consistent: the live-block count is unchanged, so the
 Parameter keeps its shape and stays the optimizer's. Surviving blocks keep their values and
 their optimizer state (every state tensor shaped like the weight, e.g. AdamW's moments) bit for
 bit, moved to their new place in the row-major block order; grown blocks start at zero with zero
-state. Modules named in ``also`` (an EMA copy of the model) get the same layouts and moves. The
-layout tables of the new layouts are built once and shared; the old ones are freed with the last
-op that holds them. Under torch.distributed every rank makes the same decision: the scores are
+state. Modules named in ``also`` (an EMA copy of the model) get the same layouts and moves. Each
+managed layer gets layout tables of its own, which an update rewrites in place (see
+``BlocksparseMatMul.set_layout``), so CUDA graphs and compiled graphs made after the policy was
+built keep running the current layouts; where a layer's tables cannot take its new layout (a
+convolution, or a block row or column longer than they hold) it gets new ones, and the old ones
+are freed with the last op that holds them. Build the policy before capturing or compiling: a
+graph made before it reads the layer's shared tables, which updates never change. Under
+torch.distributed every rank makes the same decision: the scores are
 averaged over ranks and the random draws are seeded by (seed, step).
 """
 from __future__ import annotations
@@ -240,6 +245,9 @@ class DynamicSparsity:
         """Switches ``layer`` to ``new``: surviving blocks (and their optimizer state) move to their
         place in the new row-major block order, grown blocks (and state) start at zero. True when
         the layer's tables were rewritten in place."""
+        if int(new.sum()) != int(old.sum()):
+            raise RuntimeError(f"sparsity: a new layout of {int(new.sum())} live blocks for a layer of {int(old.sum())}; "
+                               f"please report this layout")
         old_id = np.full(old.shape, -1)
         old_id[old] = np.arange(int(old.sum()))
         src = torch.as_tensor(old_id[new])                                   # new block i <- old src[i] (or -1)
@@ -414,7 +422,7 @@ def _grow_balanced(old: np.ndarray, new: np.ndarray, pruned: np.ndarray, score: 
     score.view(-1)[torch.as_tensor(pruned)] = -1e30                        # just-pruned: last resort
     free = ~new                                                            # where a block may grow
     order = _top(score.masked_fill(torch.as_tensor(new), -math.inf), int(free.sum()), gen)
-    grown = np.zeros_like(old)
+    grown = np.zeros(old.shape, dtype=bool)                                # row-major: reshape(-1) is a view
     # the greedy fill on Python ints (numpy scalars cost ~10x more per cell), stopping once no row lacks
     lack_r, lack_c, left, cols = need_r.tolist(), need_c.tolist(), int(need_r.sum()), old.shape[1]
     flat_grown = grown.reshape(-1)

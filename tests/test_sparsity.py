@@ -238,7 +238,8 @@ def test_compile_recompiles_once_per_update(monkeypatch, mode):
             assert counter.frame_count == 1 + per_update * updates, (backend, updates)
             with torch.no_grad():
                 layer.weight.add_(0.5)                               # grown blocks then differ from zero
-            policy.step()
+            info = policy.step()
+            assert info["in_place"] is (mode != "new-tables")
             layer.op.backend = backend                               # (the policy keeps the op's backend)
 
 
@@ -282,11 +283,18 @@ def test_set_layout_checks_the_count():
         op.set_layout(five)
 
 
-def test_old_tables_are_freed_and_the_name_is_reachable():
+def test_old_tables_are_freed_and_the_name_is_reachable(monkeypatch):
+    """Where an update makes new tables (forced here: the tables refuse every in-place switch),
+    the old ones go with the last op that held them."""
     import gc
 
     import bstrain
+    from bstrain.ops.matmul import MatmulTables
     from bstrain.ops.tables import _REGISTRY
+
+    def refuse(self, layout, block_size):
+        raise ValueError("layout: refused (test)")
+    monkeypatch.setattr(MatmulTables, "check_rewrite", refuse)
     assert bstrain.sparsity.RigL is RigL
     model = mlp(seed=7)
     keys = [layer.op.key for _, layer in sparse_layers(model)]
@@ -294,8 +302,29 @@ def test_old_tables_are_freed_and_the_name_is_reachable():
     policy.step()
     gc.collect()
     new = [layer.op.key for _, layer in sparse_layers(model)]
-    assert all(k not in _REGISTRY for k in keys if k not in new)
+    assert not set(new) & set(keys)
+    assert all(k not in _REGISTRY for k in keys)
     assert all(k in _REGISTRY for k in new)
+
+
+def test_a_column_major_layout_keeps_its_count():
+    """A layout given in column-major (Fortran) order, as a transposed array or tensor gives: a
+    balanced update keeps every count and the live-block total, in place."""
+    from bstrain.layout import balanced
+    lay = np.asfortranarray(balanced((8, 4), 0.5, seed=1))
+    assert not lay.flags.c_contiguous
+    torch.manual_seed(0)
+    model = nn.Sequential(BlockSparseLinear(128, 64, block_size=16, layout=lay),
+                          BlockSparseLinear(64, 128, block_size=16, layout=torch.as_tensor(lay).t()))
+    policy = SET(model, None, every=1, fraction=0.5, balanced=True, seed=4)
+    before = [np.asarray(layer.block_layout()).copy() for _, layer in sparse_layers(model)]
+    info = policy.step()
+    assert info["in_place"] is True
+    for (_, layer), old in zip(sparse_layers(model), before):
+        new = np.asarray(layer.block_layout())
+        assert np.array_equal(new.sum(0), old.sum(0)) and np.array_equal(new.sum(1), old.sum(1))
+        assert layer.weight.shape[0] == int(old.sum())
+        model(torch.randn(3, 128))
 
 
 # --- in-place updates: layouts of the same count keep every table's length, so graphs stay valid ------
@@ -403,6 +432,66 @@ def test_a_column_longer_than_the_tables_hold_takes_new_tables():
     longer[:, 0] = True                                           # 20 in one column: more than 16
     assert op.set_layout(longer) is False and op.key != key
     check(longer)
+
+
+@pytest.mark.triton
+def test_tma_plans_made_before_a_switch_hold_the_longer_lists(monkeypatch):
+    """Blocks of 32 take the TMA kernel, whose register list holds ``cap`` entries (the plan's
+    MAXC): private tables leave room to grow (a longest column of 16 -> cap 32, not 16), so a
+    plan made on short columns computes a later layout with a column of 24 exactly."""
+    from bstrain.kernels import matmul as kernels
+    from bstrain.ops import BlocksparseMatMul
+    from bstrain.ops.matmul import bsmm_ref
+    if not torch.cuda.is_available():
+        monkeypatch.setenv("TRITON_INTERPRET", "1")
+    dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    tma = []
+    real = kernels._ds_tma_plan
+    monkeypatch.setattr(kernels, "_ds_tma_plan", lambda *a, **k: tma.append(1) or real(*a, **k))
+
+    def layout(counts):
+        lay = np.zeros((24, 4), bool)
+        for j, n in enumerate(counts):
+            lay[np.random.default_rng(int(torch.randint(1 << 30, ()))).permutation(24)[:n], j] = True
+        return lay
+    op = BlocksparseMatMul(layout([16, 7, 6, 6]), 32, backend="triton")
+    op.make_private()
+    luts = op._tables.on(dev).luts
+    assert luts.fwd.cap == 32
+    x = torch.randn(7, op.C, device=dev)
+    w = torch.randn(op.w_shape, device=dev) / 8
+    for counts in ([9, 9, 9, 8], [24, 5, 3, 3], [3, 24, 4, 4]):
+        lay = layout(counts)
+        assert op.set_layout(lay) is True
+        c, k = (torch.as_tensor(a) for a in np.nonzero(lay))
+        out = op(x, w)
+        torch.testing.assert_close(out.cpu().double(), bsmm_ref(x.cpu().double(), w.cpu().double(), c, k, op.K),
+                                   rtol=1e-4, atol=1e-4)
+    assert tma and len(luts.fwd.plans) == 1                      # one TMA plan, made on the 9-block columns
+
+
+def test_dw_runs_have_a_length_no_layout_of_the_same_count_exceeds():
+    from bstrain.kernels.matmul import make_luts
+    rng = np.random.default_rng(int(torch.randint(1 << 30, ())))
+    for _ in range(200):
+        shape = tuple(int(v) for v in rng.integers(1, 9, 2))
+        nnz = int(rng.integers(1, shape[0] * shape[1] + 1))
+        lengths = set()
+        for _ in range(3):
+            lay = np.zeros(shape, bool)
+            lay.flat[rng.choice(lay.size, nnz, replace=False)] = True
+            luts = make_luts(lay, 8, "cpu")
+            for group in (1, 2, 3, 4):
+                cols, starts, counts = (t.numpy() for t in luts.dw_items(group))
+                real = counts > 0
+                assert counts.sum() == nnz and np.all(counts <= group)
+                for j in range(shape[1]):                            # every column's entries, in runs
+                    got = sorted(i for s, n in zip(starts[real & (cols == j)], counts[real & (cols == j)])
+                                 for i in range(s, s + n))
+                    ptr = luts.fwd.ptr.numpy()
+                    assert got == list(range(ptr[j], ptr[j + 1]))
+                lengths.add((group, len(cols)))
+        assert len(lengths) == 4, lengths                             # one length per group size
 
 
 def test_shared_tables_are_never_rewritten():

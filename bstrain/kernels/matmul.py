@@ -283,7 +283,7 @@ class SegmentLut:
     max_count: int
     packed: torch.Tensor  # (nnz,) int32: idx * n_in + blk, one load per entry
     n_in: int
-    cap: int = 16
+    cap: int
     plans: dict = field(default_factory=dict)    # launch plans by argument shape/layout (launch.plan)
     panels: object = field(default=False, repr=False)   # PanelLut, None (no shared lists), False (not built)
 
@@ -391,28 +391,29 @@ class BsmmLuts:
             if lut.panels is False:
                 lut.panels = None
 
-    def check_rewrite(self, layout: np.ndarray) -> "BsmmLuts":
-        """The tables of ``layout`` (same shape and live-block count) if these can take them in
-        place; else a ValueError. Per-row and per-column counts may differ, as long as no list
-        outgrows the ``cap`` that launch plans were made for, and no panels were built."""
+    def check_rewrite(self, layout: np.ndarray) -> None:
+        """A ValueError unless these tables can take ``layout`` in place: the same shape and
+        live-block count, no block column or row longer than the ``cap`` that launch plans were
+        made for, and no output panels built. Per-row and per-column counts may change."""
         if self.has_panels():
             raise ValueError("layout: tables whose output panels are built (kernels.matmul.PANELS) group blocks by "
                              "layout and are not switched in place")
-        new = make_luts(layout, self.block_size, self.fwd.ptr.device)
-        if (new.C, new.K, new.nnz) != (self.C, self.K, self.nnz):
-            raise ValueError(f"layout: an in-place rewrite needs a layout of {self.C // self.block_size}x"
-                             f"{self.K // self.block_size} blocks with {self.nnz} live")
-        for mine, theirs, what in ((self.fwd, new.fwd, "column"), (self.bwd, new.bwd, "row")):
-            if theirs.max_count > mine.cap:
-                raise ValueError(f"layout: a block {what} with {theirs.max_count} live blocks; these tables hold "
-                                 f"at most {mine.cap} per {what} in place")
-        return new
+        lay = np.asarray(layout, dtype=bool)
+        shape = (self.C // self.block_size, self.K // self.block_size)
+        if lay.shape != shape or int(lay.sum()) != self.nnz:
+            raise ValueError(f"layout: an in-place rewrite needs a {shape} layout with {self.nnz} live blocks, got "
+                             f"{lay.shape} with {int(lay.sum())}")
+        for counts, lut, what in ((lay.sum(0), self.fwd, "column"), (lay.sum(1), self.bwd, "row")):
+            if int(counts.max(initial=0)) > lut.cap:
+                raise ValueError(f"layout: a block {what} with {int(counts.max())} live blocks; these tables hold at "
+                                 f"most {lut.cap} per {what} in place")
 
     def rewrite(self, layout: np.ndarray) -> None:
         """Switches these tables to ``layout`` in place (a ValueError first, with nothing changed,
         where :meth:`check_rewrite` refuses): plans and captured CUDA graphs that read them then run
         the new layout. Every tensor keeps its length, and every launch its grid."""
-        new = self.check_rewrite(layout)
+        self.check_rewrite(layout)
+        new = make_luts(layout, self.block_size, self.fwd.ptr.device)
         self.fwd.take_entries(new.fwd)
         self.bwd.take_entries(new.bwd)
         for group, tensors in self._dw_items.items():
@@ -441,8 +442,17 @@ class BsmmLuts:
         return self._dw_items[group]
 
 
+def _cap(max_count: int, n_in: int, headroom: bool) -> int:
+    """The longest list a SegmentLut's launch plans hold: the next power of two (at least 16) of
+    the longest; with headroom (tables that change in place), of a quarter more, up to n_in's."""
+    if not headroom:
+        return max(16, triton.next_power_of_2(max(1, max_count)))
+    want = max(16, triton.next_power_of_2(max_count + max(1, max_count // 4)))
+    return min(want, max(16, triton.next_power_of_2(max(1, n_in))))
+
+
 def _segment_lut(out_of_entry: np.ndarray, in_of_entry: np.ndarray, n_out: int, n_in: int,
-                 device: torch.device) -> SegmentLut:
+                 device: torch.device, headroom: bool = False) -> SegmentLut:
     weight_idx = np.arange(out_of_entry.size)
     perm = np.lexsort((in_of_entry, out_of_entry))            # by output block, then input block
     counts = np.bincount(out_of_entry, minlength=n_out)
@@ -457,17 +467,18 @@ def _segment_lut(out_of_entry: np.ndarray, in_of_entry: np.ndarray, n_out: int, 
         raise ValueError("layout: too many blocks for 32-bit lookup tables")
     max_count = int(counts.max(initial=0))
     return SegmentLut(as_t(ptr), as_t(in_of_entry[perm]), as_t(weight_idx[perm]), as_t(order),
-                      max_count, as_t(packed), n_in, max(16, triton.next_power_of_2(max(1, max_count))))
+                      max_count, as_t(packed), n_in, _cap(max_count, n_in, headroom))
 
 
-def make_luts(layout: np.ndarray, block_size: int, device: torch.device | str) -> BsmmLuts:
-    """Tables for a validated (Cb, Kb) bool layout; live blocks numbered row-major."""
+def make_luts(layout: np.ndarray, block_size: int, device: torch.device | str, headroom: bool = False) -> BsmmLuts:
+    """Tables for a validated (Cb, Kb) bool layout; live blocks numbered row-major. headroom: the
+    layout will change in place (dynamic sparsity), so the lists' ``cap`` leaves room to grow."""
     c_idx, k_idx = np.nonzero(layout)
     cb, kb = layout.shape
     device = torch.device(device)
     return BsmmLuts(block_size, cb * block_size, kb * block_size, int(c_idx.size),
-                    fwd=_segment_lut(k_idx, c_idx, kb, cb, device),
-                    bwd=_segment_lut(c_idx, k_idx, cb, kb, device))
+                    fwd=_segment_lut(k_idx, c_idx, kb, cb, device, headroom),
+                    bwd=_segment_lut(c_idx, k_idx, cb, kb, device, headroom))
 
 
 # ---------------------------------------------------------------------------------------------

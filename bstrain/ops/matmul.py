@@ -112,10 +112,12 @@ class MatmulTables:
 
     def mark_private(self) -> None:
         """Tables of a layout that will change in place: the kernels never build output panels on
-        them (panels group blocks by layout, and would make every switch take new tables)."""
+        them (panels group blocks by layout, and would make every switch take new tables), and
+        their lists' cap leaves room for a block row or column to grow."""
         self.private = True
-        if self._luts is not None:
-            self._luts.no_panels()
+        if self._luts is not None:                 # built by the family's builder, not used yet: again,
+            self._luts = None                      # with room for lists to grow
+            self.luts
 
     @property
     def blocks(self) -> int:
@@ -135,7 +137,7 @@ class MatmulTables:
         if self._luts is None:
             from bstrain.kernels.matmul import make_luts
             with real_tensors(self.device):
-                self._luts = make_luts(self.layout, self.block_size, self.device)
+                self._luts = make_luts(self.layout, self.block_size, self.device, headroom=self.private)
             if self.private:
                 self._luts.no_panels()
         return self._luts
@@ -669,8 +671,8 @@ class BlocksparseMatMul:
         With private tables (:meth:`make_private`), the tables are rewritten in place on every
         device and the op keeps its key: CUDA graphs captured before and graphs compiled before
         stay valid, and True is returned. That holds unless a block row or column outgrows what
-        the kernels' tables hold (the next power of two of the longest, at least 16; balanced
-        dynamic sparsity keeps every count) or output panels were built. Otherwise the op takes
+        the kernels' tables hold (the next power of two of the longest list plus a quarter, at
+        least 16; balanced dynamic sparsity keeps every count) or output panels were built. Otherwise the op takes
         new tables (private if its old ones were), made at once on every GPU the old ones were on
         so that a graph traced later finds them, and False is returned."""
         new = as_layout(layout)

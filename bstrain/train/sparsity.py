@@ -47,9 +47,10 @@ def make_policy(cfg, model, optimizer, ema, max_steps: int):
 
 
 def allow_recompiles(policy) -> None:
-    """Each layout update makes torch.compile trace the model once more (the layouts are constants
-    of the graph); dynamo's recompile limit (8 per frame) would otherwise send the model back to
-    eager after the eighth update. Raised to the run's number of updates, plus margin."""
+    """An update that gives a layer new tables (a convolution; a block row or column longer than
+    its tables hold) makes torch.compile trace the model once more (the layouts are constants of
+    the graph); dynamo's recompile limit (8 per frame) would otherwise send the model back to
+    eager after the eighth. Raised to the run's number of updates, plus margin."""
     import torch._dynamo.config as dynamo
     updates = (policy.stop or 0) // policy.every + 8
     for name in ("recompile_limit", "cache_size_limit"):
