@@ -561,16 +561,21 @@ def test_balanced_growth_always_closes_the_gaps():
         assert info["changed"][""] > 0.2, (seed, info)
 
 
-def test_rigl_scores_the_dense_gradient_of_the_whole_step():
+@pytest.mark.parametrize("rows", [8, 64], ids=["calls-kept", "summed"])
+def test_rigl_scores_the_dense_gradient_of_the_whole_step(rows):
     """A layer called twice per step with inputs x and -x: the step's dense gradient is zero (the
-    calls cancel), though each call's alone is not; RigL sums the gradients, not their norms."""
+    calls cancel), though each call's alone is not; RigL sums the gradients, not their norms.
+    Calls smaller than the dense gradient are kept for one product at the end (8 rows), larger
+    ones summed at once (64 rows)."""
     from bstrain.sparsity import _block_norms
     torch.manual_seed(0)
     layer = BlockSparseLinear(64, 64, block_size=16, density=0.5, bias=False)
     policy = RigL(layer, None, every=1, fraction=0.5)
-    x, target = torch.randn(8, 64), torch.randn(8, 64)
+    x, target = torch.randn(rows, 64), torch.randn(rows, 64)
     ((layer(x) + layer(-x) - target) ** 2).mean().backward()
-    g = policy._grads[""]
+    record = policy._grads[""]
+    assert (len(record.calls), record.sum is None) == ((2, True) if rows == 8 else (0, False))
+    g = record.total(layer)
     assert g.shape == (64, 64) and g.abs().max() < 1e-6
     # one call alone: the norms of its dense gradient, as a dense layer of the same weights has it
     policy._grads.clear()
@@ -581,7 +586,7 @@ def test_rigl_scores_the_dense_gradient_of_the_whole_step():
     ((layer(x) - target) ** 2).mean().backward()
     ((dense(x) - target) ** 2).mean().backward()
     expect = dense.weight.grad.t().reshape(4, 16, 4, 16).square().sum((1, 3)).sqrt()
-    torch.testing.assert_close(_block_norms(layer, policy._grads[""]), expect, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(_block_norms(layer, policy._grads[""].total(layer)), expect, rtol=1e-5, atol=1e-6)
 
 
 def test_rigl_warns_when_no_gradient_reaches_a_layer():
@@ -627,3 +632,27 @@ def test_an_op_given_twice_and_a_twin_of_another_shape():
         SET(None, None, ops=[(op, w1), (op, w2)])
     with pytest.raises(ValueError, match="also: expected modules shaped like the model"):
         SET(mlp(seed=0), None, also=(mlp(seed=1),))                        # other random layouts
+
+
+@pytest.mark.parametrize("fused", [True, False], ids=["fused", "op-by-op"])
+def test_rigl_dense_gradient_of_an_lstm_step_matches_its_weight_gradients(fused):
+    """The sparse mLSTM's recurrent layers run once per time step: the dense gradient RigL reads
+    (the calls kept and multiplied at the end) holds, at every live block, the weight's own
+    gradient of that step, in float64."""
+    from bstrain.models.lstm import LSTMConfig, SparseLSTM
+    torch.manual_seed(int(torch.randint(1 << 30, ())))
+    model = SparseLSTM(LSTMConfig(hidden=64, embed=16, block_size=16, depth=2, density=0.5, layout="random")).double()
+    model.fused = fused
+    policy = RigL(model, None, every=1, fraction=0.5)
+    assert policy.armed
+    x = torch.randint(0, 256, (3, 7))
+    out = model(x)
+    logits = out[0] if isinstance(out, tuple) else out
+    logits.square().mean().backward()
+    for name, layer in sparse_layers(model):
+        record = policy._grads[name]
+        assert len(record.calls) == 7 and record.sum is None, (name, len(record.calls))     # a call per time step
+        g = record.total(layer)
+        lay, bs = np.asarray(layer.op.layout), layer.op.block_size
+        blocks = g.reshape(lay.shape[0], bs, lay.shape[1], bs).permute(0, 2, 1, 3)[torch.as_tensor(lay)]
+        torch.testing.assert_close(blocks.double(), layer.weight.grad, rtol=1e-6, atol=1e-9, msg=lambda m: f"{name}: {m}")
