@@ -21,7 +21,8 @@ state. Modules named in ``also`` (an EMA copy of the model) get the same layouts
 managed layer gets layout tables of its own, which an update rewrites in place (see
 ``BlocksparseMatMul.set_layout``), so CUDA graphs and compiled graphs made after the policy was
 built keep running the current layouts; where a layer's tables cannot take its new layout (a
-convolution, or a block row or column longer than they hold) it gets new ones, and the old ones
+block row or column longer than they hold; a block-diagonal convolution that now needs a channel
+gather) it gets new ones, and the old ones
 are freed with the last op that holds them. Build the policy before capturing or compiling: a
 graph made before it reads the layer's shared tables, which updates never change. Under
 torch.distributed every rank makes the same decision: the scores are
@@ -121,9 +122,9 @@ class DynamicSparsity:
         self.also = [self._twin_layers(m) for m in also]
         twins = [layer for other in self.also for layer in other.values()]
         for layer in [layer for _, layer in self.layers] + twins:     # tables of their own: updates
-            op = getattr(layer, "op", None)                           # rewrite them in place
-            if hasattr(op, "make_private"):
-                op.make_private()
+            owner = getattr(layer, "op", layer)                       # rewrite them in place
+            if hasattr(owner, "make_private"):
+                owner.make_private()
         self.steps = 0                  # optimizer steps seen
         self.history: list[dict] = []   # one entry per update: step, share changed per layer
         self._hooks: list = []

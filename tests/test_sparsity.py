@@ -656,3 +656,38 @@ def test_rigl_dense_gradient_of_an_lstm_step_matches_its_weight_gradients(fused)
         lay, bs = np.asarray(layer.op.layout), layer.op.block_size
         blocks = g.reshape(lay.shape[0], bs, lay.shape[1], bs).permute(0, 2, 1, 3)[torch.as_tensor(lay)]
         torch.testing.assert_close(blocks.double(), layer.weight.grad, rtol=1e-6, atol=1e-9, msg=lambda m: f"{name}: {m}")
+
+
+@pytest.mark.triton
+@pytest.mark.parametrize("kind", ["random", "block-diagonal"])
+def test_conv_layers_switch_in_place_where_their_tables_allow(kind, monkeypatch):
+    """A managed BlockSparseConv2d rewrites its tables in place (the same tables and key), and the
+    Triton kernels' plans made before the update compute the new layout: output, dX and dW
+    against a float64 copy on the PyTorch path. Block-diagonal tables skip the channel gather,
+    so a layout that needs one takes new tables."""
+    if not torch.cuda.is_available():
+        monkeypatch.setenv("TRITON_INTERPRET", "1")
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    torch.manual_seed(int(torch.randint(1 << 30, ())))
+    lay = np.eye(4, dtype=bool) if kind == "block-diagonal" else None
+    layer = BlockSparseConv2d(64, 64, 3, padding=1, block_size=16, layout=lay,
+                              density=None if lay is not None else 0.5, backend="triton").to(dev)
+    policy = SET(layer, None, every=1, fraction=0.5, seed=int(torch.randint(1 << 30, ())))
+    key = layer._tables.key
+    x = torch.randn(2, 64, 5, 5, device=dev)
+    layer(x).square().mean().backward()                              # plans made on the old layout
+    old = layer.block_layout().copy()
+    info = policy.step()
+    assert not np.array_equal(layer.block_layout(), old)
+    assert info["in_place"] is (kind == "random") and (layer._tables.key == key) is (kind == "random")
+    ref = copy.deepcopy(layer).cpu().double()
+    ref.backend = "dense"
+    xk = x.detach().clone().requires_grad_()
+    xr = x.detach().cpu().double().requires_grad_()
+    layer.weight.grad = None
+    g = torch.randn(2, 64, 5, 5)
+    y, y_ref = layer(xk), ref(xr)
+    dx, dw = torch.autograd.grad(y, (xk, layer.weight), g.to(dev))
+    dx_ref, dw_ref = torch.autograd.grad(y_ref, (xr, ref.weight), g.double())
+    for got, want in ((y, y_ref), (dx, dx_ref), (dw, dw_ref)):
+        torch.testing.assert_close(got.cpu().double(), want, rtol=1e-4, atol=1e-4)

@@ -29,7 +29,7 @@ from bstrain import layout as layouts
 from bstrain.nn._sparse import BlockLayoutModule, bias_arg, layout_of, size_arg
 from bstrain.ops.conv import bsconv2d_ref, conv_geometry, dense_conv_filter, sparse_conv2d, tables_on
 from bstrain.ops.matmul import compute_dtype
-from bstrain.ops.tables import layout_tables
+from bstrain.ops.tables import layout_tables, private_tables
 
 __all__ = ["BlockSparseConv2d", "sparsify_conv2d_candidates"]
 
@@ -125,12 +125,33 @@ class BlockSparseConv2d(BlockLayoutModule):
         return self._layout
 
     def _use_layout(self, layout: np.ndarray) -> bool:
-        self._layout = np.ascontiguousarray(layout, dtype=bool)
-        self._density = float(self._layout.mean())
-        self._tables = layout_tables("conv", self._layout, self.block_size)    # CPU tables built now
+        lay = np.ascontiguousarray(layout, dtype=bool)
+        tables = getattr(self, "_tables", None)
+        in_place = tables is not None and tables.private and tables.can_rewrite(lay, self.block_size)
+        if in_place:                                   # dynamic sparsity: the same tables, rewritten
+            tables.rewrite(lay, self.block_size)
+        else:
+            private = tables is not None and tables.private
+            devices = [] if tables is None else [d for d in tables.devices if d.type == "cuda"]
+            self._tables = (private_tables if private else layout_tables)("conv", lay, self.block_size)
+            for d in devices:
+                self._tables.on(d)
+        self._layout = lay
+        self._density = float(lay.mean())
         host = self._tables.host
         self._diagonal = host.gather is None and host.scatter is None            # blocks in channel order
-        return False                                                            # new tables (never in place)
+        return in_place
+
+    def make_private(self) -> None:
+        """Gives this layer layout tables that no other layer shares (equal layouts share them by
+        default), so that a layout update (:mod:`bstrain.sparsity`) rewrites them in place: CUDA
+        graphs and compiled graphs made after this keep running the current layout."""
+        if self._tables.private:
+            return
+        devices = [d for d in self._tables.devices if d.type == "cuda"]
+        self._tables = private_tables("conv", self._layout, self.block_size)
+        for d in devices:
+            self._tables.on(d)
 
     def _layout_tables(self):
         return self._tables

@@ -113,21 +113,58 @@ class ConvTables:
                 self._luts = make_luts(self.layout, self.block_size, self.device)
         return self._luts
 
+    def check_rewrite(self, layout: np.ndarray, block_size: int) -> None:
+        """A ValueError if :meth:`rewrite` cannot switch these tables to ``layout`` in place:
+        another shape, block size or live-block count, or a channel gather (scatter) that these
+        tables skip (blocks in channel order) and the new layout needs."""
+        new = np.asarray(layout, dtype=bool)
+        if block_size != self.block_size or new.shape != self.layout.shape or int(new.sum()) != int(self.layout.sum()):
+            raise ValueError(f"layout: an in-place switch needs a {self.layout.shape} layout with "
+                             f"{int(self.layout.sum())} live blocks, got {new.shape} with {int(new.sum())}")
+        cin, kout, _, _ = _channel_maps(new, block_size)
+        if (self.gather is None and not _in_order(cin, new.shape[0] * block_size)) or \
+                (self.scatter is None and not _in_order(kout, new.shape[1] * block_size)):
+            raise ValueError("layout: tables of blocks in channel order (no gather or scatter) cannot take a layout "
+                             "that needs one in place")
 
-@family("conv")
-def conv_tables(layout: np.ndarray, block_size: int, *, device) -> ConvTables:
-    """The tables of a validated (C/bs, K/bs) bool layout; live blocks numbered row-major."""
-    bs = block_size
+    def rewrite(self, layout: np.ndarray, block_size: int) -> None:
+        """These tables, in place, for ``layout`` (:meth:`check_rewrite`): every tensor keeps its
+        length, so plans, CUDA graphs and compiled graphs made before run the new layout."""
+        self.check_rewrite(layout, block_size)
+        new = np.asarray(layout, dtype=bool)
+        cin, kout, rows, cols = _channel_maps(new, block_size)
+        for mine, theirs in ((self.gather, cin), (self.scatter, kout), (self.rows, rows), (self.cols, cols)):
+            if mine is not None:
+                mine.copy_(torch.as_tensor(theirs, dtype=mine.dtype))
+        if self._luts is not None:
+            self._luts.rewrite(new)
+        self.layout = new
+
+
+def _in_order(idx: np.ndarray, n: int) -> bool:
+    return np.array_equal(idx, np.arange(n))
+
+
+def _channel_maps(layout: np.ndarray, bs: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """(input channel of each grouped input, output channel of each grouped output, dense filter
+    row and column of each weight element) of a layout's live blocks in row-major order."""
     ci, kj = np.nonzero(layout)
     chan = np.arange(bs)
     cin = (ci[:, None] * bs + chan).ravel()                         # (nnz·bs,) grouped input channels
     kout = (kj[:, None] * bs + chan).ravel()                        # (nnz·bs,) grouped output channels
     rows = np.repeat(kout.reshape(-1, bs), bs, axis=1).ravel()      # weight[e, o, i] -> (kout[e, o],
     cols = np.tile(cin.reshape(-1, bs), (1, bs)).ravel()            #                    cin[e, i])
-    in_order = lambda idx, n: np.array_equal(idx, np.arange(n))    # noqa: E731
+    return cin, kout, rows, cols
+
+
+@family("conv")
+def conv_tables(layout: np.ndarray, block_size: int, *, device) -> ConvTables:
+    """The tables of a validated (C/bs, K/bs) bool layout; live blocks numbered row-major."""
+    bs = block_size
+    cin, kout, rows, cols = _channel_maps(layout, bs)
     tables = ConvTables(bs, layout, torch.device(device),
-                        None if in_order(cin, layout.shape[0] * bs) else _index(cin, device),
-                        None if in_order(kout, layout.shape[1] * bs) else _index(kout, device),
+                        None if _in_order(cin, layout.shape[0] * bs) else _index(cin, device),
+                        None if _in_order(kout, layout.shape[1] * bs) else _index(kout, device),
                         _index(rows, device), _index(cols, device))
     if tables.device.type == "cuda" and not tracing():
         tables.luts                                                 # the kernels' tables, made now

@@ -4,7 +4,7 @@
 An update rewrites the layers' layout tables in place (the live-block count is kept, so every
 table keeps its length), and the captured step and the graphed evaluation stay valid; where a
 layer's tables cannot take its new layout (a block row or column longer than they hold; a
-convolution), it gets new tables, and the graphs are dropped and captured again when next needed. The step whose gradients RigL reads (the one before an update)
+block-diagonal convolution that now needs a channel gather), it gets new tables, and the graphs are dropped and captured again when next needed. The step whose gradients RigL reads (the one before an update)
 has a capture of its own with the hooks armed (where it cannot be captured, it runs eagerly). The
 layouts travel in the model's state dict; the policy's step count is the run's.
 """
@@ -47,10 +47,11 @@ def make_policy(cfg, model, optimizer, ema, max_steps: int):
 
 
 def allow_recompiles(policy) -> None:
-    """An update that gives a layer new tables (a convolution; a block row or column longer than
-    its tables hold) makes torch.compile trace the model once more (the layouts are constants of
-    the graph); dynamo's recompile limit (8 per frame) would otherwise send the model back to
-    eager after the eighth. Raised to the run's number of updates, plus margin."""
+    """An update that gives a layer new tables (a block row or column longer than its tables
+    hold; a block-diagonal convolution that now needs a gather) makes torch.compile trace the
+    model once more (the layouts are constants of the graph); dynamo's recompile limit (8 per
+    frame) would otherwise send the model back to eager after the eighth. Raised to the run's
+    number of updates, plus margin."""
     import torch._dynamo.config as dynamo
     updates = (policy.stop or 0) // policy.every + 8
     for name in ("recompile_limit", "cache_size_limit"):
