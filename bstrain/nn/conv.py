@@ -29,7 +29,7 @@ from bstrain import layout as layouts
 from bstrain.nn._sparse import BlockLayoutModule, bias_arg, layout_of, size_arg
 from bstrain.ops.conv import bsconv2d_ref, conv_geometry, dense_conv_filter, sparse_conv2d, tables_on
 from bstrain.ops.matmul import compute_dtype
-from bstrain.ops.tables import layout_tables, private_tables
+from bstrain.ops.tables import layout_tables
 
 __all__ = ["BlockSparseConv2d", "sparsify_conv2d_candidates"]
 
@@ -130,12 +130,10 @@ class BlockSparseConv2d(BlockLayoutModule):
         in_place = tables is not None and tables.private and tables.can_rewrite(lay, self.block_size)
         if in_place:                                   # dynamic sparsity: the same tables, rewritten
             tables.rewrite(lay, self.block_size)
+        elif tables is None:
+            self._tables = layout_tables("conv", lay, self.block_size)           # CPU tables built now
         else:
-            private = tables is not None and tables.private
-            devices = [] if tables is None else [d for d in tables.devices if d.type == "cuda"]
-            self._tables = (private_tables if private else layout_tables)("conv", lay, self.block_size)
-            for d in devices:
-                self._tables.on(d)
+            self._tables = tables.like(lay, self.block_size)
         self._layout = lay
         self._density = float(lay.mean())
         host = self._tables.host
@@ -146,12 +144,8 @@ class BlockSparseConv2d(BlockLayoutModule):
         """Gives this layer layout tables that no other layer shares (equal layouts share them by
         default), so that a layout update (:mod:`bstrain.sparsity`) rewrites them in place: CUDA
         graphs and compiled graphs made after this keep running the current layout."""
-        if self._tables.private:
-            return
-        devices = [d for d in self._tables.devices if d.type == "cuda"]
-        self._tables = private_tables("conv", self._layout, self.block_size)
-        for d in devices:
-            self._tables.on(d)
+        if not self._tables.private:
+            self._tables = self._tables.like(self._layout, self.block_size, private=True)
 
     def _layout_tables(self):
         return self._tables

@@ -23,7 +23,7 @@ from torch import Tensor
 
 from bstrain.layout import as_layout
 from bstrain.ops.proj import SparseProj  # noqa: F401  (the seed exports it from matmul)
-from bstrain.ops.tables import eager, family, layout_tables, lookup, private_tables, real_tensors, tracing
+from bstrain.ops.tables import eager, family, layout_tables, lookup, real_tensors, tracing
 
 BLOCK_SIZES = (8, 16, 32, 64, 128)
 _INT32_MAX = 2**31 - 1
@@ -656,12 +656,8 @@ class BlocksparseMatMul:
     def make_private(self) -> None:
         """Gives this op layout tables that no other op shares (equal layouts share them by
         default), so that :meth:`set_layout` can rewrite them in place."""
-        if self._tables.private:
-            return
-        devices = [d for d in self._tables.devices if d.type == "cuda"]
-        self._tables = private_tables("matmul", self.layout, self.block_size)
-        for d in devices:
-            self._tables.on(d)
+        if not self._tables.private:
+            self._tables = self._tables.like(self.layout, self.block_size, private=True)
 
     def set_layout(self, layout) -> bool:
         """Switches this op to another layout of the same shape and live-block count (so a weight of

@@ -151,6 +151,17 @@ class LayoutTables:
             return False
         return True
 
+    def like(self, *spec, private: bool | None = None) -> "LayoutTables":
+        """Tables of this family for ``spec`` (private if these are, or as ``private`` says), made
+        at once on every GPU these are on, so that a graph traced later finds them instead of
+        building them inside the trace."""
+        private = self.private if private is None else private
+        tables = (private_tables if private else layout_tables)(self.family, *spec)
+        for d in self.devices:
+            if d.type == "cuda":
+                tables.on(d)
+        return tables
+
     @property
     def devices(self) -> list[torch.device]:
         """The devices these tables have been made on (the CPU always)."""
