@@ -21,7 +21,10 @@ import sys
 import torch
 import torch.nn.functional as F
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from bench_lstm import kernel_times  # noqa: E402
+
 from bstrain.models.convnet import SparseResNet  # noqa: E402
 
 
@@ -39,7 +42,9 @@ def median_ms(step, steps: int) -> float:
     return statistics.median(times)
 
 
-def step_ms(model, steps: int, compiled: bool) -> float:
+def eager_step(model, compiled: bool = False):
+    """One eager optimizer step (bf16 autocast, AdamW) of ``model`` (compiled or not) on a fixed
+    random batch of 128 images."""
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     fwd = torch.compile(model) if compiled else model
     x = torch.randn(128, 3, 32, 32, device="cuda")
@@ -51,6 +56,11 @@ def step_ms(model, steps: int, compiled: bool) -> float:
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
+    return step
+
+
+def step_ms(model, steps: int, compiled: bool) -> float:
+    step = eager_step(model, compiled)
     for _ in range(5):
         step()
     return median_ms(step, steps)
@@ -73,26 +83,10 @@ def graph_step_ms(model, steps: int) -> float:
 
 def profile_step(model) -> tuple[float, list]:
     """(summed GPU kernel ms of one eager step, its top kernels: (name, ms, calls)) after warm-up."""
-    from torch.profiler import ProfilerActivity, profile
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    x = torch.randn(128, 3, 32, 32, device="cuda")
-    y = torch.randint(0, 10, (128,), device="cuda")
-
-    def step():
-        with torch.autocast("cuda", dtype=torch.bfloat16):
-            loss = F.cross_entropy(model(x).float(), y)
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+    step = eager_step(model)
     for _ in range(3):
         step()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        step()
-        torch.cuda.synchronize()
-    rows = sorted(((e.key, e.device_time_total / 1e3, e.count) for e in prof.key_averages()
-                   if e.device_time_total > 0 and not e.key.startswith(("Memcpy", "Memset"))), key=lambda r: -r[1])
-    return sum(r[1] for r in rows), rows[:8]
+    return kernel_times(step)
 
 
 def write_profile(models: dict, steps: int, out: str) -> None:
