@@ -120,17 +120,32 @@ class DynamicSparsity:
         self.model, self.optimizer = model, optimizer
         self.every, self.fraction, self.stop, self.balanced, self.seed = every, float(fraction), stop, balanced, seed
         self.also = [self._twin_layers(m) for m in also]
-        twins = [layer for other in self.also for layer in other.values()]
-        for layer in [layer for _, layer in self.layers] + twins:     # tables of their own: updates
-            owner = getattr(layer, "op", layer)                       # rewrite them in place
+        for _, layer in self.layers:                  # tables of their own: updates rewrite them in place
+            owner = getattr(layer, "op", layer)
             if hasattr(owner, "make_private"):
                 owner.make_private()
+        for other in self.also:
+            for name, layer in self.layers:
+                if name in other:
+                    self._share(other[name], layer)
         self.steps = 0                  # optimizer steps seen
         self.history: list[dict] = []   # one entry per update: step, share changed per layer
         self._hooks: list = []
         self._grads: dict[str, _GradRecord] = {}
         self._captured_grads: dict[str, _GradRecord] = {}
         self._arm()
+
+    @staticmethod
+    def _share(twin: nn.Module, layer: nn.Module) -> None:
+        """A twin's product reads the layer's private tables (its layout always follows the layer's:
+        one rewrite serves both); other twins (convolutions) get private tables of their own."""
+        from bstrain.ops.matmul import BlocksparseMatMul
+        mine, theirs = getattr(twin, "op", twin), getattr(layer, "op", layer)
+        if isinstance(mine, BlocksparseMatMul) and isinstance(theirs, BlocksparseMatMul):
+            if mine._tables is not theirs._tables:
+                mine.share_tables(theirs)
+        elif hasattr(mine, "make_private"):
+            mine.make_private()
 
     def _twin_layers(self, module: nn.Module) -> dict:
         """The layers of an ``also`` module (an ``AveragedModel``'s own model), by name: the same
@@ -203,6 +218,7 @@ class DynamicSparsity:
                     twin = other.get(name)
                     if twin is not None:
                         in_place &= self._move(twin, np.asarray(twin.block_layout(), dtype=bool), new, [])
+                        self._share(twin, layer)            # again, if the layer took new tables
         self._grads.clear()
         if cuda is not None:
             torch.cuda.synchronize(cuda)
@@ -522,7 +538,10 @@ def _top(score: torch.Tensor, n: int, gen: torch.Generator) -> np.ndarray:
     """Flat indices of the n highest scores of ``score`` (ties in a random order drawn from gen)."""
     flat = score.flatten()
     order = torch.randperm(flat.numel(), generator=gen)
-    best = torch.argsort(flat[order], descending=True, stable=True)[:n]
+    if n >= flat.numel():
+        best = torch.argsort(flat[order], descending=True, stable=True)
+    else:       # a partial selection: an update replaces a few percent of a layer's blocks
+        best = torch.topk(flat[order], n).indices
     return order[best].numpy()
 
 

@@ -20,6 +20,7 @@ import datetime
 import json
 import os
 import re
+import shutil
 import statistics
 import sys
 from pathlib import Path
@@ -65,8 +66,10 @@ def cmd_cost(args) -> None:
     out = {}
     for model, over in COST.items():
         row = {}
-        for policy, sparsity in POLICIES.items():
+        for policy in args.policies.split(","):
+            sparsity = POLICIES[policy]
             run = Path(args.runs) / f"cost_{model}_{policy}"
+            shutil.rmtree(run, ignore_errors=True)
             cfg = config(*over, *RUN, f"data.path={corpus}", "data.max_bytes=67108864", *sparsity,
                          "sparsity.every=100", "sparsity.until=1.0", f"trainer.max_steps={args.steps}",
                          f"trainer.run_dir={run}")
@@ -90,7 +93,14 @@ def cmd_cost(args) -> None:
 def cmd_curve(args) -> None:
     corpus = args.corpus or site_packages_glob()
     over = [*WHICH[args.which], *RUN, f"data.path={corpus}", f"trainer.time_limit_s={args.seconds}",
-            f"trainer.run_dir={args.runs}/{args.which}"]
+            f"data.max_bytes={args.max_bytes}", f"trainer.run_dir={args.runs}/{args.which}"]
+    steps = args.max_steps
+    if args.max_steps_from:          # the static run's steps in the same time, and a margin
+        done = json.loads((Path(args.out) / f"sparsity_curve_{args.max_steps_from}.json").read_text())["steps"]
+        steps = int(1.05 * done)
+    if steps:                        # the policy's schedule (fraction decay, until) counts trainer.max_steps
+        over = [o for o in over if not o.startswith("trainer.max_steps=")] + [f"trainer.max_steps={steps}"]
+    shutil.rmtree(f"{args.runs}/{args.which}", ignore_errors=True)
     cfg = config(*over)
     equal_time_curve(cfg, args.which, args.seconds, os.path.join(args.out, f"sparsity_curve_{args.which}.json"),
                      params=sum(p.numel() for p in build(cfg).parameters()), corpus=corpus, overrides=over)
@@ -165,6 +175,13 @@ def main() -> None:
     sub.choices["cost"].add_argument("--steps", type=int, default=400)
     sub.choices["curve"].add_argument("--which", choices=sorted(WHICH), required=True)
     sub.choices["curve"].add_argument("--seconds", type=float, default=600)
+    sub.choices["curve"].add_argument("--max-bytes", type=int, default=1 << 26, help="data.max_bytes")
+    sub.choices["curve"].add_argument("--max-steps", type=int, default=0,
+                                      help="trainer.max_steps (a policy's schedule spans it; the time limit binds)")
+    sub.choices["curve"].add_argument("--max-steps-from", default=None,
+                                      help="trainer.max_steps = 1.05 x the steps of this earlier curve in --out")
+    sub.choices["cost"].add_argument("--policies", default=",".join(POLICIES),
+                                     help="comma-separated, static first")
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
     {"cost": cmd_cost, "curve": cmd_curve, "report": cmd_report}[args.cmd](args)

@@ -458,8 +458,8 @@ def test_tma_plans_made_before_a_switch_hold_the_longer_lists(monkeypatch):
     op.make_private()
     luts = op._tables.on(dev).luts
     assert luts.fwd.cap == 32
-    x = torch.randn(7, op.C, device=dev)
-    w = torch.randn(op.w_shape, device=dev) / 8
+    x = torch.randn(7 if dev.type == "cpu" else 300, op.C, device=dev)  # on a GPU, more rows than an eager
+    w = torch.randn(op.w_shape, device=dev) / 8                         # host-bound launch takes (no TMA)
     for counts in ([9, 9, 9, 8], [24, 5, 3, 3], [3, 24, 4, 4]):
         lay = layout(counts)
         assert op.set_layout(lay) is True
@@ -532,6 +532,53 @@ def test_balanced_update_rewrites_the_ema_copys_tables_in_place_too():
         assert twin.op.key == key and np.array_equal(twin.block_layout(), mine.block_layout())
         x = torch.randn(3, twin.in_features)
         torch.testing.assert_close(twin(x), x @ twin.dense_weight().t() + twin.bias, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("in_place", [True, False], ids=["in-place", "new-tables"])
+def test_an_ema_copys_products_read_the_layers_tables(monkeypatch, in_place):
+    """One rewrite serves a layer and its EMA copy: the copy's op reads the layer's private tables
+    (its set_layout finds them switched), also after an update that gave the layer new tables;
+    the copy's outputs are its own weights' in the new layout."""
+    from bstrain.ops.tables import LayoutTables
+    model = mlp(density=0.5)
+    ema = copy.deepcopy(model)
+    policy = SET(model, None, every=1, fraction=0.5, seed=3, also=(ema,))
+    pairs = list(zip((layer for _, layer in sparse_layers(model)), (layer for _, layer in sparse_layers(ema))))
+    for mine, twin in pairs:
+        assert twin.op._tables is mine.op._tables and mine.op._tables.private
+    rewrites = []
+    real = LayoutTables.rewrite
+    monkeypatch.setattr(LayoutTables, "rewrite", lambda self, *spec: rewrites.append(self.key) or real(self, *spec))
+    if not in_place:
+        monkeypatch.setattr(LayoutTables, "can_rewrite", lambda self, *spec: False)
+    with torch.no_grad():
+        for _, twin in pairs:
+            twin.weight.mul_(-0.5)                                  # the copy's weights differ from the layer's
+    olds = [mine.block_layout().copy() for mine, _ in pairs]
+    (info,) = train(model, torch.optim.SGD(model.parameters(), lr=0.1), policy, 1)
+    assert info["in_place"] is in_place
+    assert len(rewrites) == (len(pairs) if in_place else 0)       # once per layer, not once more per copy
+    for (mine, twin), old in zip(pairs, olds):
+        assert not np.array_equal(mine.block_layout(), old)
+        assert twin.op._tables is mine.op._tables and mine.op._tables.private
+        assert np.array_equal(twin.block_layout(), mine.block_layout())
+        x = torch.randn(3, twin.in_features)
+        torch.testing.assert_close(twin(x), x @ twin.dense_weight().t() + twin.bias, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(mine(x), x @ mine.dense_weight().t() + mine.bias, rtol=1e-5, atol=1e-5)
+        assert not torch.allclose(twin(x), mine(x))
+
+
+def test_share_tables_needs_private_tables_of_the_same_layout():
+    from bstrain.ops import BlocksparseMatMul
+    lay = np.eye(4, dtype=bool)
+    a, b = BlocksparseMatMul(lay, 16), BlocksparseMatMul(lay, 16)
+    with pytest.raises(ValueError, match="other: expected a BlocksparseMatMul with private tables"):
+        b.share_tables(a)
+    a.make_private()
+    with pytest.raises(ValueError, match="other: expected an op of this op's layout"):
+        BlocksparseMatMul(np.roll(lay, 1, 0), 16).share_tables(a)
+    b.share_tables(a)
+    assert b.key == a.key
 
 
 def test_balanced_growth_always_closes_the_gaps():

@@ -413,33 +413,36 @@ class BsmmLuts:
         where :meth:`check_rewrite` refuses): plans and captured CUDA graphs that read them then run
         the new layout. Every tensor keeps its length, and every launch its grid."""
         self.check_rewrite(layout)
-        new = make_luts(layout, self.block_size, self.fwd.ptr.device)
+        new = make_luts(layout, self.block_size, "cpu")             # on the host, then one copy per table
         self.fwd.take_entries(new.fwd)
         self.bwd.take_entries(new.bwd)
+        ptr = new.fwd.ptr.numpy()
         for group, tensors in self._dw_items.items():
-            for mine, theirs in zip(tensors, new.dw_items(group)):
-                mine.copy_(theirs)
+            for mine, theirs in zip(tensors, self._dw_runs(ptr, group)):
+                mine.copy_(torch.from_numpy(theirs))
 
     def dw_items(self, group: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(column, first entry, count) of runs of up to ``group`` entries of one column, padded with
         empty runs (count 0) to a length that no layout of this shape and live-block count exceeds:
         the dW grid stays the same when the layout changes in place."""
         if group not in self._dw_items:
-            ptr = self.fwd.ptr.cpu().numpy()
-            cols, starts, counts = [], [], []
-            for k in range(len(ptr) - 1):
-                for s in range(int(ptr[k]), int(ptr[k + 1]), group):
-                    cols.append(k)
-                    starts.append(s)
-                    counts.append(min(group, int(ptr[k + 1]) - s))
-            n_out = len(ptr) - 1
-            length = min(self.nnz, (self.nnz + min(n_out, self.nnz) * (group - 1)) // group)
-            pad = length - len(cols)
-            cols, starts, counts = cols + [0] * pad, starts + [0] * pad, counts + [0] * pad
-            dev = self.fwd.ptr.device
-            self._dw_items[group] = tuple(
-                torch.tensor(v, dtype=torch.int32, device=dev) for v in (cols, starts, counts))
+            self._dw_items[group] = tuple(torch.as_tensor(v, device=self.fwd.ptr.device)
+                                          for v in self._dw_runs(self.fwd.ptr.cpu().numpy(), group))
         return self._dw_items[group]
+
+    def _dw_runs(self, ptr: np.ndarray, group: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """:meth:`dw_items` on the host, as int32 arrays, from the fwd lists' ``ptr``."""
+        ptr = ptr.astype(np.int64)
+        n_out = len(ptr) - 1
+        runs = -(-np.diff(ptr) // group)                              # runs of each column
+        cols = np.repeat(np.arange(n_out), runs)
+        first = np.concatenate([[0], np.cumsum(runs)])[:-1]           # each column's first run
+        starts = ptr[cols] + (np.arange(cols.size) - first[cols]) * group
+        counts = np.minimum(group, ptr[cols + 1] - starts)
+        length = min(self.nnz, (self.nnz + min(n_out, self.nnz) * (group - 1)) // group)
+        out = np.zeros((3, length), dtype=np.int32)                   # padding runs: column 0, count 0
+        out[:, :cols.size] = cols, starts, counts
+        return out[0], out[1], out[2]
 
 
 def _cap(max_count: int, n_in: int, headroom: bool) -> int:

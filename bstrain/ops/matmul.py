@@ -659,6 +659,19 @@ class BlocksparseMatMul:
         if not self._tables.private:
             self._tables = self._tables.like(self.layout, self.block_size, private=True)
 
+    def share_tables(self, other: "BlocksparseMatMul") -> None:
+        """Reads ``other``'s private tables from now on: for a copy of a layer whose layout always
+        follows the layer's (an EMA model's under dynamic sparsity), so that one in-place rewrite
+        serves both (:meth:`set_layout` then finds the tables at the new layout already). Needs
+        private tables of this op's layout and block size (a ValueError otherwise)."""
+        if not isinstance(other, BlocksparseMatMul) or not other._tables.private:
+            raise ValueError("other: expected a BlocksparseMatMul with private tables (make_private), got "
+                             f"{'one with shared tables' if isinstance(other, BlocksparseMatMul) else type(other).__name__}")
+        if other.block_size != self.block_size or not np.array_equal(other.layout, self.layout):
+            raise ValueError(f"other: expected an op of this op's layout and block size {self.block_size}, got "
+                             f"{other.layout.shape} blocks of {other.block_size} with another layout")
+        self._tables = other._tables
+
     def set_layout(self, layout) -> bool:
         """Switches this op to another layout of the same shape and live-block count (so a weight of
         w_shape stays valid; its blocks are then read in the new layout's row-major order).
@@ -675,10 +688,13 @@ class BlocksparseMatMul:
         if new.shape != self.layout.shape or int(new.sum()) != self.blocks:
             raise ValueError(f"layout: expected a {self.layout.shape} layout with {self.blocks} live blocks, got "
                              f"{new.shape} with {int(new.sum())}")
-        if self._tables.private and self._tables.can_rewrite(new, self.block_size):
-            self._tables.rewrite(new, self.block_size)
-            self.layout = self._tables.host.layout
-            host = self._tables.host
+        tables = self._tables
+        there = tables.private and np.array_equal(tables.host.layout, new)  # shared with an op switched first
+        if there or (tables.private and tables.can_rewrite(new, self.block_size)):
+            if not there:
+                tables.rewrite(new, self.block_size)
+            host = tables.host
+            self.layout = host.layout
             self._coords.copy_(torch.stack([host.c_idx, host.k_idx]))
             return True
         devices = [d for d in self._tables.devices if d.type == "cuda"]

@@ -109,6 +109,7 @@ class Board:
 
     def __init__(self, run_dir: Path, rank: int = 0):
         self.writer = None
+        self._images = None         # one worker thread: layout images are drawn and encoded off the step
         if rank == 0:
             from torch.utils.tensorboard import SummaryWriter
             self.writer = SummaryWriter(str(run_dir / "tb"))
@@ -122,10 +123,23 @@ class Board:
             self.writer.add_image(f"layout/{name}", layout_picture(lay), 0, dataformats="HW")
 
     def layouts(self, step: int, layouts: dict[str, np.ndarray]) -> None:
-        """Layout images at ``step`` (dynamic sparsity's updates)."""
-        if self.writer is not None:
-            for name, lay in layouts.items():
-                self.writer.add_image(f"layout/{name}", layout_picture(lay), step, dataformats="HW")
+        """Layout images at ``step`` (dynamic sparsity's updates), drawn and PNG-encoded on a worker
+        thread (tens of ms for an LSTM's layouts; the training loop goes on meanwhile)."""
+        if self.writer is None:
+            return
+        if self._images is None:
+            from concurrent.futures import ThreadPoolExecutor
+            self._images = ThreadPoolExecutor(1, thread_name_prefix="bstrain-board")
+        copies = {name: np.array(lay, dtype=bool) for name, lay in layouts.items()}
+        writer = self.writer
+
+        def draw():
+            for name, lay in copies.items():
+                writer.add_image(f"layout/{name}", layout_picture(lay), step, dataformats="HW")
+        def report(done):
+            if done.exception() is not None:
+                log.warning("tensorboard: the layout images of step %d were not written: %s", step, done.exception())
+        self._images.submit(draw).add_done_callback(report)
 
     def scalars(self, step: int, values: dict) -> None:
         if self.writer is not None:
@@ -133,6 +147,9 @@ class Board:
                 self.writer.add_scalar(k, v, step)
 
     def close(self) -> None:
+        if self._images is not None:            # the images still being drawn first
+            self._images.shutdown(wait=True)
+            self._images = None
         if self.writer is not None:
             self.writer.close()
             self.writer = None
