@@ -140,6 +140,16 @@ def balanced(shape: tuple[int, int], density: float, seed: int | None = None) ->
     return lay
 
 
+def growth_limit(n_lists: int, nnz: int, n_in: int) -> int:
+    """How long dynamic sparsity may grow any one of ``n_lists`` block rows (or columns) holding
+    ``nnz`` live blocks in all, each at most ``n_in`` long: twice the mean, to the next power of
+    two, at least 16. The kernels' private tables hold lists this long, so updates within it are
+    rewritten in place. It depends on the shape and live-block count only: every rank and a
+    resumed run draw the same limit."""
+    twice_mean = max(1, -(-2 * nnz // max(1, n_lists)))
+    return min(max(1, n_in), max(16, 1 << (twice_mean - 1).bit_length()))
+
+
 def block_diagonal(n: int, group: int = 1) -> np.ndarray:
     """(n, n) layout with square groups of ``group`` x ``group`` live blocks on the diagonal."""
     if n < 1 or group < 1:

@@ -80,7 +80,9 @@ def _int(v) -> bool:
 
 class DynamicSparsity:
     """Prune the smallest-norm live blocks of each block-sparse layer every ``every`` steps and
-    grow as many dead ones, chosen by :meth:`grow_scores`.
+    grow as many dead ones, chosen by :meth:`grow_scores`: the best-scored that keep every block
+    row and column within :func:`bstrain.layout.growth_limit` (or its longest before the update),
+    which the kernels' tables hold, so that updates rewrite them in place.
 
     Args:
         model: holds the block-sparse layers (a ValueError if none).
@@ -96,18 +98,24 @@ class DynamicSparsity:
             same-named layers take the same layouts and weight moves.
         ops: (BlocksparseMatMul, weight) pairs used directly, outside modules (``model`` may then
             be None); each op switches layout in place (``set_layout``).
+        grown_moments: "zero" (grown blocks start with zero optimizer state) or "mean": their
+            second moment (AdamW's ``exp_avg_sq``, ``max_exp_avg_sq``) starts at the mean of the
+            layer's surviving blocks', so that their first steps are ordinary-sized instead of
+            about 3·lr per element (with zero moments, bias correction counts the tensor's steps,
+            not the block's). First moments start at zero either way.
     """
 
     grows = "random"
 
     def __init__(self, model: nn.Module | None, optimizer: torch.optim.Optimizer | None = None, *, every: int = 100,
                  fraction: float = 0.3, stop: int | None = None, balanced: bool = False, seed: int = 0,
-                 also: tuple[nn.Module, ...] = (), ops=()):
+                 also: tuple[nn.Module, ...] = (), ops=(), grown_moments: str = "zero"):
         _check("every", every, _int(every) and every >= 1, "an int >= 1")
         _check("fraction", fraction, isinstance(fraction, (int, float)) and not isinstance(fraction, bool)
                and 0 < fraction < 1, "a share in (0, 1)")
         _check("stop", stop, stop is None or (_int(stop) and stop >= 0), "None or an int >= 0")
         _check("seed", seed, _int(seed), "an int")
+        _check("grown_moments", grown_moments, grown_moments in ("zero", "mean"), '"zero" or "mean"')
         ops = list(ops)
         if len({id(pair[0]) for pair in ops}) != len(ops):
             raise ValueError("ops: expected each BlocksparseMatMul once, got one op in several (op, weight) pairs; "
@@ -119,6 +127,7 @@ class DynamicSparsity:
                              f"{type(model).__name__} with none")
         self.model, self.optimizer = model, optimizer
         self.every, self.fraction, self.stop, self.balanced, self.seed = every, float(fraction), stop, balanced, seed
+        self.grown_moments = grown_moments
         self.also = [self._twin_layers(m) for m in also]
         for _, layer in self.layers:                  # tables of their own: updates rewrite them in place
             owner = getattr(layer, "op", layer)
@@ -213,7 +222,8 @@ class DynamicSparsity:
             changed[name] = float((new & ~old).sum() / max(1, old.sum()))
             density[name] = float(new.mean())
             if not np.array_equal(new, old):
-                in_place &= self._move(layer, old, new, self._optimizer_states(layer.weight))
+                in_place &= self._move(layer, old, new, self._optimizer_states(layer.weight),
+                                       self._second_moments(layer.weight))
                 for other in self.also:
                     twin = other.get(name)
                     if twin is not None:
@@ -243,7 +253,7 @@ class DynamicSparsity:
         pruned = _top(-prune_score, n, gen)
         new.flat[pruned] = False
         if not self.balanced:
-            new.flat[_top(grow_score, n, gen)] = True
+            new.flat[_grow_within(old, new, grow_score, n, gen, *_growth_limits(old))] = True
             return new
         return _grow_balanced(old, new, pruned, grow_score, gen)
 
@@ -257,11 +267,22 @@ class DynamicSparsity:
         state = self.optimizer.state.get(weight, {})
         return [t for t in state.values() if isinstance(t, torch.Tensor) and t.shape == weight.shape]
 
+    def _second_moments(self, weight: nn.Parameter) -> list[torch.Tensor]:
+        """The optimizer's second-moment tensors of ``weight`` that grown blocks start at the
+        survivors' mean (grown_moments="mean"); none otherwise."""
+        if self.optimizer is None or self.grown_moments == "zero":
+            return []
+        state = self.optimizer.state.get(weight, {})
+        return [state[k] for k in ("exp_avg_sq", "max_exp_avg_sq")
+                if isinstance(state.get(k), torch.Tensor) and state[k].shape == weight.shape]
+
     @staticmethod
-    def _move(layer: nn.Module, old: np.ndarray, new: np.ndarray, states: list[torch.Tensor]) -> bool:
+    def _move(layer: nn.Module, old: np.ndarray, new: np.ndarray, states: list[torch.Tensor],
+              seeded: list[torch.Tensor] = ()) -> bool:
         """Switches ``layer`` to ``new``: surviving blocks (and their optimizer state) move to their
-        place in the new row-major block order, grown blocks (and state) start at zero. True when
-        the layer's tables were rewritten in place."""
+        place in the new row-major block order, grown blocks (and state) start at zero, except in
+        the ``seeded`` states (some of ``states``), where they start at the survivors' mean. True
+        when the layer's tables were rewritten in place."""
         if int(new.sum()) != int(old.sum()):
             raise RuntimeError(f"sparsity: a new layout of {int(new.sum())} live blocks for a layer of {int(old.sum())}; "
                                f"please report this layout")
@@ -270,9 +291,14 @@ class DynamicSparsity:
         src = torch.as_tensor(old_id[new])                                   # new block i <- old src[i] (or -1)
         keep = src >= 0
         dst_idx, src_idx = torch.nonzero(keep).flatten(), src[keep]
+        seeded_ids = {id(t) for t in seeded}
         for t in [layer.weight, *states]:
-            moved = torch.zeros_like(t)
-            moved[dst_idx.to(t.device)] = t[src_idx.to(t.device)]
+            kept = t[src_idx.to(t.device)]
+            if id(t) in seeded_ids and kept.numel():
+                moved = torch.empty_like(t).fill_(kept.mean())
+            else:
+                moved = torch.zeros_like(t)
+            moved[dst_idx.to(t.device)] = kept
             t.copy_(moved)
         in_place = layer._switch_layout(new)
         if hasattr(layer, "_write_layout_buffer"):                              # a module's layout buffer
@@ -469,6 +495,54 @@ def _block_norms(layer: nn.Module, g: torch.Tensor) -> torch.Tensor:
         return g.reshape(K // bs, bs, C // bs, bs, -1).square().sum((1, 3, 4)).t().sqrt()
     C, K = g.shape
     return g.reshape(C // bs, bs, K // bs, bs).square().sum((1, 3)).sqrt()
+
+
+def _growth_limits(old: np.ndarray) -> tuple[int, int]:
+    """The longest block row and column an unbalanced update may leave: the longer of
+    :func:`bstrain.layout.growth_limit` (which the kernels' private tables hold) and the longest of
+    ``old``. A function of the layout alone: every rank and a resumed run draw the same."""
+    from bstrain.layout import growth_limit
+    nnz, (rows, cols) = int(old.sum()), old.shape
+    return (max(growth_limit(rows, nnz, cols), int(old.sum(1).max(initial=0))),
+            max(growth_limit(cols, nnz, rows), int(old.sum(0).max(initial=0))))
+
+
+def _grow_within(old: np.ndarray, new: np.ndarray, score: torch.Tensor, n: int, gen: torch.Generator,
+                 limit_r: int, limit_c: int) -> np.ndarray:
+    """Flat indices of ``n`` blocks to grow among those dead before the update, best-scored first,
+    such that no block row ends longer than ``limit_r`` nor column longer than ``limit_c``
+    (:func:`_growth_limits`: so the update rewrites the kernels' tables in place and a captured
+    step stays valid). Where the greedy choice falls short, augmenting swaps (as in balanced
+    growth) make room; only where no choice within the limits exists do the best remaining blocks
+    fill the rest (the layer then takes new tables)."""
+    dead = int((~old).sum())
+    cols = old.shape[1]
+    for k in dict.fromkeys((min(dead, 2 * n + 64), dead)):      # the best 2n first; all of them if that falls short
+        row_room, col_room = (limit_r - new.sum(1)).tolist(), (limit_c - new.sum(0)).tolist()
+        order = _top(score, k, gen).tolist()                    # best first
+        picked = []
+        for flat in order:
+            r, c = divmod(flat, cols)
+            if row_room[r] > 0 and col_room[c] > 0:
+                picked.append(flat)
+                row_room[r] -= 1
+                col_room[c] -= 1
+                if len(picked) == n:
+                    return np.asarray(picked, dtype=np.int64)
+    grown = np.zeros(old.shape, dtype=bool)
+    grown.flat[picked] = True
+    need_r, need_c, short = np.asarray(row_room), np.asarray(col_room), n - len(picked)
+    while short:
+        path = _augmenting_path(~old, grown, need_r, need_c)
+        if path is None:
+            break
+        for i, (r, c) in enumerate(path):                       # add, remove, add, ...: one more grown
+            grown[r, c] = i % 2 == 0
+        need_r[path[0][0]] -= 1
+        need_c[path[-1][1]] -= 1
+        short -= 1
+    rest = [flat for flat in order if not grown.flat[flat]][:short]
+    return np.concatenate([np.flatnonzero(grown), np.asarray(rest, dtype=np.int64)])
 
 
 def _grow_balanced(old: np.ndarray, new: np.ndarray, pruned: np.ndarray, score: torch.Tensor,

@@ -8,7 +8,8 @@
     PYTHONPATH=$PWD python scripts/bench_sparsity.py curve --which NAME --seconds 600 --out DIR
         One model for a fixed wall-clock budget on this machine's site-packages *.py sources (whole
         files held out): lstm_dense, lstm_static, lstm_set, lstm_rigl (equal parameters, as
-        bench_lstm.py's pair), ffn_sparse (transformer, 25% FFN blocks, RigL), ffn_dense (the
+        bench_lstm.py's pair; lstm_rigl_balanced and lstm_rigl_mean: RigL balanced, and with
+        sparsity.grown_moments=mean), ffn_sparse (transformer, 25% FFN blocks, RigL), ffn_dense (the
         dense FFN of equal parameters). Writes sparsity_curve_NAME.json.
     python scripts/bench_sparsity.py report --out DIR
         sparsity.md (and sparsity.png with matplotlib) from the JSON files in DIR.
@@ -41,6 +42,8 @@ WHICH = {
     "lstm_static": CURVE_COMMON + PAIR["sparse"],
     "lstm_set": CURVE_COMMON + PAIR["sparse"] + ["sparsity=set"] + SPARSE,
     "lstm_rigl": CURVE_COMMON + PAIR["sparse"] + ["sparsity=rigl"] + SPARSE,
+    "lstm_rigl_balanced": CURVE_COMMON + PAIR["sparse"] + ["sparsity=rigl", "sparsity.balanced=true"] + SPARSE,
+    "lstm_rigl_mean": CURVE_COMMON + PAIR["sparse"] + ["sparsity=rigl", "sparsity.grown_moments=mean"] + SPARSE,
     # 25% of a 4x FFN's blocks against a dense 1x FFN: equal FFN parameters
     "ffn_sparse": FFN + ["model.ffn_density=0.25", "sparsity=rigl"] + SPARSE,
     "ffn_dense": FFN + ["model.ffn_mult=1"],

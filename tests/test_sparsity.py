@@ -5,6 +5,7 @@ balanced mode, an EMA copy, convolutions, ranks that agree, and the argument che
 from __future__ import annotations
 
 import copy
+import math
 
 import numpy as np
 import pytest
@@ -73,6 +74,44 @@ def test_update_keeps_counts_and_moves_state_exactly(cls):
                 assert not block.any()
                 for k in states_new:
                     assert not states_new[k][coord].any(), (name, k, coord)
+
+
+@pytest.mark.parametrize("amsgrad", [False, True], ids=["adamw", "amsgrad"])
+def test_grown_moments_mean_starts_the_second_moment_at_the_survivors_mean(amsgrad):
+    """grown_moments="mean": a grown block's exp_avg_sq (and max_exp_avg_sq) starts at the mean of
+    the layer's surviving blocks' (after the move), its exp_avg and weight at zero; survivors keep
+    everything bit for bit."""
+    model = mlp()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, amsgrad=amsgrad)
+    policy = RigL(model, opt, every=2, fraction=0.4, seed=2, grown_moments="mean")
+    train(model, opt, policy, 1)
+    model(torch.randn(16, 64)).square().mean().backward()
+    opt.step()
+    opt.zero_grad()
+    seconds = ("exp_avg_sq", "max_exp_avg_sq") if amsgrad else ("exp_avg_sq",)
+    before = {name: (layer.block_layout().copy(), {k: blocks_by_coord(layer, v) for k, v in
+                                                   opt.state[layer.weight].items() if k != "step"})
+              for name, layer in sparse_layers(model)}
+    assert policy.step() is not None
+    for name, layer in sparse_layers(model):
+        old, states_old = before[name]
+        new = layer.block_layout()
+        survivors = [tuple(c) for c in np.argwhere(new & old)]
+        grown = [tuple(c) for c in np.argwhere(new & ~old)]
+        assert survivors and grown
+        states_new = {k: blocks_by_coord(layer, v) for k, v in opt.state[layer.weight].items() if k != "step"}
+        assert set(states_new) == {"exp_avg", *seconds}
+        for k, blocks in states_new.items():
+            for c in survivors:
+                assert torch.equal(blocks[c], states_old[k][c]), (name, k, c)
+            mean = torch.stack([states_old[k][c] for c in survivors]).mean()
+            for c in grown:
+                if k in seconds:
+                    assert torch.equal(blocks[c], torch.full_like(blocks[c], mean.item())), (name, k, c)
+                    assert mean > 0
+                else:
+                    assert not blocks[c].any()
+        assert not any(blocks_by_coord(layer)[c].any() for c in grown)
 
 
 def test_grown_blocks_receive_gradients_at_the_next_step():
@@ -172,6 +211,7 @@ def test_ema_copy_follows_and_conv_layers_update():
     (dict(fraction=1.0), r"fraction: expected a share in \(0, 1\)"),
     (dict(every=0), "every: expected an int >= 1, got 0"),
     (dict(stop=-1), "stop: expected None or an int >= 0"),
+    (dict(grown_moments="ones"), 'grown_moments: expected "zero" or "mean", got \'ones\''),
 ])
 def test_bad_settings(kw, match):
     with pytest.raises(ValueError, match=match):
@@ -579,6 +619,60 @@ def test_share_tables_needs_private_tables_of_the_same_layout():
         BlocksparseMatMul(np.roll(lay, 1, 0), 16).share_tables(a)
     b.share_tables(a)
     assert b.key == a.key
+
+
+def test_unbalanced_growth_keeps_rows_and_columns_within_the_tables_and_in_place():
+    """Growth that would pile into one block column (a gradient concentrated there) stops at the
+    growth limit (twice the mean column, to a power of two), which the kernels' private tables
+    hold, so they are rewritten in place; without that limit this update took new tables."""
+    from bstrain.sparsity import _grow_within
+
+    class OneColumn(RigL):
+        def grow_scores(self, name, layer, old, gen):           # column 0 first, then the rest at random
+            score = torch.rand(old.shape, generator=gen)
+            score[:, 0] += 10
+            return score
+
+    from bstrain.layout import growth_limit
+    torch.manual_seed(int(torch.randint(1 << 30, ())))
+    model = nn.Sequential(BlockSparseLinear(1024, 1024, block_size=16, density=0.1))   # 64 x 64 blocks
+    layer = model[0]
+    policy = OneColumn(model, None, every=1, fraction=0.5)
+    luts = layer.op._tables.on("cpu").luts                       # the kernels' tables (their cap) on the host
+    old = layer.block_layout().copy()
+    limit = growth_limit(64, int(old.sum()), 64)
+    assert old.sum(0).max() < limit == luts.fwd.cap < 64
+    info = policy.step()
+    new = layer.block_layout()
+    assert new.sum() == old.sum() and not np.array_equal(new, old)
+    assert new.sum(0).max() <= limit and new.sum(1).max() <= max(limit, old.sum(1).max())
+    assert new[:, 0].sum() == limit                              # column 0 filled up to the limit
+    assert info["in_place"] is True and layer.op._tables.on("cpu").luts is luts
+    # the direct call on small layouts with tight limits: n distinct blocks, all dead before the
+    # update, and within the limits whenever some choice is (checked by brute force)
+    import itertools
+    rng = np.random.default_rng(int(torch.randint(1 << 30, ())))
+    checked = 0
+    for t in range(300):
+        lay = rng.random((int(rng.integers(2, 6)), int(rng.integers(2, 6)))) < rng.uniform(0.2, 0.7)
+        n = min(int(rng.integers(1, 4)), int(lay.sum()), int((~lay).sum()))
+        if n < 1:
+            continue
+        pruned = lay.copy()
+        pruned.flat[rng.choice(np.flatnonzero(lay), n, replace=False)] = False
+        score = torch.rand(lay.shape).masked_fill(torch.as_tensor(lay), -math.inf)
+        lim_r, lim_c = int(lay.sum(1).max()), int(lay.sum(0).max())        # tight limits: swaps needed
+        grown = _grow_within(lay, pruned, score, n, torch.Generator().manual_seed(t), lim_r, lim_c)
+        assert len(set(grown.tolist())) == n and not lay.flat[grown].any()
+
+        def within(cells):
+            out = pruned.copy()
+            out.flat[list(cells)] = True
+            return out.sum(0).max() <= lim_c and out.sum(1).max() <= lim_r
+        if any(within(c) for c in itertools.combinations(np.flatnonzero(~lay), n)):
+            assert within(grown), (lay, pruned, grown)
+            checked += 1
+    assert checked > 50
 
 
 def test_balanced_growth_always_closes_the_gaps():

@@ -169,6 +169,11 @@ class Policy(str, Enum):
     rigl = "rigl"
 
 
+class GrownMoments(str, Enum):
+    zero = "zero"
+    mean = "mean"
+
+
 @dataclass
 class SparsityConfig:
     """Dynamic block sparsity (bstrain.sparsity), applied to every block-sparse layer of the model."""
@@ -182,6 +187,9 @@ class SparsityConfig:
                                                           "frozen"})
     balanced: bool = field(default=False, metadata={"help": "keep each column of blocks' live count"})
     seed: int = field(default=0, metadata={"help": "seed of the random draws (SET's growth, ties)"})
+    grown_moments: GrownMoments = field(default=GrownMoments.zero, metadata={
+        "help": "zero: grown blocks start with zero AdamW moments | mean: their second moment starts at the "
+                "mean of the layer's surviving blocks' (so their first steps are ordinary-sized)"})
 
 
 @dataclass

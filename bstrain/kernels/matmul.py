@@ -37,6 +37,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 from bstrain.kernels.alloc import empty
 from bstrain.kernels.launch import Launch, aligned, host_bound, plan
+from bstrain.layout import growth_limit
 
 BLOCK_SIZES = (8, 16, 32, 64, 128)
 _INT32_MAX = 2**31 - 1
@@ -445,12 +446,13 @@ class BsmmLuts:
         return out[0], out[1], out[2]
 
 
-def _cap(max_count: int, n_in: int, headroom: bool) -> int:
+def _cap(max_count: int, n_in: int, headroom: bool, n_out: int = 1, nnz: int = 0) -> int:
     """The longest list a SegmentLut's launch plans hold: the next power of two (at least 16) of
-    the longest; with headroom (tables that change in place), of a quarter more, up to n_in's."""
+    the longest; with headroom (tables that change in place), of a quarter more and at least the
+    :func:`bstrain.layout.growth_limit` of its ``n_out`` lists of ``nnz`` entries, up to n_in's."""
     if not headroom:
         return max(16, triton.next_power_of_2(max(1, max_count)))
-    want = max(16, triton.next_power_of_2(max_count + max(1, max_count // 4)))
+    want = max(16, triton.next_power_of_2(max_count + max(1, max_count // 4)), growth_limit(n_out, nnz, n_in))
     return min(want, max(16, triton.next_power_of_2(max(1, n_in))))
 
 
@@ -470,7 +472,7 @@ def _segment_lut(out_of_entry: np.ndarray, in_of_entry: np.ndarray, n_out: int, 
         raise ValueError("layout: too many blocks for 32-bit lookup tables")
     max_count = int(counts.max(initial=0))
     return SegmentLut(as_t(ptr), as_t(in_of_entry[perm]), as_t(weight_idx[perm]), as_t(order),
-                      max_count, as_t(packed), n_in, _cap(max_count, n_in, headroom))
+                      max_count, as_t(packed), n_in, _cap(max_count, n_in, headroom, n_out, int(out_of_entry.size)))
 
 
 def make_luts(layout: np.ndarray, block_size: int, device: torch.device | str, headroom: bool = False) -> BsmmLuts:

@@ -680,8 +680,9 @@ class BlocksparseMatMul:
         With private tables (:meth:`make_private`), the tables are rewritten in place on every
         device and the op keeps its key: CUDA graphs captured before and graphs compiled before
         stay valid, and True is returned. That holds unless a block row or column outgrows what
-        the kernels' tables hold (the next power of two of the longest list plus a quarter, at
-        least 16; balanced dynamic sparsity keeps every count) or output panels were built. Otherwise the op takes
+        the kernels' tables hold (the next power of two of the longest list plus a quarter, and
+        at least :func:`bstrain.layout.growth_limit`, within which dynamic sparsity grows) or
+        output panels were built. Otherwise the op takes
         new tables (private if its old ones were), made at once on every GPU the old ones were on
         so that a graph traced later finds them, and False is returned."""
         new = as_layout(layout)

@@ -38,7 +38,8 @@ def make_policy(cfg, model, optimizer, ema, max_steps: int):
                     "more than sparsity.every = %d", policy, int(s.until * max_steps), s.every)
     try:
         return cls(model, optimizer, every=s.every, fraction=s.fraction, stop=int(s.until * max_steps),
-                   balanced=bool(s.balanced), seed=s.seed, also=() if ema is None else (ema.module,))
+                   balanced=bool(s.balanced), seed=s.seed, also=() if ema is None else (ema.module,),
+                   grown_moments=_value(s.get("grown_moments", "zero")))
     except ValueError as exc:
         msg = str(exc)
         if msg.startswith("model:"):

@@ -85,6 +85,15 @@ def test_bad_settings_stop_at_start(tmp_path, over, match):
         train(_cfg(tmp_path, "bad", **over))
 
 
+def test_grown_moments_reaches_the_policy(tmp_path):
+    from bstrain.train.sparsity import make_policy
+    from tests.test_sparsity import mlp
+    model = mlp()
+    opt = torch.optim.AdamW(model.parameters())
+    assert make_policy(_cfg(tmp_path, "gm", grown_moments="mean"), model, opt, None, 100).grown_moments == "mean"
+    assert make_policy(_cfg(tmp_path, "gz"), model, opt, None, 100).grown_moments == "zero"
+
+
 def test_a_model_without_block_sparse_layers(tmp_path):
     cfg = _cfg(tmp_path, "dense")
     with open_dict(cfg):
