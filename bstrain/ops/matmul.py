@@ -698,13 +698,10 @@ class BlocksparseMatMul:
             self.layout = host.layout
             self._coords.copy_(torch.stack([host.c_idx, host.k_idx]))
             return True
-        devices = [d for d in self._tables.devices if d.type == "cuda"]
-        private = self._tables.private
-        self.__init__(new, self.block_size, self.feature_axis, self.z_order, self.name, backend=self.backend)
-        if private:
-            self.make_private()
-        for d in devices:
-            self._tables.on(d)
+        self._tables = tables.like(new, self.block_size)   # private if those were, made on the same GPUs
+        host = self._tables.host
+        self.layout = host.layout
+        self._coords.copy_(torch.stack([host.c_idx, host.k_idx]))
         return False
 
     def __call__(self, I: torch.Tensor, W: torch.Tensor, dw_dtype: torch.dtype = torch.float32, *, gate=None,

@@ -33,6 +33,11 @@ def make_policy(cfg, model, optimizer, ema, max_steps: int):
     if not 0 < s.until <= 1:
         raise UserError(f"sparsity.until: expected a share of trainer.max_steps in (0, 1], got {s.until!r}")
     cls = {"set": SET, "rigl": RigL}[policy]
+    limit = cfg.trainer.get("time_limit_s") or 0
+    if limit:
+        log.warning("sparsity=%s: the share decays and the layouts freeze by steps of trainer.max_steps (%d; frozen "
+                    "from step %d), while trainer.time_limit_s=%g may end the run sooner; set trainer.max_steps to "
+                    "about the steps that time allows", policy, max_steps, int(s.until * max_steps), limit)
     if int(s.until * max_steps) <= s.every:
         log.warning("sparsity=%s: no layout update will run: sparsity.until x trainer.max_steps = %d steps is not "
                     "more than sparsity.every = %d", policy, int(s.until * max_steps), s.every)

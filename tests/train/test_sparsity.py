@@ -94,6 +94,18 @@ def test_grown_moments_reaches_the_policy(tmp_path):
     assert make_policy(_cfg(tmp_path, "gz"), model, opt, None, 100).grown_moments == "zero"
 
 
+def test_a_time_limited_run_is_told_that_the_schedule_counts_max_steps(tmp_path, caplog):
+    from bstrain.train.sparsity import make_policy
+    from tests.test_sparsity import mlp
+    cfg = _cfg(tmp_path, "tl")
+    make_policy(cfg, mlp(), None, None, 8)
+    assert "time_limit_s" not in caplog.text
+    with open_dict(cfg):
+        cfg.trainer.time_limit_s = 600.0
+    make_policy(cfg, mlp(), None, None, 8)
+    assert "trainer.time_limit_s=600 may end the run sooner; set trainer.max_steps" in caplog.text
+
+
 def test_a_model_without_block_sparse_layers(tmp_path):
     cfg = _cfg(tmp_path, "dense")
     with open_dict(cfg):
