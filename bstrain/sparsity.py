@@ -100,9 +100,11 @@ class DynamicSparsity:
             be None); each op switches layout in place (``set_layout``).
         grown_moments: "zero" (grown blocks start with zero optimizer state) or "mean": their
             second moment (AdamW's ``exp_avg_sq``, ``max_exp_avg_sq``) starts at the mean of the
-            layer's surviving blocks', so that their first steps are ordinary-sized instead of
-            about 3·lr per element (with zero moments, bias correction counts the tensor's steps,
-            not the block's). First moments start at zero either way.
+            layer's surviving blocks' (experimental). With zero moments a grown block's first step is
+            about 3·lr per element whatever its gradient (bias correction counts the tensor's
+            steps, not the block's); with "mean" it scales with the block's gradient against the
+            survivors' typical one, smaller for most blocks, larger for outliers. First moments
+            start at zero either way.
     """
 
     grows = "random"

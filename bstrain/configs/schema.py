@@ -189,7 +189,7 @@ class SparsityConfig:
     seed: int = field(default=0, metadata={"help": "seed of the random draws (SET's growth, ties)"})
     grown_moments: GrownMoments = field(default=GrownMoments.zero, metadata={
         "help": "zero: grown blocks start with zero AdamW moments | mean: their second moment starts at the "
-                "mean of the layer's surviving blocks' (so their first steps are ordinary-sized)"})
+                "mean of the layer's surviving blocks' (experimental: first steps scale with the gradient)"})
 
 
 @dataclass
