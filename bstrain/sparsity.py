@@ -217,7 +217,21 @@ class DynamicSparsity:
         t0 = time.perf_counter()
         share = self.fraction_at(step)
         gen = torch.Generator().manual_seed(self.seed * 1_000_003 + step)
-        changed, density, in_place = {}, {}, True
+        changed, density = {}, {}
+        from bstrain.ops.matmul import switching_together
+        with switching_together():          # a layer and its EMA copy switch together (shared tables)
+            in_place = self._switch_all(share, gen, changed, density)
+        self._grads.clear()
+        if cuda is not None:
+            torch.cuda.synchronize(cuda)
+        info = {"step": step, "fraction": share, "changed": changed, "density": density, "in_place": in_place,
+                "seconds": time.perf_counter() - t0}
+        self.history.append(info)
+        return info
+
+    def _switch_all(self, share: float, gen: torch.Generator, changed: dict, density: dict) -> bool:
+        """New layouts for every layer (and its twins); True if every switch was made in place."""
+        in_place = True
         for name, layer in self.layers:
             old = np.asarray(layer.block_layout(), dtype=bool)
             new = self._new_layout(name, layer, old, share, gen)
@@ -231,13 +245,7 @@ class DynamicSparsity:
                     if twin is not None:
                         in_place &= self._move(twin, np.asarray(twin.block_layout(), dtype=bool), new, [])
                         self._share(twin, layer)            # again, if the layer took new tables
-        self._grads.clear()
-        if cuda is not None:
-            torch.cuda.synchronize(cuda)
-        info = {"step": step, "fraction": share, "changed": changed, "density": density, "in_place": in_place,
-                "seconds": time.perf_counter() - t0}
-        self.history.append(info)
-        return info
+        return in_place
 
     def _new_layout(self, name: str, layer: nn.Module, old: np.ndarray, share: float,
                     gen: torch.Generator) -> np.ndarray:

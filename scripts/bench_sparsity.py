@@ -186,6 +186,8 @@ def main() -> None:
     sub.choices["cost"].add_argument("--policies", default=",".join(POLICIES),
                                      help="comma-separated, static first")
     args = ap.parse_args()
+    if args.cmd == "cost" and args.policies.split(",")[0] != "static":
+        ap.error(f"--policies: expected static first (the others' share is against it), got {args.policies}")
     os.makedirs(args.out, exist_ok=True)
     {"cost": cmd_cost, "curve": cmd_curve, "report": cmd_report}[args.cmd](args)
 

@@ -608,6 +608,30 @@ def test_an_ema_copys_products_read_the_layers_tables(monkeypatch, in_place):
         assert not torch.allclose(twin(x), mine(x))
 
 
+@pytest.mark.parametrize("loaded", ["ema", "model"])
+def test_a_layout_loaded_into_one_of_a_layer_and_its_ema_copy_leaves_the_other_alone(loaded):
+    """Outside an update, a layer and its EMA copy that share tables switch apart: loading a state
+    dict of another layout into one (a resume that restores only the model, say) gives the other
+    tables of its own, so each computes with its own layout and weights."""
+    model = mlp(density=0.5)
+    ema = copy.deepcopy(model)
+    SET(model, None, every=1, fraction=0.5, seed=4, also=(ema,))
+    other = mlp(seed=9, density=0.5)                                    # other layouts, same counts
+    target, bystander = (ema, model) if loaded == "ema" else (model, ema)
+    before = [layer.block_layout().copy() for _, layer in sparse_layers(bystander)]
+    target.load_state_dict(other.state_dict())
+    x = torch.randn(5, 64)
+    for (_, mine), (_, theirs), old in zip(sparse_layers(target), sparse_layers(other), before):
+        assert np.array_equal(mine.block_layout(), theirs.block_layout())
+    for (_, layer), old in zip(sparse_layers(bystander), before):
+        assert np.array_equal(layer.block_layout(), old) and np.array_equal(layer.op._tables.host.layout, old)
+    for net in (target, bystander):
+        for _, layer in sparse_layers(net):
+            xi = torch.randn(5, layer.in_features)
+            torch.testing.assert_close(layer(xi), xi @ layer.dense_weight().t() + layer.bias, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(target(x), other(x), rtol=1e-5, atol=1e-5)
+
+
 def test_share_tables_needs_private_tables_of_the_same_layout():
     from bstrain.ops import BlocksparseMatMul
     lay = np.eye(4, dtype=bool)

@@ -13,6 +13,7 @@ on CPU tensors needs ``TRITON_INTERPRET=1`` set before triton is imported.
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import warnings
 from dataclasses import dataclass, field
@@ -32,6 +33,22 @@ _BACKENDS = ("auto", "triton", "torch")
 
 __all__ = ["BlocksparseMatMul", "SparseProj", "GradGroup", "bsmm_ref", "bsmm_dx_ref", "bsmm_dw_ref",
            "check_block_size", "BLOCK_SIZES"]
+
+
+_TOGETHER = [False]
+
+
+@contextlib.contextmanager
+def switching_together():
+    """Inside, an op's in-place switch leaves the ops that read its tables (:meth:`BlocksparseMatMul.
+    share_tables`) sharing them: they switch to the same layout next (a sparsity policy's update
+    of a layer and its EMA copy). Outside, such a switch first gives each of them tables of its
+    own, so that no op ever reads tables of a layout other than its own."""
+    _TOGETHER[0] = True
+    try:
+        yield
+    finally:
+        _TOGETHER[0] = False
 
 
 def check_block_size(block_size) -> int:
@@ -670,7 +687,14 @@ class BlocksparseMatMul:
         if other.block_size != self.block_size or not np.array_equal(other.layout, self.layout):
             raise ValueError(f"other: expected an op of this op's layout and block size {self.block_size}, got "
                              f"{other.layout.shape} blocks of {other.block_size} with another layout")
+        self._tables.followers.discard(self)
         self._tables = other._tables
+        self._tables.followers.add(self)
+
+    def _own_tables(self, layout: np.ndarray) -> None:
+        """Stops reading shared tables: private tables of this op's own, for ``layout``."""
+        self._tables.followers.discard(self)
+        self._tables = self._tables.like(layout, self.block_size, private=True)
 
     def set_layout(self, layout) -> bool:
         """Switches this op to another layout of the same shape and live-block count (so a weight of
@@ -690,19 +714,24 @@ class BlocksparseMatMul:
             raise ValueError(f"layout: expected a {self.layout.shape} layout with {self.blocks} live blocks, got "
                              f"{new.shape} with {int(new.sum())}")
         tables = self._tables
-        there = tables.private and np.array_equal(tables.host.layout, new)  # shared with an op switched first
-        if there or (tables.private and tables.can_rewrite(new, self.block_size)):
-            if not there:
-                tables.rewrite(new, self.block_size)
-            host = tables.host
-            self.layout = host.layout
-            self._coords.copy_(torch.stack([host.c_idx, host.k_idx]))
-            return True
-        self._tables = tables.like(new, self.block_size)   # private if those were, made on the same GPUs
+        in_place = True
+        if tables.private and np.array_equal(tables.host.layout, new):
+            pass                        # tables this op reads, switched already by their owner
+        elif self in tables.followers:  # shared tables of another layout: tables of its own
+            self._own_tables(new)
+            in_place = False
+        elif tables.private and tables.can_rewrite(new, self.block_size):
+            if not _TOGETHER[0]:        # ops reading these tables keep their layout: tables of their own
+                for op in list(tables.followers):
+                    op._own_tables(op.layout)
+            tables.rewrite(new, self.block_size)
+        else:
+            self._tables = tables.like(new, self.block_size)   # private if those were, made on the same GPUs
+            in_place = False
         host = self._tables.host
         self.layout = host.layout
         self._coords.copy_(torch.stack([host.c_idx, host.k_idx]))
-        return False
+        return in_place
 
     def __call__(self, I: torch.Tensor, W: torch.Tensor, dw_dtype: torch.dtype = torch.float32, *, gate=None,
                  gate_grad: bool = True, dw_gated: bool = False, name: str | None = None, bench=0) -> torch.Tensor:

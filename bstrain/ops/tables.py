@@ -93,6 +93,7 @@ class LayoutTables:
 
     def __init__(self, name: str, spec: tuple, key: str, private: bool = False):
         self.family, self.spec, self.key, self.private = name, spec, key, private
+        self.followers = weakref.WeakSet()     # ops reading these private tables without owning them
         with real_tensors(_CPU):
             self.host = self._mark(_BUILDERS[name](*spec, device=_CPU))
         self._on: dict[torch.device, object] = {_CPU: self.host}
