@@ -125,16 +125,10 @@ class MatmulTables:
     c_idx: Tensor          # (nnz,) int64 input block of each weight block, row-major order
     k_idx: Tensor          # (nnz,) int64 output block
     _luts: object = field(default=None, repr=False)
-    private: bool = False  # a layout that changes in place (dynamic sparsity): no output panels
-
-    def mark_private(self) -> None:
-        """Tables of a layout that will change in place: the kernels never build output panels on
-        them (panels group blocks by layout, and would make every switch take new tables), and
-        their lists' cap leaves room for a block row or column to grow."""
-        self.private = True
-        if self._luts is not None:                 # built by the family's builder, not used yet: again,
-            self._luts = None                      # with room for lists to grow
-            self.luts
+    # a layout that changes in place (dynamic sparsity): the kernels' lists leave room for a block
+    # row or column to grow, and no output panels (they group blocks by layout, and would make
+    # every switch take new tables)
+    private: bool = False
 
     @property
     def blocks(self) -> int:
@@ -182,13 +176,13 @@ class MatmulTables:
         self.layout = new
 
 
-@family("matmul")
-def _matmul_tables(layout: np.ndarray, block_size: int, *, device: torch.device) -> MatmulTables:
+@family("matmul", takes_private=True)
+def _matmul_tables(layout: np.ndarray, block_size: int, *, device: torch.device, private: bool = False) -> MatmulTables:
     c_idx, k_idx = (torch.as_tensor(a, dtype=torch.int64, device=device) for a in np.nonzero(layout))
     if not tracing():
         for t in (c_idx, k_idx):       # a fixed size: torch.compile(dynamic=True) must not make it a symbol
             torch._dynamo.mark_static(t)
-    tables = MatmulTables(layout, block_size, device, c_idx, k_idx)
+    tables = MatmulTables(layout, block_size, device, c_idx, k_idx, private=private)
     if device.type == "cuda" and not tracing():
         tables.luts                                                   # the kernels' tables, made now
     return tables
@@ -682,8 +676,8 @@ class BlocksparseMatMul:
         serves both (:meth:`set_layout` then finds the tables at the new layout already). Needs
         private tables of this op's layout and block size (a ValueError otherwise)."""
         if not isinstance(other, BlocksparseMatMul) or not other._tables.private:
-            raise ValueError("other: expected a BlocksparseMatMul with private tables (make_private), got "
-                             f"{'one with shared tables' if isinstance(other, BlocksparseMatMul) else type(other).__name__}")
+            got = "one with shared tables" if isinstance(other, BlocksparseMatMul) else type(other).__name__
+            raise ValueError(f"other: expected a BlocksparseMatMul with private tables (make_private), got {got}")
         if other.block_size != self.block_size or not np.array_equal(other.layout, self.layout):
             raise ValueError(f"other: expected an op of this op's layout and block size {self.block_size}, got "
                              f"{other.layout.shape} blocks of {other.block_size} with another layout")

@@ -60,10 +60,17 @@ def real_tensors(device: torch.device):
         yield
 
 
-def family(name: str):
-    """Registers ``build(*spec, device)`` as the table builder of op family ``name``."""
+_TAKES_PRIVATE: set[str] = set()
+
+
+def family(name: str, *, takes_private: bool = False):
+    """Registers ``build(*spec, device)`` as the table builder of op family ``name``; with
+    ``takes_private``, ``build(*spec, device, private)``: private tables (a layout that changes in
+    place) may be built differently (the matmul kernels' lists leave room to grow)."""
     def register(build: Callable) -> Callable:
         _BUILDERS[name] = build
+        if takes_private:
+            _TAKES_PRIVATE.add(name)
         return build
     return register
 
@@ -95,14 +102,13 @@ class LayoutTables:
         self.family, self.spec, self.key, self.private = name, spec, key, private
         self.followers = weakref.WeakSet()     # ops reading these private tables without owning them
         with real_tensors(_CPU):
-            self.host = self._mark(_BUILDERS[name](*spec, device=_CPU))
+            self.host = self._build(_CPU)
         self._on: dict[torch.device, object] = {_CPU: self.host}
 
-    def _mark(self, tables):
-        """Private tables are told so (a family may then skip what an in-place rewrite cannot keep)."""
-        if self.private and hasattr(tables, "mark_private"):
-            tables.mark_private()
-        return tables
+    def _build(self, device: torch.device):
+        """The family's tables on ``device``; private ones told so where the family takes it."""
+        kw = {"private": self.private} if self.family in _TAKES_PRIVATE else {}
+        return _BUILDERS[self.family](*self.spec, device=device, **kw)
 
     def on(self, device: torch.device | str):
         """The tables on ``device``: made once per device and cached (an uncached copy while a
@@ -117,9 +123,9 @@ class LayoutTables:
             raise ValueError("device: layout tables are never made on the meta device; move the module to a real "
                              "device (to_empty) before running it")
         if tracing():
-            return self._mark(_BUILDERS[self.family](*self.spec, device=device))
+            return self._build(device)
         with real_tensors(device):
-            tables = self._on[device] = self._mark(_BUILDERS[self.family](*self.spec, device=device))
+            tables = self._on[device] = self._build(device)
         return tables
 
     def rewrite(self, *spec) -> None:
