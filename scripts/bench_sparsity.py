@@ -67,8 +67,11 @@ def cmd_cost(args) -> None:
     from bstrain.train.trainer import train
     corpus = args.corpus or site_packages_glob()
     out = {}
-    for model, over in COST.items():
-        row = {}
+    cost = Path(args.out) / "sparsity_cost.json"
+    if cost.exists() and set(args.models.split(",")) != set(COST):     # keep the other model's earlier row
+        out = {k: v for k, v in json.loads(cost.read_text()).items() if k in COST and k not in args.models.split(",")}
+    for model in args.models.split(","):
+        over, row = COST[model], {"steps": args.steps}
         for policy in args.policies.split(","):
             sparsity = POLICIES[policy]
             run = Path(args.runs) / f"cost_{model}_{policy}"
@@ -88,7 +91,7 @@ def cmd_cost(args) -> None:
             print(model, policy, round(row[policy]["mean_tokens_per_s"]),
                   f"{100 * row[policy].get('share', 0):.1f}%", updates, flush=True)
             out[model] = row
-            out["steps"], out["device"] = args.steps, torch.cuda.get_device_name()
+            out["device"] = torch.cuda.get_device_name()
             with open(os.path.join(args.out, "sparsity_cost.json"), "w") as f:      # what is done so far
                 json.dump(out, f)
 
@@ -109,6 +112,18 @@ def cmd_curve(args) -> None:
                      params=sum(p.numel() for p in build(cfg).parameters()), corpus=corpus, overrides=over)
 
 
+def _share_cells(row: dict, policy: str) -> str:
+    """The update's share of training time: over the windows after the first, and (in brackets)
+    over those after the first update's window."""
+    if policy not in row:
+        return "-"
+    r, static = row[policy], row["static"]
+    if len(r.get("windows", [])) < 3:
+        return f"{100 * r['share']:.1f}%"
+    later = 1 - statistics.fmean(r["windows"][1:]) / statistics.fmean(static["windows"][1:])
+    return f"{100 * r['share']:.1f}% ({100 * later:.1f}%)"
+
+
 def cmd_report(args) -> None:
     out = Path(args.out)
     curves = {w: json.loads((out / f"sparsity_curve_{w}.json").read_text())
@@ -120,15 +135,17 @@ def cmd_report(args) -> None:
     if cost.exists():
         c = json.loads(cost.read_text())
         others = [p for p in POLICIES if p != "static"]
-        lines += [f"Share of training time spent on updates at every=100 (target <= 2%), {c['device']}, {c['steps']} "
-                  "steps per run (updates at steps 100, 200, ...; `bench_sparsity.py cost`): 1 - tokens/s with "
-                  "updates / tokens/s of the static run, over the logged windows after the first.", "",
-                  "| model | static tokens/s | " + " | ".join(others) + " |", "|---|---|" + "---|" * len(others)]
+        lines += [f"Share of training time spent on updates at every=100 (target <= 2%), {c['device']}; updates at steps 100, 200, ... "
+                  "(`bench_sparsity.py cost`): 1 - tokens/s with "
+                  "updates / tokens/s of the static run, over the logged windows after the first; in brackets, over "
+                  "the windows after the first update's (its one-time warm-up left out).", "",
+                  "| model | steps per run | static tokens/s | " + " | ".join(others) + " |",
+                  "|---|---|---|" + "---|" * len(others)]
         for model in COST:
             if model in c:
                 r = c[model]
-                lines.append(f"| {model} | {r['static']['mean_tokens_per_s']:,.0f} | "
-                             + " | ".join(f"{100 * r[p]['share']:.1f}%" if p in r else "-" for p in others) + " |")
+                lines.append(f"| {model} | {r.get('steps', c.get('steps'))} | {r['static']['mean_tokens_per_s']:,.0f} | "
+                             + " | ".join(_share_cells(r, p) for p in others) + " |")
         lines += ["", "Host time of one update (mean over the run's updates, ms; the trainer's log line) and whether "
                   "every layer's tables were rewritten in place (the captured step kept):", "",
                   "| model | " + " | ".join(others) + " |", "|---|" + "---|" * len(others)]
@@ -140,11 +157,21 @@ def cmd_report(args) -> None:
                     cells.append(f"{statistics.fmean(u['ms'] for u in ups):.0f} ms, "
                                  f"{'in place' if all(u['in_place'] for u in ups) else 'new tables'}" if ups else "-")
                 lines.append(f"| {model} | " + " | ".join(cells) + " |")
+        lines += ["", "The steps between updates alone (the windows with no update: the cost command logs every 50 "
+                  "steps and updates every 100): 1 - their tokens/s / static's, what the layouts an update leaves cost "
+                  "the kernels:", "",
+                  "| model | " + " | ".join(others) + " |", "|---|" + "---|" * len(others)]
+        for model in COST:
+            if model in c:
+                r = c[model]
+                lines.append(f"| {model} | " + " | ".join(
+                    f"{100 * (1 - statistics.fmean(r[p]['windows'][1::2]) / statistics.fmean(r['static']['windows'][1::2])):.1f}%"
+                    if len(r.get(p, {}).get("windows", [])) >= 3 else "-" for p in others) + " |")
         lines.append("")
     if curves:
-        lines += ["| model | parameters | steps | valid bits/byte |", "|---|---|---|---|"]
+        lines += ["| model | parameters | seconds | steps | valid bits/byte |", "|---|---|---|---|---|"]
         for w, cv in curves.items():
-            lines.append(f"| {w} | {cv['params']:,} | {cv['steps']} | {cv['valid_bpb']:.4f} |")
+            lines.append(f"| {w} | {cv['params']:,} | {cv['seconds']:.0f} | {cv['steps']} | {cv['valid_bpb']:.4f} |")
     (out / "sparsity.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
     try:
@@ -183,6 +210,7 @@ def main() -> None:
                                       help="trainer.max_steps (a policy's schedule spans it; the time limit binds)")
     sub.choices["curve"].add_argument("--max-steps-from", default=None,
                                       help="trainer.max_steps = 1.05 x the steps of this earlier curve in --out")
+    sub.choices["cost"].add_argument("--models", default=",".join(COST), help="of " + ", ".join(COST))
     sub.choices["cost"].add_argument("--policies", default=",".join(POLICIES),
                                      help="comma-separated, static first")
     args = ap.parse_args()

@@ -726,6 +726,43 @@ def test_balanced_growth_always_closes_the_gaps():
         assert info["changed"][""] > 0.2, (seed, info)
 
 
+def test_balanced_growth_greedy_matches_the_cell_by_cell_fill(monkeypatch):
+    """The greedy fill walks only the cells whose row and column lack a block, dropping filled rows
+    and columns in bulk: it picks exactly what a walk over every free cell, best first, picks
+    (with the random tie-break replaced by a fixed order, so both walk the same order)."""
+    import math
+
+    import bstrain.sparsity as sp
+    from bstrain.layout import balanced
+
+    def top(score, n, gen):                 # best first, ties by index: the same order for any subset
+        return np.argsort(-score.flatten().numpy(), kind="stable")[:n]
+
+    monkeypatch.setattr(sp, "_top", top)
+    rng = np.random.default_rng(int(torch.randint(1 << 30, ())))
+    filled = 0
+    for shape, density, frac in [((32, 128), 0.05, 0.05), ((64, 64), 0.1, 0.1), ((16, 16), 0.25, 0.3)] * 4:
+        old = balanced(shape, density, seed=int(rng.integers(1 << 30)))
+        pruned = rng.choice(np.flatnonzero(old), max(1, int(round(frac * old.sum()))), replace=False)
+        new = old.copy()
+        new.flat[pruned] = False
+        score = torch.from_numpy(rng.random(shape, dtype=np.float32)).masked_fill(torch.as_tensor(old), -math.inf)
+        scored = score.clone()
+        scored.view(-1)[torch.as_tensor(pruned)] = -1e30
+        lack_r, lack_c = old.sum(1) - new.sum(1), old.sum(0) - new.sum(0)
+        ref = new.copy()
+        for flat in top(scored.masked_fill(torch.as_tensor(new), -math.inf), int((~new).sum()), None):
+            r, c = divmod(int(flat), shape[1])
+            if lack_r[r] > 0 and lack_c[c] > 0:
+                ref[r, c], lack_r[r], lack_c[c] = True, lack_r[r] - 1, lack_c[c] - 1
+        out = sp._grow_balanced(old, new, pruned, score, torch.Generator())
+        assert (out.sum(0) == old.sum(0)).all() and (out.sum(1) == old.sum(1)).all()
+        if not lack_r.any():                # the greedy alone closed every gap: the same blocks
+            np.testing.assert_array_equal(out, ref)
+            filled += 1
+    assert filled >= 4                      # the comparison ran
+
+
 @pytest.mark.parametrize("rows", [8, 64], ids=["calls-kept", "summed"])
 def test_rigl_scores_the_dense_gradient_of_the_whole_step(rows):
     """A layer called twice per step with inputs x and -x: the step's dense gradient is zero (the
