@@ -138,7 +138,8 @@ def cmd_report(args) -> None:
         lines += [f"Share of training time spent on updates at every=100 (target <= 2%), {c['device']}; updates at steps 100, 200, ... "
                   "(`bench_sparsity.py cost`): 1 - tokens/s with "
                   "updates / tokens/s of the static run, over the logged windows after the first; in brackets, over "
-                  "the windows after the first update's (its one-time warm-up left out).", "",
+                  "the windows after the first update's (its one-time warm-up left out)."
+                  + (f" Runs: {c['note']}." if "note" in c else ""), "",
                   "| model | steps per run | static tokens/s | " + " | ".join(others) + " |",
                   "|---|---|---|" + "---|" * len(others)]
         for model in COST:
@@ -181,12 +182,14 @@ def cmd_report(args) -> None:
     except ImportError:
         return
     if curves:
-        fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
-        for w, cv in curves.items():
-            ax = axes[0 if w.startswith("lstm") else 1]
-            _, t, b = zip(*cv["valid_history"])
-            ax.plot(t, b, marker="o", ms=3, label=f"{w}: {cv['valid_bpb']:.3f}")
-        for ax, title in zip(axes, ("LSTM, equal parameters", "transformer FFN, equal parameters")):
+        panels = [(k, t) for k, t in (("lstm", "LSTM, equal parameters"), ("ffn", "transformer FFN, equal parameters"))
+                  if any(w.startswith(k) for w in curves)]
+        fig, axes = plt.subplots(1, len(panels), figsize=(5.5 * len(panels), 4.2), squeeze=False)
+        for ax, (kind, title) in zip(axes[0], panels):
+            for w, cv in curves.items():
+                if w.startswith(kind):
+                    _, t, b = zip(*cv["valid_history"])
+                    ax.plot(t, b, marker="o", ms=3, label=f"{w}: {cv['valid_bpb']:.3f}")
             ax.set(xlabel="seconds", ylabel="valid bits/byte", title=title)
             ax.legend()
             ax.grid(alpha=0.3)
