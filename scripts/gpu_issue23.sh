@@ -30,7 +30,7 @@ profile)
 cost)
   [ -n "$TESTS" ] && timeout 200 python3 -m pytest -q -p no:cacheprovider -n 8 $TESTS 2>&1 \
     | tee "$OUT/pytest_gpu.log" | grep -E "^FAILED|passed|failed" | tail -8
-  timeout ${COST_S:-540} python3 scripts/bench_sparsity.py cost --out "$OUT" --steps ${STEPS:-400} \
+  timeout ${COST_S:-540} python3 scripts/bench_sparsity.py cost --out "$OUT" --steps ${STEPS:-1000} --models ${MODELS:-lstm,ffn} \
     --policies ${POLICIES:-static,set,rigl,set_balanced,rigl_balanced} 2>&1 \
     | tee "$OUT/cost.log" | grep -E "^(lstm|ffn) |Error" | tail -20
   python3 scripts/bench_sparsity.py report --out "$OUT" | grep "^|" ;;
