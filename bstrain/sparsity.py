@@ -517,6 +517,29 @@ def _growth_limits(old: np.ndarray) -> tuple[int, int]:
             max(growth_limit(cols, nnz, rows), int(old.sum(0).max(initial=0))))
 
 
+def _fill(order: np.ndarray, room_r: np.ndarray, room_c: np.ndarray, n: int, cols: int) -> list[int]:
+    """Up to ``n`` cells of ``order`` (flat indices, best first), taken in that order wherever the
+    cell's row and column still have room (``room_r``, ``room_c``: counts, decremented in place).
+    Cells whose row or column has filled up are dropped in bulk; the rest are walked on
+    Python ints (numpy scalars cost ~10x more per cell)."""
+    picked: list[int] = []
+    while len(picked) < n and order.size:
+        order = order[(room_r[order // cols] > 0) & (room_c[order % cols] > 0)]
+        chunk = 2 * (n - len(picked)) + 64
+        head, order = order[:chunk].tolist(), order[chunk:]
+        lack_r, lack_c = room_r.tolist(), room_c.tolist()
+        for flat in head:
+            r, c = divmod(flat, cols)
+            if lack_r[r] > 0 and lack_c[c] > 0:
+                picked.append(flat)
+                lack_r[r] -= 1
+                lack_c[c] -= 1
+                if len(picked) == n:
+                    break
+        room_r[:], room_c[:] = lack_r, lack_c
+    return picked
+
+
 def _grow_within(old: np.ndarray, new: np.ndarray, score: torch.Tensor, n: int, gen: torch.Generator,
                  limit_r: int, limit_c: int) -> np.ndarray:
     """Flat indices of ``n`` blocks to grow among those dead before the update, best-scored first,
@@ -525,33 +548,26 @@ def _grow_within(old: np.ndarray, new: np.ndarray, score: torch.Tensor, n: int, 
     step stays valid). Where the greedy choice falls short, augmenting swaps (as in balanced
     growth) make room; only where no choice within the limits exists do the best remaining blocks
     fill the rest (the layer then takes new tables)."""
-    dead = int((~old).sum())
-    cols = old.shape[1]
+    dead, cols, free = int((~old).sum()), old.shape[1], ~old
     for k in dict.fromkeys((min(dead, 2 * n + 64), dead)):      # the best 2n first; all of them if that falls short
-        row_room, col_room = (limit_r - new.sum(1)).tolist(), (limit_c - new.sum(0)).tolist()
-        order = _top(score, k, gen).tolist()                    # best first
-        picked = []
-        for flat in order:
-            r, c = divmod(flat, cols)
-            if row_room[r] > 0 and col_room[c] > 0:
-                picked.append(flat)
-                row_room[r] -= 1
-                col_room[c] -= 1
-                if len(picked) == n:
-                    return np.asarray(picked, dtype=np.int64)
+        room_r, room_c = limit_r - new.sum(1), limit_c - new.sum(0)
+        order = _top(score, k, gen)                             # best first
+        picked = _fill(order, room_r, room_c, n, cols)
+        if len(picked) == n:
+            return np.asarray(picked, dtype=np.int64)
     grown = np.zeros(old.shape, dtype=bool)
     grown.flat[picked] = True
-    need_r, need_c, short = np.asarray(row_room), np.asarray(col_room), n - len(picked)
+    short = n - len(picked)
     while short:
-        path = _augmenting_path(~old, grown, need_r, need_c)
+        path = _augmenting_path(free, grown, room_r, room_c)
         if path is None:
             break
         for i, (r, c) in enumerate(path):                       # add, remove, add, ...: one more grown
             grown[r, c] = i % 2 == 0
-        need_r[path[0][0]] -= 1
-        need_c[path[-1][1]] -= 1
+        room_r[path[0][0]] -= 1
+        room_c[path[-1][1]] -= 1
         short -= 1
-    rest = [flat for flat in order if not grown.flat[flat]][:short]
+    rest = [flat for flat in order.tolist() if not grown.flat[flat]][:short]
     return np.concatenate([np.flatnonzero(grown), np.asarray(rest, dtype=np.int64)])
 
 
@@ -565,28 +581,12 @@ def _grow_balanced(old: np.ndarray, new: np.ndarray, pruned: np.ndarray, score: 
     score = score.clone()
     score.view(-1)[torch.as_tensor(pruned)] = -1e30                        # just-pruned: last resort
     free = ~new                                                            # where a block may grow
-    grown = np.zeros(old.shape, dtype=bool)                                # row-major: reshape(-1) is a view
-    flat_grown, cols, left = grown.reshape(-1), old.shape[1], int(need_r.sum())
+    grown = np.zeros(old.shape, dtype=bool)
     # the greedy fill, best first, over the free cells whose row and column both lack a block (no
-    # other cell can be taken): a few percent of the layout. Cells whose row or column has filled
-    # up are dropped in bulk; the rest are walked in order on Python ints (numpy scalars cost ~10x
-    # more per cell)
+    # other cell can be taken): a few percent of the layout
     order = np.flatnonzero(free & (need_r[:, None] > 0) & (need_c[None, :] > 0))
     order = order[_top(score.view(-1)[torch.as_tensor(order)], order.size, gen)]
-    while left and order.size:
-        order = order[(need_r[order // cols] > 0) & (need_c[order % cols] > 0)]
-        head, order = order[:2 * left + 64].tolist(), order[2 * left + 64:]
-        lack_r, lack_c = need_r.tolist(), need_c.tolist()
-        for flat in head:
-            r, c = divmod(flat, cols)
-            if lack_r[r] > 0 and lack_c[c] > 0:
-                flat_grown[flat] = True
-                lack_r[r] -= 1
-                lack_c[c] -= 1
-                left -= 1
-                if not left:
-                    break
-        need_r, need_c = np.asarray(lack_r), np.asarray(lack_c)
+    grown.flat[_fill(order, need_r, need_c, int(need_r.sum()), old.shape[1])] = True
     while need_r.any():
         path = _augmenting_path(free, grown, need_r, need_c)
         if path is None:                    # cannot happen (the pruned blocks are a solution)

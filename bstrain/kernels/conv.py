@@ -227,7 +227,7 @@ class ConvLuts:
         """These lists, in place, for ``layout`` (same shape and live-block count: every list keeps
         its length, and no launch's grid depends on the per-row or per-column counts), so that
         plans and CUDA graphs made before run the new layout."""
-        new = make_luts(layout, self.block_size, self.col_ptr.device)
+        new = make_luts(layout, self.block_size, "cpu")              # on the host, then one copy per list
         names = ("col_ptr", "col_blk", "col_in", "row_ptr", "row_blk", "row_out", "blk_in", "blk_out")
         if any(getattr(self, n).shape != getattr(new, n).shape for n in names):
             raise ValueError("layout: an in-place rewrite needs the same shape and live-block count")

@@ -14,6 +14,7 @@ on CPU tensors needs ``TRITON_INTERPRET=1`` set before triton is imported.
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import os
 import warnings
 from dataclasses import dataclass, field
@@ -35,7 +36,7 @@ __all__ = ["BlocksparseMatMul", "SparseProj", "GradGroup", "bsmm_ref", "bsmm_dx_
            "check_block_size", "BLOCK_SIZES"]
 
 
-_TOGETHER = [False]
+_TOGETHER = contextvars.ContextVar("bstrain_switching_together", default=False)   # per thread
 
 
 @contextlib.contextmanager
@@ -44,11 +45,11 @@ def switching_together():
     share_tables`) sharing them: they switch to the same layout next (a sparsity policy's update
     of a layer and its EMA copy). Outside, such a switch first gives each of them tables of its
     own, so that no op ever reads tables of a layout other than its own."""
-    _TOGETHER[0] = True
+    token = _TOGETHER.set(True)
     try:
         yield
     finally:
-        _TOGETHER[0] = False
+        _TOGETHER.reset(token)
 
 
 def check_block_size(block_size) -> int:
@@ -715,7 +716,7 @@ class BlocksparseMatMul:
             self._own_tables(new)
             in_place = False
         elif tables.private and tables.can_rewrite(new, self.block_size):
-            if not _TOGETHER[0]:        # ops reading these tables keep their layout: tables of their own
+            if not _TOGETHER.get():        # ops reading these tables keep their layout: tables of their own
                 for op in list(tables.followers):
                     op._own_tables(op.layout)
             tables.rewrite(new, self.block_size)
