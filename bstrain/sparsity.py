@@ -91,8 +91,9 @@ class DynamicSparsity:
         fraction: share of a layer's live blocks replaced at the first update, in (0, 1).
         stop: the last step that may update (None: never stop); the share decays by a cosine to
             0 at ``stop``.
-        balanced: keep each row's and each column's live-block counts (grow where the pruning
-            left a row and a column short), as :func:`bstrain.layout.balanced` draws them.
+        balanced: keep each row's and each column's live-block counts, as
+            :func:`bstrain.layout.balanced` draws them: each column's smallest-norm share of blocks
+            is pruned, and blocks grow where the pruning left a row and a column short.
         seed: of the random draws (ties, SET's growth).
         also: modules shaped like ``model`` (an EMA copy, its ``module`` when wrapped) whose
             same-named layers take the same layouts and weight moves.
@@ -249,11 +250,18 @@ class DynamicSparsity:
 
     def _new_layout(self, name: str, layer: nn.Module, old: np.ndarray, share: float,
                     gen: torch.Generator) -> np.ndarray:
-        """The layout after pruning and growing ``round(share·live)`` blocks (per column if balanced)."""
+        """The layout after pruning and growing ``round(share·live)`` blocks: the smallest-norm live
+        ones go, or if balanced, each block column's smallest-norm share (a column's blocks can
+        only be replaced within it: pruned by norm alone, the columns whose blocks start smallest,
+        the longest, would lose most and take their blocks back)."""
         w = layer.weight.detach()
         live_norm = _all_reduce_mean(w.float().flatten(1).norm(dim=1)).cpu()          # (nnz,) row-major order
         prune_score = torch.full(old.shape, math.inf)
         prune_score[torch.as_tensor(old)] = live_norm
+        if self.balanced:           # rank within the column, as a share of its live blocks: dead ones last
+            rank = prune_score.argsort(dim=0, stable=True).argsort(dim=0, stable=True).double()
+            count = torch.as_tensor(old.sum(0), dtype=torch.float64).clamp(min=1)
+            prune_score = ((rank + 0.5) / count).masked_fill(~torch.as_tensor(old), math.inf)
         grow_score = self.grow_scores(name, layer, old, gen)                           # (Cb, Kb), higher first
         grow_score = grow_score.masked_fill(torch.as_tensor(old), -math.inf)
         n = min(int(round(share * int(old.sum()))), int((~old).sum()))
@@ -574,21 +582,24 @@ def _grow_within(old: np.ndarray, new: np.ndarray, score: torch.Tensor, n: int, 
 def _grow_balanced(old: np.ndarray, new: np.ndarray, pruned: np.ndarray, score: torch.Tensor,
                    gen: torch.Generator) -> np.ndarray:
     """Grows blocks into ``new`` (``old`` with ``pruned`` dropped) so that every row and column of
-    blocks gets its count back: the best-scored dead blocks whose row and column both still lack
-    one (the just-pruned ones last), then, where that greedy choice leaves gaps, augmenting swaps
-    close them (a b-matching; one always exists, since regrowing the pruned blocks closes every gap)."""
+    blocks gets its count back, with as few of the just-pruned blocks as the counts allow: first
+    the best-scored blocks dead before the update whose row and column both still lack one, then
+    augmenting swaps, each of the fewest just-pruned blocks (successive cheapest paths: a b-matching
+    of the most blocks dead before the update). One always exists, since regrowing the pruned
+    blocks closes every gap. Without the swaps, small or dense layouts often regrew exactly what
+    was pruned."""
     need_r, need_c = old.sum(1) - new.sum(1), old.sum(0) - new.sum(0)      # blocks each still lacks
-    score = score.clone()
-    score.view(-1)[torch.as_tensor(pruned)] = -1e30                        # just-pruned: last resort
     free = ~new                                                            # where a block may grow
+    cost = np.zeros(old.shape, dtype=np.int64)                             # a just-pruned block costs 1
+    cost.flat[pruned] = 1
     grown = np.zeros(old.shape, dtype=bool)
-    # the greedy fill, best first, over the free cells whose row and column both lack a block (no
-    # other cell can be taken): a few percent of the layout
-    order = np.flatnonzero(free & (need_r[:, None] > 0) & (need_c[None, :] > 0))
+    # the greedy fill, best first, over the blocks dead before the update whose row and column both
+    # lack one (no other cell can be taken): a few percent of the layout
+    order = np.flatnonzero(free & (cost == 0) & (need_r[:, None] > 0) & (need_c[None, :] > 0))
     order = order[_top(score.view(-1)[torch.as_tensor(order)], order.size, gen)]
     grown.flat[_fill(order, need_r, need_c, int(need_r.sum()), old.shape[1])] = True
     while need_r.any():
-        path = _augmenting_path(free, grown, need_r, need_c)
+        path = _augmenting_path(free, grown, need_r, need_c, cost)
         if path is None:                    # cannot happen (the pruned blocks are a solution)
             raise RuntimeError("sparsity: no balanced regrowth found; please report this layout")
         for k, (r, c) in enumerate(path):   # add, remove, add, ..., add
@@ -598,42 +609,43 @@ def _grow_balanced(old: np.ndarray, new: np.ndarray, pruned: np.ndarray, score: 
     return new | grown
 
 
-def _augmenting_path(free: np.ndarray, grown: np.ndarray, need_r: np.ndarray, need_c: np.ndarray):
+def _augmenting_path(free: np.ndarray, grown: np.ndarray, need_r: np.ndarray, need_c: np.ndarray,
+                     cost: np.ndarray | None = None):
     """Cells [(r0, c0), (r1, c0), (r1, c1), ...] from a row that lacks a block to a column that
     lacks one: grow the 1st, 3rd, ... (free, not grown) and drop the 2nd, 4th, ... (grown); None if
-    there is none. Breadth-first, a level of rows or columns at a time."""
+    there is none. With ``cost`` (per cell), the cheapest such path (growing a cell adds its cost,
+    dropping one takes it off): from a grown set of the least cost for its size, the grown set
+    then stays of the least cost for its size. Bellman-Ford over the rows and columns, a
+    whole-matrix relaxation at a time (the grown set has no negative cycle)."""
     rows, cols = free.shape
+    cost = np.zeros(free.shape) if cost is None else cost.astype(np.float64)
     can_grow = free & ~grown
-    row_from = np.full(rows, -2)            # the column a row was reached from (-1: a start)
-    col_from = np.full(cols, -1)            # the row a column was reached from
-    front = np.flatnonzero(need_r > 0)
-    row_from[front] = -1
-    while front.size:
-        unseen = np.flatnonzero(col_from < 0)
-        edges = can_grow[np.ix_(front, unseen)]                 # (front rows, unseen columns)
-        reached = edges.any(0)
-        new_cols = unseen[reached]
-        if not new_cols.size:
-            return None
-        col_from[new_cols] = front[edges[:, reached].argmax(0)]
-        done = new_cols[need_c[new_cols] > 0]
-        if done.size:                        # reached a column that lacks one: walk back
-            path, c = [], int(done[0])
-            while True:
-                r0 = int(col_from[c])
-                path.append((r0, c))
-                if row_from[r0] == -1:
-                    return path[::-1]
-                path.append((r0, int(row_from[r0])))
-                c = int(row_from[r0])
-        unseen_r = np.flatnonzero(row_from == -2)
-        if not unseen_r.size:
-            return None
-        edges = grown[np.ix_(unseen_r, new_cols)]               # (unseen rows, the new columns)
-        reached = edges.any(1)
-        front = unseen_r[reached]
-        row_from[front] = new_cols[edges[reached].argmax(1)]
-    return None
+    d_row = np.where(need_r > 0, 0.0, np.inf)       # the cheapest way to reach each row and column
+    d_col = np.full(cols, np.inf)
+    col_from = np.full(cols, -1)                    # the row a column was reached from (a cell grown)
+    row_from = np.full(rows, -1)                    # the column a row was reached from (a cell dropped)
+    for _ in range(rows + cols + 1):
+        via = np.where(can_grow, d_row[:, None] + cost, np.inf)        # row -> column: grow (r, c)
+        r_best = via.argmin(0)
+        better = via[r_best, np.arange(cols)] < d_col
+        d_col[better], col_from[better] = via[r_best, np.arange(cols)][better], r_best[better]
+        via = np.where(grown, d_col[None, :] - cost, np.inf)           # column -> row: drop (r, c)
+        c_best = via.argmin(1)
+        better_r = via[np.arange(rows), c_best] < d_row
+        d_row[better_r], row_from[better_r] = via[np.arange(rows), c_best][better_r], c_best[better_r]
+        if not (better.any() or better_r.any()):
+            break
+    ends = np.flatnonzero((need_c > 0) & np.isfinite(d_col))
+    if not ends.size:
+        return None
+    path, c = [], int(ends[d_col[ends].argmin()])
+    while True:                                     # walk back to a row that lacks a block
+        r0 = int(col_from[c])
+        path.append((r0, c))
+        if row_from[r0] < 0:
+            return path[::-1]
+        path.append((r0, int(row_from[r0])))
+        c = int(row_from[r0])
 
 
 def _top(score: torch.Tensor, n: int, gen: torch.Generator) -> np.ndarray:
