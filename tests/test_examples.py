@@ -26,10 +26,13 @@ def test_seed_readme_example_runs(capsys):
     assert "y (64, 4096), dW (" in out and f"on {device}" in out
 
 
-def test_readme_op_library_example_runs():
-    """Dropout's mask is bit-packed uint8 and drops the same elements again; the cross-entropy is
-    fp32 per row from fp16 logits; the layer norms normalise (per segment); shapes as commented."""
-    ns = readme("bs.softmax_cross_entropy(")
+def test_seed_doc_op_library_example_runs():
+    """docs/seed.md's op library block: dropout's mask is bit-packed uint8 and drops the same elements
+    again; the cross-entropy is fp32 per row from fp16 logits; the layer norms normalise (per segment);
+    shapes as commented."""
+    from tests.test_readme import SEED_DOC, python_blocks
+    (line, code), = [b for b in python_blocks(SEED_DOC) if "bs.softmax_cross_entropy(" in b[1]]
+    ns = run_block(line, code, SEED_DOC)
     x, y_drop, y_same, mask = ns["x"], ns["y_drop"], ns["y_same"], ns["mask"]
     assert mask.dtype == torch.uint8 and mask.numel() == -(-x.numel() // 8)       # one bit per element
     torch.testing.assert_close(y_same, y_drop)

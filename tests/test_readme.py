@@ -1,6 +1,7 @@
-"""Every ```python block of the README and of docs/seed.md runs on the CPU, each in a fresh namespace, as written
-except that "cuda" becomes "cpu", and prints what its ``print(...)  # comment`` lines say. A
-failure names the block by its README line, and the traceback points at README.md's own lines.
+"""Every ```python block of the README and of docs/seed.md runs exactly as written, each in a fresh namespace, on
+whatever machine runs the tests (CPU-only in CI: a block that names "cuda" without asking for it fails here), and
+prints what its ``print(...)  # comment`` lines say. A failure names the block by its README line, and the
+traceback points at README.md's own lines.
 
 To check the README against another checkout's package (say, before its API lands here), run
 pytest from outside both trees so that PYTHONPATH decides which ``bstrain`` is imported:
@@ -44,10 +45,9 @@ def readme_block(containing: str) -> tuple[int, str]:
 
 
 def run_block(line: int, code: str, path: Path = README) -> dict:
-    """Runs one block on the CPU in a fresh namespace; returns the namespace, with what it printed
+    """Runs one block as written in a fresh namespace; returns the namespace, with what it printed
     under ``"_printed"``. The code is compiled at its own line numbers of ``path``, so a traceback
     shows the README's lines."""
-    code = code.replace('"cuda"', '"cpu"').replace(".cuda()", "")
     namespace = {"__name__": f"readme_line_{line}"}
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
