@@ -101,3 +101,15 @@ def test_readme_links_point_at_files():
         for target in re.findall(r"\]\(([^)#\s]+)\)", doc.read_text(encoding="utf-8")):
             if "://" not in target:
                 assert (doc.parent / target).exists(), f"{doc.relative_to(REPO)}: link to a missing {target}"
+
+
+def test_readme_test_command_is_what_ci_runs():
+    """The README's test command is the one .ci/run runs, so what the README says of it (in parallel with
+    -n auto, the extras it installs) is what CI checks."""
+    readme = README.read_text(encoding="utf-8")
+    commands = [line.strip() for line in readme.splitlines() if "python -m pytest" in line and "pip install" in line]
+    assert len(commands) == 1, f"expected one install-and-test command in the README, found {commands}"
+    ci = (REPO / ".ci" / "run").read_text(encoding="utf-8")
+    quiet = commands[0].replace("pip install ", "pip install -q ")
+    assert quiet in ci, f".ci/run does not run the README's test command {commands[0]!r}"
+    assert "-n auto" in commands[0], "the README says the tests run in parallel (-n auto)"

@@ -827,12 +827,16 @@ def _check_dw(x: torch.Tensor, dy: torch.Tensor, luts: BsmmLuts, feature_axis: i
 
 
 def _dw_plan(x: torch.Tensor, dy: torch.Tensor, xr: torch.Tensor, dyr: torch.Tensor, luts: BsmmLuts,
-             feature_axis: int, dw_dtype: torch.dtype, split: int | None):
+             feature_axis: int, dw_dtype: torch.dtype, split: int | None, host: bool = False):
+    """host: an eager launch whose host cost exceeds its GPU time (:func:`host_bound`): the pointer
+    kernel, whose launch encodes no TMA descriptors (three per call, a few µs each)."""
     bs, n = luts.block_size, xr.shape[0]
     shape = (luts.nnz, bs, bs)
     if n == 0:
         return lambda x, dy, xr, dyr, dw: dw.zero_()
     cfg = dw_config(bs, x.device)
+    if host and cfg.tma:
+        cfg = cfg._replace(tma=False, warps=max(cfg.warps, 8))
     trans = feature_axis == 0
     x_src, dy_src = (x, dy) if trans else (xr, dyr)
     use_tma = cfg.tma and cfg.group == 1 and _tma_ok(x_src, dy_src)
@@ -887,11 +891,14 @@ def run_dw(x: torch.Tensor, dy: torch.Tensor, luts: BsmmLuts, feature_axis: int 
     xr, dyr = _rows_view(x, feature_axis), _rows_view(dy, feature_axis)
     bs = luts.block_size
     dw = out if out is not None else empty((luts.nnz, bs, bs), dw_dtype, x.device)
-    if split is None and host_bound(xr.shape[0], DW_SMALL_N, x):
-        split = 1                                          # one launch, no workspace
+    host = split is None and host_bound(xr.shape[0], DW_SMALL_N, x)
+    if host:
+        split = 1                                          # one launch, no workspace, no descriptors
     key = (xr.shape[0], x.dtype, x.stride(0), x.stride(1), dy.stride(0), dy.stride(1), feature_axis, dw_dtype,
-           split, aligned(x, dy, dw), x.device, x.dtype == torch.float32 and torch.backends.cuda.matmul.allow_tf32)
-    plan(luts.dw_plans, key, lambda: _dw_plan(x, dy, xr, dyr, luts, feature_axis, dw_dtype, split))(x, dy, xr, dyr, dw)
+           split, host, aligned(x, dy, dw), x.device,
+           x.dtype == torch.float32 and torch.backends.cuda.matmul.allow_tf32)
+    plan(luts.dw_plans, key, lambda: _dw_plan(x, dy, xr, dyr, luts, feature_axis, dw_dtype, split, host))(
+        x, dy, xr, dyr, dw)
     return dw
 
 

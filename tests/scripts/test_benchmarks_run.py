@@ -1,0 +1,17 @@
+"""The benchmarks that CI keeps in reach run on the CPU (``--cpu-smoke``): untimed, they check that the
+script itself still works against the package."""
+from __future__ import annotations
+
+import runpy
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).parents[2]
+
+
+def test_bench_eager_linear_cpu_smoke(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(sys, "argv", ["bench_eager_linear.py", "--cpu-smoke", "--out", str(tmp_path)])
+    runpy.run_path(str(REPO / "scripts" / "bench_eager_linear.py"), run_name="__main__")
+    table = (tmp_path / "eager_linear.md").read_text()
+    assert "| 32 |" in table and "nn.Linear" in table
+    assert "ratio" in capsys.readouterr().out
