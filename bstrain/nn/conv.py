@@ -16,7 +16,6 @@ padding, unbatched (C, H, W) inputs, :meth:`~BlockSparseConv2d.to_dense` and
 """
 from __future__ import annotations
 
-import fnmatch
 import math
 import os
 from collections.abc import Callable
@@ -27,6 +26,7 @@ from torch import nn
 
 from bstrain import layout as layouts
 from bstrain.nn._sparse import BlockLayoutModule, bias_arg, layout_of, size_arg
+from bstrain.nn.linear import sparsify_candidates
 from bstrain.ops.conv import bsconv2d_ref, conv_geometry, dense_conv_filter, sparse_conv2d, tables_on
 from bstrain.ops.matmul import compute_dtype
 from bstrain.ops.tables import layout_tables
@@ -331,11 +331,13 @@ def sparsify_conv2d_candidates(model: nn.Module, include: str | Callable[[str, n
                                block_size: int) -> list[tuple[str, nn.Conv2d]]:
     """(name, layer) of every ``nn.Conv2d`` of ``model`` (exactly that type) chosen by ``include``
     (a glob on qualified names, or ``(name, conv) -> bool``), checked: a chosen layer that cannot
-    become a BlockSparseConv2d (channels not multiples of block_size, groups, padding mode) is a
-    ValueError naming it, raised before the caller replaces anything. Replace each with
-    ``BlockSparseConv2d.sparsified(conv, block_size=..., density=..., keep_weights=...)``."""
-    match = include if callable(include) else (lambda name, _m: fnmatch.fnmatchcase(name, include))
-    chosen = [(name, m) for name, m in model.named_modules() if name and type(m) is nn.Conv2d and match(name, m)]
-    for name, m in chosen:
-        _check_convertible(name, m, block_size)
+    become a BlockSparseConv2d (channels not multiples of block_size, groups, padding mode, a
+    parameter tied to another module's) is a ValueError naming it, raised before the caller
+    replaces anything. As in :func:`bstrain.nn.sparsify`, a layer registered under several names
+    is chosen when any of them is, and is listed under each: build one
+    ``BlockSparseConv2d.sparsified(conv, block_size=..., density=..., keep_weights=...)`` per
+    layer object and put it under each of its names, so that the registrations stay one module."""
+    chosen, problems = sparsify_candidates(model, include, block_size, {nn.Conv2d: _check_convertible})
+    if problems:
+        raise ValueError(problems[0][2])
     return chosen

@@ -1,8 +1,10 @@
-"""``BlockSparseLinear``, and helpers that convert dense models: ``sparsify``, ``set_grad_group``."""
+"""``BlockSparseLinear``, and helpers that convert dense models: ``sparsify`` (and ``sparsify_candidates``,
+the layers it would replace), ``set_grad_group``."""
 from __future__ import annotations
 
 import contextlib
 import fnmatch
+import warnings
 from collections.abc import Callable, Iterator
 
 import numpy as np
@@ -13,7 +15,8 @@ from bstrain import layout as layouts
 from bstrain.nn._sparse import BlockLayoutModule, bias_arg, layout_of, size_arg
 from bstrain.ops.matmul import BlocksparseMatMul, check_block_size, compute_dtype
 
-__all__ = ["BlockSparseLinear", "block_sparse_layouts", "set_grad_group", "sparsify"]
+__all__ = ["BlockSparseLinear", "SparsifyResult", "block_sparse_layouts", "set_grad_group", "sparsify",
+           "sparsify_candidates"]
 
 
 class BlockSparseLinear(BlockLayoutModule):
@@ -221,45 +224,142 @@ def set_grad_group(module: nn.Module, group_size: int) -> int:
     return len(layers)
 
 
+class SparsifyResult(list):
+    """What :func:`sparsify` returns: the list of names it replaced (it compares and prints as that
+    list), and ``skipped``, {name: why} of each chosen layer it left dense under ``errors="skip"``
+    (every name of the layer; empty otherwise)."""
+
+    def __init__(self, replaced=(), skipped: dict[str, str] | None = None):
+        super().__init__(replaced)
+        self.skipped = dict(skipped or {})
+
+
+def _check_linear(name: str, linear: nn.Linear, block_size: int) -> None:
+    """A ValueError naming ``name`` when ``linear`` has no BlockSparseLinear equivalent."""
+    if linear.in_features % block_size or linear.out_features % block_size:
+        raise ValueError(f"{name}: expected in/out features that are multiples of block_size={block_size}, "
+                         f"got {linear.in_features} and {linear.out_features}")
+
+
+def _check_untied(name: str, layer: nn.Module, layer_names: list[str], owners: dict[int, list[str]]) -> None:
+    """A ValueError naming ``name`` when a parameter of ``layer`` is also registered in another
+    module (tied weights): a block-sparse copy would have a parameter of its own, untying them."""
+    own = set(layer_names)
+    for param_name, p in layer.named_parameters(recurse=False):
+        others = [q for q in owners[id(p)] if q.rpartition(".")[0] not in own]
+        if others:
+            raise ValueError(
+                f"{name}: expected parameters of its own, got {layer_names[0]}.{param_name} tied to "
+                f"{' and '.join(others)}; a block-sparse copy would untie them (one sparse, one dense). Leave it "
+                f"out of include or untie them first; two layers that compute the same can be one module "
+                f"registered under both names, which sparsify replaces everywhere")
+
+
+def sparsify_candidates(model: nn.Module, include: str | Callable[[str, nn.Module], bool], block_size: int,
+                        checks: dict[type, Callable[[str, nn.Module, int], None]]
+                        ) -> tuple[list[tuple[str, nn.Module]], list[tuple[nn.Module, list[str], str]]]:
+    """The layers of ``model`` that :func:`sparsify` replaces, found per module object: a layer
+    registered under several names (two attributes, twice in a ModuleList, under two parents) is
+    chosen when ``include`` chooses any of its names, and then every registration is replaced.
+
+    Args:
+        include: a glob on qualified names or a function ``(name, layer) -> bool``.
+        checks: {layer type: check(name, layer, block_size)}, a check raising a ValueError that
+            starts with ``name`` when the layer cannot be converted; only layers of exactly
+            these types (not subclasses) are candidates.
+    Returns ``(chosen, problems)``: every (name, layer) registration of the convertible chosen
+    layers, in module order; and (layer, names, why) of each chosen layer that cannot be
+    converted: its check failed, or a parameter of it is tied to another module's.
+    """
+    if not (callable(include) or isinstance(include, str)):
+        raise TypeError(f"include: expected a glob (str) or a function (name, layer) -> bool, "
+                        f"got {type(include).__name__}")
+    match = include if callable(include) else (lambda name, _m: fnmatch.fnmatchcase(name, include))
+    registrations = [(name, m) for name, m in model.named_modules(remove_duplicate=False)
+                     if name and type(m) in checks]
+    layers: dict[int, tuple[nn.Module, list[str]]] = {}     # id(layer) -> (layer, every name of it)
+    for name, m in registrations:
+        layers.setdefault(id(m), (m, []))[1].append(name)
+    owners: dict[int, list[str]] = {}                          # id(parameter) -> every qualified name of it
+    for param_name, p in model.named_parameters(remove_duplicate=False):
+        owners.setdefault(id(p), []).append(param_name)
+    ok, problems = set(), []
+    for layer, layer_names in layers.values():
+        if not any(match(name, layer) for name in layer_names):
+            continue
+        label = layer_names[0] + (f" (also {', '.join(layer_names[1:])})" if len(layer_names) > 1 else "")
+        try:
+            checks[type(layer)](label, layer, block_size)
+            _check_untied(label, layer, layer_names, owners)
+        except ValueError as exc:
+            problems.append((layer, layer_names, str(exc)))
+        else:
+            ok.add(id(layer))
+    return [(name, m) for name, m in registrations if id(m) in ok], problems
+
+
+def _sparse_layer(dense: nn.Module, block_size: int, density: float, keep_weights: bool, balanced: bool) -> nn.Module:
+    """The block-sparse layer :func:`sparsify` puts in place of ``dense`` (an nn.Linear or nn.Conv2d)."""
+    from bstrain.nn.conv import BlockSparseConv2d
+    if type(dense) is nn.Conv2d:
+        return BlockSparseConv2d.sparsified(dense, block_size=block_size, density=density, keep_weights=keep_weights)
+    if keep_weights:
+        return BlockSparseLinear.from_dense(dense, block_size=block_size, density=density)
+    return BlockSparseLinear(dense.in_features, dense.out_features, dense.bias is not None, block_size=block_size,
+                             density=density, balanced=balanced, device=dense.weight.device, dtype=dense.weight.dtype)
+
+
 def sparsify(model: nn.Module, include: str | Callable[[str, nn.Module], bool], *, block_size: int = 32,
-             density: float, keep_weights: bool = True, balanced: bool = True) -> list[str]:
+             density: float, keep_weights: bool = True, balanced: bool = True,
+             errors: str = "raise") -> SparsifyResult:
     """Replaces, in place, the ``nn.Linear`` and ``nn.Conv2d`` layers of ``model`` chosen by ``include``
     with :class:`BlockSparseLinear` and :class:`bstrain.nn.BlockSparseConv2d`.
 
+    Layers are replaced per module object, as ``torch.nn.utils.parametrize`` works: a layer
+    registered under several names (``model.dec = model.enc``, twice in an ``nn.ModuleList``,
+    under two parents) is chosen when ``include`` chooses any of its names, and one block-sparse
+    layer then takes every registration, so the sharing stays. To keep such a layer dense, choose
+    none of its names. A layer whose parameter is tied to another module's (``b.weight =
+    a.weight``, a head tied to an ``nn.Embedding``) cannot be converted: a copy would untie them.
+    Only layers of exactly these types are candidates (subclasses such as
+    ``nn.MultiheadAttention``'s ``out_proj``, whose weight their owner reads, are left alone).
+
     Args:
         include: a glob on qualified module names (``"blocks.*.mlp.*"``, ``"*"``), or a function
-            ``(name, layer) -> bool``.
+            ``(name, layer) -> bool``, asked for each name of a layer.
         density: fraction of live blocks of each new layer.
         keep_weights: True keeps the largest-norm blocks of the dense weights and the biases
             (``from_dense``); False draws a fresh layout and initialises it.
         balanced: for linear layers without keep_weights, draw a balanced layout (the default) or
             an independent one; conv layouts are always balanced.
-    Returns the names replaced. A chosen layer that cannot be converted (features or channels not
-    multiples of block_size, a grouped conv) is a ValueError naming it, raised before any layer
-    is replaced.
+        errors: what a chosen layer that cannot be converted (features or channels not multiples
+            of block_size, a grouped conv, a tied parameter) does: "raise" (the default) raises a
+            ValueError naming it before any layer is replaced; "skip" leaves it dense, warns once
+            listing the skipped layers and why, and records them in the result's ``skipped``.
+    Returns the names replaced, in module order, every name of a layer registered under several
+    (a list: a :class:`SparsifyResult`, whose ``skipped`` is {name: why} under ``errors="skip"``).
     """
-    from bstrain.nn.conv import BlockSparseConv2d, sparsify_conv2d_candidates
-    match = include if callable(include) else (lambda name, _m: fnmatch.fnmatchcase(name, include))
-    linears = [(name, m) for name, m in model.named_modules()
-               if name and type(m) is nn.Linear and match(name, m)]
-    for name, m in linears:
-        if m.in_features % block_size or m.out_features % block_size:
-            raise ValueError(f"{name}: expected in/out features that are multiples of block_size={block_size}, "
-                             f"got {m.in_features} and {m.out_features}")
-    convs = sparsify_conv2d_candidates(model, match, block_size)
-    order = {name: i for i, (name, _) in enumerate(model.named_modules())}
-    replaced = []
-    for name, m in linears:
-        if keep_weights:
-            new = BlockSparseLinear.from_dense(m, block_size=block_size, density=density)
-        else:
-            new = BlockSparseLinear(m.in_features, m.out_features, m.bias is not None, block_size=block_size,
-                                    density=density, balanced=balanced, device=m.weight.device,
-                                    dtype=m.weight.dtype)
-        replaced.append((name, new))
-    replaced += [(name, BlockSparseConv2d.sparsified(m, block_size=block_size, density=density,
-                                                     keep_weights=keep_weights)) for name, m in convs]
-    for name, new in replaced:
+    from bstrain.nn.conv import _check_convertible
+    if errors not in ("raise", "skip"):
+        raise ValueError(f"errors: expected 'raise' or 'skip', got {errors!r}")
+    if isinstance(block_size, (bool, np.bool_)) or not isinstance(block_size, (int, np.integer)) or block_size < 1:
+        raise ValueError(f"block_size: expected a positive int, got {block_size!r}")
+    block_size, density = int(block_size), layouts.check_density(density)
+    chosen, problems = sparsify_candidates(model, include, block_size,
+                                           {nn.Linear: _check_linear, nn.Conv2d: _check_convertible})
+    if nn.Linear in {type(m) for _, m in chosen} | {type(m) for m, _, _ in problems}:
+        check_block_size(block_size)                     # the Linear kernels' sizes; conv takes any
+    if problems and errors == "raise":
+        raise ValueError(problems[0][2])
+    new: dict[int, nn.Module] = {}                       # one replacement per layer object
+    for _, m in chosen:
+        if id(m) not in new:
+            new[id(m)] = _sparse_layer(m, block_size, density, keep_weights, balanced)
+    for name, m in chosen:                               # built all first: a failed build replaces nothing
         parent, _, child = name.rpartition(".")
-        setattr(model.get_submodule(parent) if parent else model, child, new)
-    return sorted((name for name, _ in replaced), key=order.__getitem__)
+        setattr(model.get_submodule(parent) if parent else model, child, new[id(m)])
+    skipped = {name: why for _, names, why in problems for name in names}
+    if skipped:
+        warnings.warn(f"sparsify left {len(problems)} chosen layer(s) dense (errors='skip'): "
+                      + "; ".join(why for *_, why in problems), stacklevel=2)
+    return SparsifyResult([name for name, _ in chosen], skipped)
