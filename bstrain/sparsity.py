@@ -7,26 +7,45 @@
         policy.step()                       # every 100 steps: a new layout for every sparse layer
 
 Every ``every`` optimizer steps (until step ``stop``), each block-sparse layer of the model
-(:class:`bstrain.nn.BlockSparseLinear`, :class:`bstrain.nn.BlockSparseConv2d`) drops the share
-``fraction_at(step)`` of its live blocks with the smallest weight norm and grows as many dead
-ones: at random (:class:`SET`) or those whose dense gradient has the largest norm (:class:`RigL`,
-Evci et al. 2020; the dense gradient X·dY of the step before the update is computed by hooks, on
-that step only). The share decays from ``fraction`` to 0 by a cosine over [0, stop].
+(:class:`bstrain.nn.BlockSparseLinear`, :class:`bstrain.nn.BlockSparseConv2d`) drops
+``round(fraction_at(step) · live blocks)`` of its live blocks (whole blocks, rounded per layer)
+with the smallest weight norm and grows as many dead ones: at random (:class:`SET`) or those
+whose dense gradient has the largest norm (:class:`RigL`, Evci et al. 2020; the dense gradient
+X·dY of the step before the update is computed by hooks, on that step only). The share decays
+from ``fraction`` to 0 by a cosine over [0, stop].
 
 An update keeps everything consistent: the live-block count is unchanged, so the weight
 Parameter keeps its shape and stays the optimizer's. Surviving blocks keep their values and
-their optimizer state (every state tensor shaped like the weight, e.g. AdamW's moments) bit for
-bit, moved to their new place in the row-major block order; grown blocks start at zero with zero
-state. Modules named in ``also`` (an EMA copy of the model) get the same layouts and moves. Each
-managed layer gets layout tables of its own, which an update rewrites in place (see
-``BlocksparseMatMul.set_layout``), so CUDA graphs and compiled graphs made after the policy was
-built keep running the current layouts; where a layer's tables cannot take its new layout (a
-block row or column longer than they hold; a block-diagonal convolution that now needs a channel
-gather) it gets new ones, and the old ones
-are freed with the last op that holds them. Build the policy before capturing or compiling: a
-graph made before it reads the layer's shared tables, which updates never change. Under
-torch.distributed every rank makes the same decision: the scores are
-averaged over ranks and the random draws are seeded by (seed, step).
+their optimizer state bit for bit, moved to their new place in the row-major block order. The
+state that moves is every state tensor of the weight of shape (nnz, ...) whose other dims are
+the weight's or 1: Adam's, AdamW's, NAdam's, RAdam's and SparseAdam's moments (AMSGrad's
+``max_exp_avg_sq`` too), SGD's and RMSprop's ``momentum_buffer``, RMSprop's ``square_avg`` and
+``grad_avg``, Adagrad's ``sum``, Adadelta's ``square_avg`` and ``acc_delta``, Adamax's
+``exp_inf``, ASGD's ``ax``, Rprop's ``prev`` and ``step_size``, and Adafactor's factored
+``row_var`` (nnz, bs, 1) and ``col_var`` (nnz, 1, bs). 0-dim tensors and Python numbers (step
+counts, ASGD's ``eta`` and ``mu``, NAdam's ``mu_product``) are left alone. Grown blocks start at
+zero, and their state at the optimizer's start value: Adagrad's ``initial_accumulator_value``,
+Rprop's ``lr``, zero for the rest (see ``grown_moments``). Any other state of a managed weight (a
+flattened or (bs, bs) tensor, a list; L-BFGS, whose state is flat vectors over all its
+parameters) cannot follow the blocks and is refused with a ValueError naming the optimizer and
+the key: at construction where the state exists, else at the update, before anything moves.
+
+Layers that share one weight (``b.weight = a.weight``; a module registered under two names;
+``ops`` pairs on one weight or on a module's weight) are updated once, as one: one new layout
+for the weight, decided from its blocks (RigL: from the sum of their dense gradients, the
+weight's dense gradient), the weight and its state moved once, and every layer that shares it
+switched to that layout. Such layers must be of one kind (products or convolutions), block
+size and layout, and a managed weight may not be a parameter of another module as well; other
+ties are refused at construction with a ValueError naming both. Modules named in ``also`` (an
+EMA copy of the model) get the same layouts and moves (their tied layers, if any, tied as the
+model's). Each managed layer gets layout tables of its own, which an update rewrites in place
+(see ``BlocksparseMatMul.set_layout``), so CUDA graphs and compiled graphs made after the policy
+was built keep running the current layouts; where a layer's tables cannot take its new layout
+(a block row or column longer than they hold; a block-diagonal convolution that now needs a
+channel gather) it gets new ones, and the old ones are freed with the last op that holds them.
+Build the policy before capturing or compiling: a graph made before it reads the layer's shared
+tables, which updates never change. Under torch.distributed every rank makes the same decision:
+the scores are averaged over ranks and the random draws are seeded by (seed, step).
 """
 from __future__ import annotations
 
@@ -67,6 +86,94 @@ class _OpLayer:
 
     def _switch_layout(self, layout: np.ndarray) -> bool:
         return self.op.set_layout(layout)           # (it makes the new tables where the old ones were)
+
+
+def _block_size(layer) -> int:
+    return layer.block_size if hasattr(layer, "block_size") else layer.op.block_size
+
+
+def _check_ops_apart(modules: list, pairs: list) -> None:
+    """An ``ops`` pair may share a module's weight, not its op (the pair would be the module again)."""
+    owner = {id(layer.op): name for name, layer in modules if hasattr(layer, "op")}
+    for name, pair in pairs:
+        if id(pair.op) in owner:
+            raise ValueError(f"ops: expected ops of their own, got {name} with the BlocksparseMatMul of layer "
+                             f"{owner[id(pair.op)]!r}, which the policy manages already; drop the pair")
+
+
+def _why_not_tied(a, b) -> str | None:
+    """Why layers ``a`` and ``b`` cannot share one weight under a policy (None: they can): a
+    layout update decides one layout for the weight, every layer sharing it takes that layout."""
+    from bstrain.nn.conv import BlockSparseConv2d
+    kinds = [("a convolution" if isinstance(x, BlockSparseConv2d) else "a product") for x in (a, b)]
+    if kinds[0] != kinds[1]:
+        return f"one is {kinds[0]}, the other {kinds[1]}"
+    if _block_size(a) != _block_size(b):
+        return f"their block sizes differ ({_block_size(a)} and {_block_size(b)})"
+    la, lb = np.asarray(a.block_layout(), dtype=bool), np.asarray(b.block_layout(), dtype=bool)
+    if la.shape != lb.shape:
+        return f"their layouts have different shapes ({la.shape} and {lb.shape})"
+    if not np.array_equal(la, lb):
+        return "their layouts differ"
+    return None
+
+
+def _weight_groups(layers: list, model: nn.Module | None) -> list[list[tuple[str, nn.Module]]]:
+    """``layers`` grouped by the weight they hold, each group in module order: the layers of a
+    group share one Parameter, so an update moves it once and switches them all. A ValueError
+    naming both layers where a group's layers cannot share one layout, where distinct weights
+    are one memory, or where another module holds a managed weight."""
+    by_weight: dict[int, list] = {}
+    for name, layer in layers:
+        by_weight.setdefault(id(layer.weight), []).append((name, layer))
+    groups = list(by_weight.values())
+    for group in groups:
+        first, layer = group[0]
+        for name, other in group[1:]:
+            why = _why_not_tied(layer, other)
+            if why is not None:
+                raise ValueError(f"model: layers {first!r} and {name!r} share one weight, but {why}; a layout update "
+                                 f"gives a weight one layout: give them weights of their own, or tie layers of one "
+                                 f"kind, block size and layout")
+    _check_no_aliases([(repr(name), layer.weight) for name, layer in layers], "model")
+    if model is not None:
+        _check_sole_holders(model, groups)
+    return groups
+
+
+def _check_no_aliases(weights: list[tuple[str, torch.Tensor]], arg: str) -> None:
+    """Distinct weight tensors on one memory (``weights``: (quoted name, weight)) would each be
+    moved, the memory twice: refused (tie them as one Parameter instead)."""
+    seen: dict[int, tuple[str, int]] = {}
+    for name, w in weights:
+        if w.is_meta or w.numel() == 0:
+            continue
+        first = seen.setdefault(w.data_ptr(), (name, id(w)))
+        if first[1] != id(w):
+            raise ValueError(f"{arg}: layers {first[0]} and {name} hold distinct weight tensors on the same memory; "
+                             f"tie them as one Parameter (b.weight = a.weight) or give each its own")
+
+
+def _check_sole_holders(model: nn.Module, groups: list) -> None:
+    """A managed module's weight held as a parameter by a module that is no layer of its group
+    (a dense module, say) would have its blocks moved under it: refused. (Weights of ``ops``
+    pairs are held by the user's own modules and are not checked.)"""
+    names_of: dict[int, list[str]] = {}
+    for mname, module in model.named_modules(remove_duplicate=False):
+        names_of.setdefault(id(module), []).append(mname)
+    allowed: dict[int, tuple[str, set]] = {}
+    for group in groups:
+        if any(isinstance(layer, _OpLayer) for _, layer in group):
+            continue
+        allowed[id(group[0][1].weight)] = (group[0][0], {f"{m}.weight" if m else "weight" for _, layer in group
+                                                        for m in names_of.get(id(layer), [])})
+    for pname, p in model.named_parameters(remove_duplicate=False):
+        entry = allowed.get(id(p))
+        if entry is not None and pname not in entry[1]:
+            holder = pname.rpartition(".")[0] or type(model).__name__
+            raise ValueError(f"model: layer {entry[0]!r} and module {holder!r} share one weight ({pname!r}), but "
+                             f"{holder!r} is not a block-sparse layer the policy manages: a layout update would move "
+                             f"the blocks under it; give it a parameter of its own")
 
 
 def _check(name: str, value, ok: bool, expected: str) -> None:
@@ -123,14 +230,19 @@ class DynamicSparsity:
         if len({id(pair[0]) for pair in ops}) != len(ops):
             raise ValueError("ops: expected each BlocksparseMatMul once, got one op in several (op, weight) pairs; "
                              "give each weight an op of its own (a layout update moves one weight)")
-        self.layers = sparse_layers(model) + [(f"ops.{i}", _OpLayer(op, w)) for i, (op, w) in enumerate(ops)]
+        modules = sparse_layers(model)
+        self.layers = modules + [(f"ops.{i}", _OpLayer(op, w)) for i, (op, w) in enumerate(ops)]
         if not self.layers:
             raise ValueError(f"model: expected a model with block-sparse layers (BlockSparseLinear, "
                              f"BlockSparseConv2d) or ops=[(BlocksparseMatMul, weight)], got a "
                              f"{type(model).__name__} with none")
+        _check_ops_apart(modules, self.layers[len(modules):])
+        self.groups = _weight_groups(self.layers, model)   # the layers of each weight, in module order
+        self._members = {group[0][0]: group for group in self.groups}
         self.model, self.optimizer = model, optimizer
         self.every, self.fraction, self.stop, self.balanced, self.seed = every, float(fraction), stop, balanced, seed
         self.grown_moments = grown_moments
+        self._check_optimizer()
         self.also = [self._twin_layers(m) for m in also]
         for _, layer in self.layers:                  # tables of their own: updates rewrite them in place
             owner = getattr(layer, "op", layer)
@@ -173,6 +285,25 @@ class DynamicSparsity:
                 raise ValueError(f"also: expected modules shaped like the model, with its layouts; its layer "
                                  f"{name!r} is {'missing' if other is None else 'of another shape or layout'} in "
                                  f"a {type(module).__name__}")
+        mine = {id(layer.weight): name for name, layer in self.layers}
+        owner: dict[int, tuple[int, str]] = {}          # id(twin weight) -> (the model's group, a layer name)
+        for index, group in enumerate(self.groups):
+            for name, _ in group:
+                other = twin.get(name)
+                if other is None:
+                    continue
+                if id(other.weight) in mine:
+                    raise ValueError(f"also: expected a copy with weights of its own, got a {type(module).__name__} "
+                                     f"whose layer {name!r} holds the model's weight of {mine[id(other.weight)]!r} "
+                                     f"(it would be moved twice)")
+                first = owner.setdefault(id(other.weight), (index, name))
+                if first[0] != index:
+                    raise ValueError(f"also: layers {first[1]!r} and {name!r} share one weight in a "
+                                     f"{type(module).__name__} but not in the model, where an update may give them "
+                                     f"different layouts")
+        _check_no_aliases([(f"the model's {name!r}", layer.weight) for name, layer in self.layers] +
+                          [(f"the {type(module).__name__}'s {name!r}", layer.weight) for name, layer in twin.items()],
+                          "also")
         return twin
 
     # --- schedule ---------------------------------------------------------------------------------
@@ -198,11 +329,15 @@ class DynamicSparsity:
     def step(self, step: int | None = None) -> dict | None:
         """Call once after each optimizer step (``step``: its 1-based count; default: one more than
         the last call's). On update steps, changes every layer's layout and returns
-        ``{"step", "changed" {name: share of live blocks replaced}, "density" {name: live share},
-        "in_place" (every changed layer's tables rewritten in place: graphs made before stay valid),
-        "seconds" (the update's wall time, its GPU work included; on a GPU, timed from when the
-        queued steps are done)}``;
-        else None."""
+        ``{"step", "fraction" (the scheduled share), "changed" {name: share of its live blocks
+        replaced, i.e. grown where no block was before}, "density" {name: live share}, "blocks"
+        {"live", "planned" (round(fraction·live) per weight, summed), "pruned" (as many, where
+        enough blocks are dead), "replaced"}: counts over the distinct weights (a shared weight
+        once), "in_place" (every changed layer's tables rewritten in place: graphs made before
+        stay valid), "seconds" (the update's wall time, its GPU work included; on a GPU, timed
+        from when the queued steps are done)}``; else None. A balanced update may regrow some
+        pruned blocks (each block row and column keeps its count), so fewer may be replaced than
+        pruned."""
         self.steps = self.steps + 1 if step is None else int(step)
         info = None
         if self.updates_at(self.steps):
@@ -212,48 +347,69 @@ class DynamicSparsity:
 
     @torch.no_grad()
     def _update(self, step: int) -> dict:
+        self._check_optimizer()             # state that cannot follow the blocks: refused before any move
         cuda = next((layer.weight.device for _, layer in self.layers if layer.weight.is_cuda), None)
         if cuda is not None:            # the queued steps first (the norms are read on the host anyway),
             torch.cuda.synchronize(cuda)    # so that "seconds" is the update's own time
         t0 = time.perf_counter()
         share = self.fraction_at(step)
         gen = torch.Generator().manual_seed(self.seed * 1_000_003 + step)
-        changed, density = {}, {}
+        changed, density, blocks = {}, {}, dict.fromkeys(("live", "planned", "pruned", "replaced"), 0)
         from bstrain.ops.matmul import switching_together
         with switching_together():          # a layer and its EMA copy switch together (shared tables)
-            in_place = self._switch_all(share, gen, changed, density)
+            in_place = self._switch_all(share, gen, changed, density, blocks)
         self._grads.clear()
         if cuda is not None:
             torch.cuda.synchronize(cuda)
-        info = {"step": step, "fraction": share, "changed": changed, "density": density, "in_place": in_place,
-                "seconds": time.perf_counter() - t0}
+        info = {"step": step, "fraction": share, "changed": changed, "density": density, "blocks": blocks,
+                "in_place": in_place, "seconds": time.perf_counter() - t0}
         self.history.append(info)
         return info
 
-    def _switch_all(self, share: float, gen: torch.Generator, changed: dict, density: dict) -> bool:
-        """New layouts for every layer (and its twins); True if every switch was made in place."""
+    def _switch_all(self, share: float, gen: torch.Generator, changed: dict, density: dict, blocks: dict) -> bool:
+        """A new layout for every weight, taken by the layers that share it (and their twins);
+        ``blocks`` sums the counts. True if every switch was made in place."""
         in_place = True
-        for name, layer in self.layers:
+        for group in self.groups:
+            name, layer = group[0]
             old = np.asarray(layer.block_layout(), dtype=bool)
-            new = self._new_layout(name, layer, old, share, gen)
-            changed[name] = float((new & ~old).sum() / max(1, old.sum()))
-            density[name] = float(new.mean())
+            live = int(old.sum())
+            planned = int(round(share * live))
+            n = min(planned, int((~old).sum()))
+            new = self._new_layout(name, layer, old, n, gen)
+            replaced = int((new & ~old).sum())
+            for key, count in (("live", live), ("planned", planned), ("pruned", n), ("replaced", replaced)):
+                blocks[key] += count
+            for member, _ in group:
+                changed[member] = replaced / max(1, live)
+                density[member] = float(new.mean())
             if not np.array_equal(new, old):
-                in_place &= self._move(layer, old, new, self._optimizer_states(layer.weight),
-                                       self._second_moments(layer.weight))
-                for other in self.also:
-                    twin = other.get(name)
-                    if twin is not None:
-                        in_place &= self._move(twin, np.asarray(twin.block_layout(), dtype=bool), new, [])
-                        self._share(twin, layer)            # again, if the layer took new tables
+                in_place &= self._move_group(group, old, new)
         return in_place
 
-    def _new_layout(self, name: str, layer: nn.Module, old: np.ndarray, share: float,
-                    gen: torch.Generator) -> np.ndarray:
-        """The layout after pruning and growing ``round(share·live)`` blocks: the smallest-norm live
-        ones go, or if balanced, each block column's smallest-norm share (a column's blocks can
-        only be replaced within it: pruned by norm alone, the columns whose blocks start smallest,
-        the longest, would lose most and take their blocks back)."""
+    def _move_group(self, group: list, old: np.ndarray, new: np.ndarray) -> bool:
+        """Moves the group's weight and its optimizer state once, switches every layer of the group
+        to ``new``, then the same for the twins in ``also`` (each twin weight moved once)."""
+        weight = group[0][1].weight
+        _move_blocks(old, new, [(weight, 0.0), *self._state_moves(weight)])
+        in_place = all([_switch(layer, new) for _, layer in group])
+        for other in self.also:
+            twins = [(name, layer, other[name]) for name, layer in group if name in other]
+            moved: set[int] = set()
+            for _, _, twin in twins:
+                if id(twin.weight) not in moved:
+                    moved.add(id(twin.weight))
+                    _move_blocks(np.asarray(twin.block_layout(), dtype=bool), new, [(twin.weight, 0.0)])
+            for _, layer, twin in twins:
+                in_place &= _switch(twin, new)
+                self._share(twin, layer)            # again, if the layer took new tables
+        return in_place
+
+    def _new_layout(self, name: str, layer: nn.Module, old: np.ndarray, n: int, gen: torch.Generator) -> np.ndarray:
+        """The layout after pruning and growing ``n`` blocks: the smallest-norm live ones go, or
+        if balanced, each block column's smallest-norm share (a column's blocks can only be
+        replaced within it: pruned by norm alone, the columns whose blocks start smallest, the
+        longest, would lose most and take their blocks back)."""
         w = layer.weight.detach()
         live_norm = _all_reduce_mean(w.float().flatten(1).norm(dim=1)).cpu()          # (nnz,) row-major order
         prune_score = torch.full(old.shape, math.inf)
@@ -264,7 +420,6 @@ class DynamicSparsity:
             prune_score = ((rank + 0.5) / count).masked_fill(~torch.as_tensor(old), math.inf)
         grow_score = self.grow_scores(name, layer, old, gen)                           # (Cb, Kb), higher first
         grow_score = grow_score.masked_fill(torch.as_tensor(old), -math.inf)
-        n = min(int(round(share * int(old.sum()))), int((~old).sum()))
         if n <= 0:
             return old.copy()
         new = old.copy()
@@ -276,52 +431,58 @@ class DynamicSparsity:
         return _grow_balanced(old, new, pruned, grow_score, gen)
 
     def grow_scores(self, name: str, layer: nn.Module, old: np.ndarray, gen: torch.Generator) -> torch.Tensor:
-        """(C/bs, K/bs) scores of the dead blocks; the highest grow. SET: uniform random."""
+        """(C/bs, K/bs) scores of the dead blocks; the highest grow. SET: uniform random. ``name``,
+        ``layer``: the first (in module order) of the layers that share the weight."""
         return torch.rand(old.shape, generator=gen)
 
-    def _optimizer_states(self, weight: nn.Parameter) -> list[torch.Tensor]:
-        if self.optimizer is None:
-            return []
-        state = self.optimizer.state.get(weight, {})
-        return [t for t in state.values() if isinstance(t, torch.Tensor) and t.shape == weight.shape]
+    # --- optimizer state ------------------------------------------------------------------------------
+    def _check_optimizer(self) -> None:
+        """A ValueError naming the optimizer and the key for state of a managed weight that cannot
+        follow its blocks (see the module's docstring); nothing is moved before this passes."""
+        opt = self.optimizer
+        if opt is None:
+            return
+        if not (hasattr(opt, "state") and hasattr(opt, "param_groups")):
+            raise ValueError(f"optimizer: expected a torch.optim.Optimizer (state and param_groups) or None, got a "
+                             f"{type(opt).__name__}")
+        held = {id(p) for g in opt.param_groups for p in g["params"]}
+        for group in self.groups:
+            name, layer = group[0]
+            w = layer.weight
+            if isinstance(opt, torch.optim.LBFGS) and id(w) in held:
+                raise ValueError(f"optimizer: LBFGS keeps its state (the directions 'd', 'old_dirs', 'old_stps') as "
+                                 f"flat vectors over all its parameters, which a layout update cannot move block by "
+                                 f"block; it holds the weight of {name!r}: use another optimizer for it")
+            for key, value in opt.state.get(w, {}).items():
+                if not (_is_scalar(value) or _per_block(value, w)):
+                    got = f"a tensor of shape {tuple(value.shape)}" if isinstance(value, torch.Tensor) else \
+                        f"a {type(value).__name__}"
+                    raise ValueError(f"optimizer: {type(opt).__name__} keeps state {key!r} for the weight of {name!r} "
+                                     f"as {got}, which a layout update cannot move with its blocks: expected per-block "
+                                     f"tensors of shape ({w.shape[0]}, ...) whose other dims are the weight's "
+                                     f"{tuple(w.shape[1:])} or 1, or scalars")
 
-    def _second_moments(self, weight: nn.Parameter) -> list[torch.Tensor]:
-        """The optimizer's second-moment tensors of ``weight`` that grown blocks start at the
-        survivors' mean (grown_moments="mean"); none otherwise."""
-        if self.optimizer is None or self.grown_moments == "zero":
+    def _state_moves(self, weight: torch.Tensor) -> list[tuple[torch.Tensor, float | None]]:
+        """(per-block state tensor of ``weight``, start of its grown blocks: a value, or None for
+        the survivors' mean) for every state tensor that moves with the blocks."""
+        if self.optimizer is None or not self.optimizer.state.get(weight):
             return []
-        state = self.optimizer.state.get(weight, {})
-        return [state[k] for k in ("exp_avg_sq", "max_exp_avg_sq")
-                if isinstance(state.get(k), torch.Tensor) and state[k].shape == weight.shape]
+        group = next((g for g in self.optimizer.param_groups if any(p is weight for p in g["params"])),
+                     self.optimizer.defaults)
+        return [(value, self._grown_start(key, group)) for key, value in self.optimizer.state[weight].items()
+                if isinstance(value, torch.Tensor) and _per_block(value, weight)]
 
-    @staticmethod
-    def _move(layer: nn.Module, old: np.ndarray, new: np.ndarray, states: list[torch.Tensor],
-              seeded: list[torch.Tensor] = ()) -> bool:
-        """Switches ``layer`` to ``new``: surviving blocks (and their optimizer state) move to their
-        place in the new row-major block order, grown blocks (and state) start at zero, except in
-        the ``seeded`` states (some of ``states``), where they start at the survivors' mean. True
-        when the layer's tables were rewritten in place."""
-        if int(new.sum()) != int(old.sum()):
-            raise RuntimeError(f"sparsity: a new layout of {int(new.sum())} live blocks for a layer of {int(old.sum())}; "
-                               f"please report this layout")
-        old_id = np.full(old.shape, -1)
-        old_id[old] = np.arange(int(old.sum()))
-        src = torch.as_tensor(old_id[new])                                   # new block i <- old src[i] (or -1)
-        keep = src >= 0
-        dst_idx, src_idx = torch.nonzero(keep).flatten(), src[keep]
-        seeded_ids = {id(t) for t in seeded}
-        for t in [layer.weight, *states]:
-            kept = t[src_idx.to(t.device)]
-            if id(t) in seeded_ids and kept.numel():
-                moved = torch.empty_like(t).fill_(kept.mean())
-            else:
-                moved = torch.zeros_like(t)
-            moved[dst_idx.to(t.device)] = kept
-            t.copy_(moved)
-        in_place = layer._switch_layout(new)
-        if hasattr(layer, "_write_layout_buffer"):                              # a module's layout buffer
-            layer._write_layout_buffer(new)
-        return in_place
+    def _grown_start(self, key: str, group: dict) -> float | None:
+        """Where a grown block's state ``key`` starts: the optimizer's own start value for it
+        (Adagrad's ``sum``: initial_accumulator_value; Rprop's ``step_size``: lr; else zero), or
+        None (the survivors' mean) for second moments under grown_moments="mean"."""
+        if self.grown_moments == "mean" and key in ("exp_avg_sq", "max_exp_avg_sq"):
+            return None
+        if isinstance(self.optimizer, torch.optim.Adagrad) and key == "sum":
+            return float(group["initial_accumulator_value"])
+        if isinstance(self.optimizer, torch.optim.Rprop) and key == "step_size":
+            return float(group["lr"])
+        return 0.0
 
     # --- RigL's gradient hooks ----------------------------------------------------------------------
     def _arm(self) -> None:
@@ -401,8 +562,11 @@ class RigL(DynamicSparsity):
         return layer.register_forward_hook(lambda mod, args, out: record(args[0], out))
 
     def grow_scores(self, name: str, layer: nn.Module, old: np.ndarray, gen: torch.Generator) -> torch.Tensor:
-        record = self._grads.get(name)
-        g = None if record is None else record.total(layer)
+        # the weight's dense gradient: the sum over the layers that share it (of each layer's calls)
+        totals = [self._grads[member].total(other) for member, other in self._members.get(name, [(name, layer)])
+                  if member in self._grads]
+        totals = [t for t in totals if t is not None]
+        g = sum(totals[1:], totals[0]) if totals else None
         if g is not None:                   # the step's dense gradient, averaged over ranks, then block norms
             g = _block_norms(layer, _all_reduce_mean(g)).cpu()
         if g is None or not bool(torch.isfinite(g).all()):
@@ -479,6 +643,52 @@ class _Unobserve:
         self.op.observer = None
 
 
+def _switch(layer: nn.Module, new: np.ndarray) -> bool:
+    """Switches ``layer`` (its weight already moved) to ``new``: op, tables and layout buffer.
+    True when its tables were rewritten in place."""
+    in_place = layer._switch_layout(new)
+    if hasattr(layer, "_write_layout_buffer"):                              # a module's layout buffer
+        layer._write_layout_buffer(new)
+    return in_place
+
+
+def _move_blocks(old: np.ndarray, new: np.ndarray, tensors: list[tuple[torch.Tensor, float | None]]) -> None:
+    """Moves the blocks (dim 0) of each tensor from layout ``old`` to ``new``: a surviving block
+    to its place in the new row-major block order, bit for bit; a grown one starts at its
+    tensor's start value (None: the mean of the surviving blocks, zero if there are none)."""
+    if int(new.sum()) != int(old.sum()):
+        raise RuntimeError(f"sparsity: a new layout of {int(new.sum())} live blocks for a layer of {int(old.sum())}; "
+                           f"please report this layout")
+    old_id = np.full(old.shape, -1)
+    old_id[old] = np.arange(int(old.sum()))
+    src = torch.as_tensor(old_id[new])                                   # new block i <- old src[i] (or -1)
+    keep = src >= 0
+    dst_idx, src_idx = torch.nonzero(keep).flatten(), src[keep]
+    for t, start in tensors:
+        kept = t[src_idx.to(t.device)]                                   # (survivors, *block dims)
+        if start is None:
+            moved = torch.empty_like(t).fill_(kept.mean()) if kept.numel() else torch.zeros_like(t)
+        else:
+            moved = torch.full_like(t, start)
+        moved[dst_idx.to(t.device)] = kept
+        t.copy_(moved)
+
+
+def _is_scalar(value) -> bool:
+    """Optimizer state that does not depend on the blocks: a 0-dim tensor (a step count), a number."""
+    if isinstance(value, torch.Tensor):
+        return value.dim() == 0
+    return value is None or isinstance(value, (bool, int, float, complex))
+
+
+def _per_block(value, weight: torch.Tensor) -> bool:
+    """Whether ``value`` is optimizer state with a slice per block of ``weight``: (nnz, ...) with
+    the weight's number of dims, each other dim the weight's or 1 (Adafactor's factored
+    (nnz, bs, 1) and (nnz, 1, bs))."""
+    return isinstance(value, torch.Tensor) and value.dim() == weight.dim() and value.shape[0] == weight.shape[0] \
+        and all(d in (1, wd) for d, wd in zip(value.shape[1:], weight.shape[1:]))
+
+
 def _dense_grad(layer: nn.Module, x: torch.Tensor, dy: torch.Tensor) -> torch.Tensor:
     """The dense fp32 weight gradient of one call of ``layer``: (C, K) for a product, (K, C, kh, kw)
     for a convolution (the calls of a step are summed before :func:`_block_norms`)."""
@@ -507,7 +717,7 @@ def _dense_grad(layer: nn.Module, x: torch.Tensor, dy: torch.Tensor) -> torch.Te
 
 def _block_norms(layer: nn.Module, g: torch.Tensor) -> torch.Tensor:
     """(C/bs, K/bs) block norms of a dense gradient from :func:`_dense_grad`."""
-    bs = layer.block_size if hasattr(layer, "block_size") else layer.op.block_size
+    bs = _block_size(layer)
     if g.dim() == 4:                                                            # a conv's (K, C, kh, kw)
         K, C = g.shape[:2]
         return g.reshape(K // bs, bs, C // bs, bs, -1).square().sum((1, 3, 4)).t().sqrt()

@@ -87,12 +87,36 @@ def after_step(run, board) -> dict | None:
             if captured is not None:
                 captured.graph = None              # captured again when next needed, on the new tables
         run.eval_forwards.clear()
-    changed = sum(info["changed"].values()) / max(1, len(info["changed"]))
-    log.info("sparsity: step %d, %.1f%% of the live blocks replaced (share %.3f), %s, %.0f ms", run.step,
-             100 * changed, info["fraction"], "tables rewritten in place" if info["in_place"] else "new tables",
-             1e3 * info["seconds"])
-    board.scalars(run.step, {"sparsity/changed": changed,
+    log.info("sparsity: step %d, %s, %s, %.0f ms", run.step, describe_update(info),
+             "tables rewritten in place" if info["in_place"] else "new tables", 1e3 * info["seconds"])
+    blocks = info["blocks"]
+    board.scalars(run.step, {"sparsity/changed": blocks["replaced"] / max(1, blocks["live"]),
+                             "sparsity/planned": blocks["planned"] / max(1, blocks["live"]),
+                             "sparsity/fraction": info["fraction"],
                              **{f"sparsity/changed/{k}": v for k, v in info["changed"].items()},
                              **{f"sparsity/density/{k}": v for k, v in info["density"].items()}})
     board.layouts(run.step, {name: layer.block_layout() for name, layer in run.sparsity.layers})
     return info
+
+
+def describe_update(info: dict) -> str:
+    """What an update did, for train.log: the blocks replaced over all layers (a shared weight
+    counted once), and how that follows from the scheduled share. Each layer replaces
+    round(share × its live blocks), whole blocks, so the planned total can be above or below the
+    share (0.9% of a 64-block layer rounds to 1 block, 1.6%); a balanced update may regrow some
+    pruned blocks, and a layer with too few dead blocks prunes fewer."""
+    blocks, share = info["blocks"], info["fraction"]
+    live, planned, pruned, replaced = (blocks[k] for k in ("live", "planned", "pruned", "replaced"))
+    text = (f"{replaced} of {live} live blocks replaced ({replaced / max(1, live):.1%}); planned {planned} "
+            f"({planned / max(1, live):.1%}): the scheduled share {share:.1%} of each layer's live blocks, rounded "
+            f"to whole blocks per layer")
+    if pruned < planned:
+        text += f"; {planned - pruned} of them not pruned: too few dead blocks to grow"
+    if replaced < pruned:
+        text += (f"; {_blocks(pruned - replaced)} pruned and grown back in place (balanced: every block row and "
+                 f"column keeps its count)")
+    return text
+
+
+def _blocks(n: int) -> str:
+    return f"{n} block" if n == 1 else f"{n} blocks"

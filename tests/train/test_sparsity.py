@@ -3,6 +3,8 @@ trainer does not name (the transformer's sparse FFN), logs to TensorBoard, resum
 an update, and stops on bad settings with one line."""
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import pytest
 import torch
@@ -71,6 +73,19 @@ def test_tensorboard_logs_the_changes(tmp_path):
     acc = EventAccumulator(str(tmp_path / "tb" / "tb"), size_guidance={"images": 0, "scalars": 0})
     acc.Reload()
     assert [e.step for e in acc.Scalars("sparsity/changed")] == [3, 6]
+    lines = re.findall(r"sparsity: step .*", (tmp_path / "tb" / "train.log").read_text())
+    assert len(lines) == 2, lines
+    for line, changed, planned in zip(lines, acc.Scalars("sparsity/changed"), acc.Scalars("sparsity/planned")):
+        # the realised and planned shares, as train.log states them (the counts over all layers),
+        # then the two fields scripts/bench_sparsity.py reads
+        m = re.fullmatch(r"sparsity: step (\d), (\d+) of (\d+) live blocks replaced \((\d+\.\d)%\); planned (\d+) "
+                         r"\((\d+\.\d)%\): the scheduled share \d+\.\d% of each layer's live blocks, rounded to whole "
+                         r"blocks per layer(; .*)?, (tables rewritten in place|new tables), \d+ ms", line)
+        assert m, line
+        replaced, live, planned_n = int(m[2]), int(m[3]), int(m[5])
+        assert float(m[4]) == pytest.approx(100 * replaced / live, abs=0.05)
+        assert changed.value == pytest.approx(replaced / live)
+        assert planned.value == pytest.approx(planned_n / live) and 0 < replaced <= planned_n
     assert any(t.startswith("sparsity/density/") for t in acc.Tags()["scalars"])
     assert any(len(acc.Images(t)) >= 3 for t in acc.Tags()["images"])       # at start and at each update
 
@@ -243,3 +258,46 @@ def test_rigl_under_compile_reads_the_gradients(tmp_path, recwarn):
         assert not [w for w in recwarn.list if "grows at random" in str(w.message)]
     finally:
         torch._dynamo.reset()
+
+
+def _info(model, fraction, balanced=False):
+    from bstrain.sparsity import SET
+    policy = SET(model, None, every=1, fraction=fraction, balanced=balanced, seed=0)
+    return policy.step()
+
+
+def test_the_update_line_counts_whole_blocks_over_all_layers():
+    """Each layer replaces round(share x its live blocks): 13% of 4 live blocks is 1 (25%), of 16
+    it is 2 (12.5%). The line counts blocks over all layers, 3 of 20 (15%), and says that the
+    scheduled 13% was rounded per layer (the mean of the layers' shares, 18.8%, was logged)."""
+    from bstrain.nn import BlockSparseLinear
+    from bstrain.train.sparsity import describe_update
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(BlockSparseLinear(64, 64, block_size=16, density=0.25),
+                                BlockSparseLinear(64, 256, block_size=16, density=0.25))
+    old = [layer.block_layout().copy() for layer in model]
+    info = _info(model, 0.13)
+    assert [int(o.sum()) for o in old] == [4, 16]
+    assert sum(int((layer.block_layout() & ~o).sum()) for layer, o in zip(model, old)) == 3
+    assert info["blocks"] == {"live": 20, "planned": 3, "pruned": 3, "replaced": 3}
+    assert describe_update(info) == ("3 of 20 live blocks replaced (15.0%); planned 3 (15.0%): the scheduled share "
+                                     "13.0% of each layer's live blocks, rounded to whole blocks per layer")
+
+
+def test_the_update_line_says_why_fewer_were_replaced_than_planned():
+    """A balanced update of a block-diagonal layout can only regrow the block it pruned; a layout
+    with one dead block can prune one."""
+    from bstrain.nn import BlockSparseLinear
+    from bstrain.train.sparsity import describe_update
+    diagonal = BlockSparseLinear(64, 64, block_size=16, layout=np.eye(4, dtype=bool))
+    info = _info(diagonal, 0.25, balanced=True)
+    assert np.array_equal(diagonal.block_layout(), np.eye(4, dtype=bool))
+    assert describe_update(info) == ("0 of 4 live blocks replaced (0.0%); planned 1 (25.0%): the scheduled share "
+                                     "25.0% of each layer's live blocks, rounded to whole blocks per layer; 1 block "
+                                     "pruned and grown back in place (balanced: every block row and column keeps its "
+                                     "count)")
+    full = np.ones((4, 4), dtype=bool)
+    full[0, 0] = False
+    info = _info(BlockSparseLinear(64, 64, block_size=16, layout=full), 0.3)
+    assert info["blocks"] == {"live": 15, "planned": 4, "pruned": 1, "replaced": 1}
+    assert describe_update(info).endswith("; 3 of them not pruned: too few dead blocks to grow")
