@@ -118,12 +118,11 @@ def _hydra_command(config_name: str, fn):
 
 
 def _train(cfg):
-    from bstrain.errors import UserError
     from bstrain.train import rundir
     from bstrain.train.trainer import train
     try:
         return train(cfg)
-    except (UserError, KeyboardInterrupt):      # a start that stops leaves no run dir of its own behind
+    except BaseException:       # a start that stops leaves no run dir of its own behind (one that trained keeps it)
         from hydra.core.hydra_config import HydraConfig
         rundir.remove_failed_start(HydraConfig.get().runtime.output_dir, rundir.created_by_hydra())
         raise

@@ -218,7 +218,19 @@ class ImageData:
 
     @property
     def classes(self) -> int:
+        """The synthetic set's data.synthetic_classes (a small set may miss some); else the largest label + 1."""
+        if not self.path:
+            return self.synthetic_classes
         return int(max(int(y.max()) for _, y in self.splits().values() if len(y)) + 1)
+
+    @property
+    def image_shape(self) -> tuple[int, int, int]:
+        """(channels, height, width) of the images."""
+        return tuple(int(v) for v in self.splits()["train"][0].shape[1:])
+
+    def where(self) -> str:
+        """Where the images come from, as the config names it: for messages."""
+        return f"data.path={self.path}" if self.path else "the synthetic set (data.path=null)"
 
     def describe(self) -> str:
         s = self.splits()

@@ -119,9 +119,10 @@ def prune_checkpoints(directory: str | Path, keep: int) -> None:
 # --- what a checkpoint holds: written and read here only ---------------------------------------------
 KEYS = ("step", "model", "optimizer", "scaler", "ema", "task", "rng", "state", "metrics", "config", "schedule")
 """Every entry of a training checkpoint. ``state``: each rank's carried model state (stateful
-models), in rank order; ``task``: the data position; ``metrics``: the last train loss and
-validation results, so resuming a finished run can report them; ``schedule``: the learning-rate
-schedule's horizon and restart (:class:`bstrain.train.schedule.LRSchedule`)."""
+models), in rank order; ``task``: the data position; ``metrics``: the last train loss (the mean of
+the last logged window, and its number of steps) and validation results, so resuming a finished
+run can report them; ``schedule``: the learning-rate schedule's horizon and restart
+(:class:`bstrain.train.schedule.LRSchedule`)."""
 _LATER_KEYS = ("schedule",)
 """Entries that checkpoints of earlier versions lack and a resume does without."""
 
@@ -147,7 +148,8 @@ def capture(run) -> dict | None:
         "rng": {"cpu": torch.get_rng_state(),
                 "cuda": torch.cuda.get_rng_state(device) if device.type == "cuda" else None},
         "state": states if any(s is not None for s in states) else None,
-        "metrics": {"train_loss": run.train_loss, "valid": dict(run.valid)},
+        "metrics": {"train_loss": run.train_loss, "train_loss_steps": run.train_loss_steps,
+                    "valid": dict(run.valid)},
         "config": OmegaConf.to_container(run.cfg, resolve=True, enum_to_str=True),
         "schedule": run.schedule.state_dict(),
     }
@@ -211,4 +213,5 @@ def restore(run, ckpt: dict) -> None:
         log.info("%s", change)
     metrics = ckpt.get("metrics") or {}
     run.train_loss = metrics.get("train_loss", float("nan"))
+    run.train_loss_steps = int(metrics.get("train_loss_steps", 0))
     run.valid = dict(metrics.get("valid") or {})

@@ -61,8 +61,9 @@ def evaluate_checkpoint(cfg) -> dict:
     _, _, task, ckpt, forward = _load(cfg, cfg.data_path)
     res = task.evaluate(forward, split, cfg.batches, show_progress=True)
     shown = ", ".join(f"{k} {v:.4f}" for k, v in res.items() if isinstance(v, float))
-    log.info("%s (step %d) on %s: %s", ckpt["path"], ckpt["step"], split, shown)
-    print(f"{split} at step {ckpt['step']}: {shown}")
+    weights = " (EMA weights)" if ckpt.get("ema") is not None else ""
+    log.info("%s (step %d) on %s%s: %s", ckpt["path"], ckpt["step"], split, weights, shown)
+    print(f"{split}{weights} at step {ckpt['step']}: {shown}")
     return {**res, "step": ckpt["step"]}
 
 

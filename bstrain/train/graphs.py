@@ -29,7 +29,8 @@ from bstrain.train.step import Forward, state_tensors, train_step, unwrap
 
 log = logging.getLogger("bstrain")
 
-__all__ = ["graphed", "Graphed", "CapturedStep", "GraphedForward", "CaptureError", "check_graph_config"]
+__all__ = ["graphed", "Graphed", "CapturedStep", "GraphedForward", "CaptureError", "check_graph_config", "ema_decay",
+           "ema_update"]
 
 
 class CaptureError(RuntimeError):
@@ -270,14 +271,27 @@ def check_graph_config(device: torch.device) -> str | None:
     return None
 
 
+def ema_decay(n_averaged: torch.Tensor, decay: float) -> torch.Tensor:
+    """The decay of the EMA update that follows ``n_averaged`` earlier ones: min(decay, (1 + n) /
+    (10 + n)), the warm-up of TensorFlow's ExponentialMovingAverage (its ``num_updates``). A fixed
+    decay of 0.999 would still hold 0.999^300 = 74% of the first weights after 300 steps, so that
+    early evaluations of the EMA read far worse than training; the warmed decay averages over
+    about the last n/9 steps until it reaches ``decay``. A device tensor computed from the counter
+    on the device, so that a captured step reads the current count at every replay.
+    """
+    n = n_averaged.to(torch.float32)
+    return torch.clamp((1.0 + n) / (10.0 + n), max=decay)
+
+
 def ema_update(ema, model: torch.nn.Module, decay: float) -> None:
-    """``AveragedModel.update_parameters`` with an EMA, without its host sync: the first update
-    copies, later ones lerp by (1 - decay); n_averaged counts updates on the device."""
+    """``AveragedModel.update_parameters`` with an EMA of warmed decay (:func:`ema_decay`), without
+    a host sync: ``ema = ema + (1 - decay_t) (model - ema)``; n_averaged counts updates on the
+    device (it is in the EMA's state dict, so a resumed run continues the warm-up)."""
     with torch.no_grad():
         e = [p.detach() for p in ema.module.parameters()]
         m = [p.detach() for p in model.parameters()]
-        w = torch.where(ema.n_averaged > 0, 1.0 - decay, 1.0).to(e[0].dtype) if e else None
         if e:
+            w = (1.0 - ema_decay(ema.n_averaged, decay)).to(e[0].dtype)
             d = torch._foreach_sub(m, e)
             torch._foreach_mul_(d, w)
             torch._foreach_add_(e, d)

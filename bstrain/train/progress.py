@@ -6,8 +6,11 @@ train.log only (the bar shows the same numbers).
 """
 from __future__ import annotations
 
+import contextlib
 import logging
+import math
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -57,6 +60,54 @@ def remove_logging(handlers: list[logging.Handler]) -> None:
         h.close()
 
 
+class Throughput:
+    """Units (tokens, images) per second of the steps since :meth:`reset`, leaving out warm-up
+    steps and paused time.
+
+    A warm-up step (the first of a run, where torch.compile compiles, a CUDA graph is captured
+    and kernels load; or any later step that compiles or captures) can take minutes: counted, it
+    would make the first rate read a few hundredths of the next. Validation and checkpoints run
+    under :meth:`pause`. The rate is read after the window's host sync, so the device's work of
+    the counted steps is inside the elapsed time.
+
+    ``clock``: seconds as a float (time.perf_counter; tests pass a fake one).
+    """
+
+    def __init__(self, clock=None):
+        self.clock = clock or time.perf_counter
+        self.reset()
+
+    def reset(self) -> None:
+        self.start, self.left_out, self.units, self.steps = self.clock(), 0.0, 0, 0
+        self._step_start = None
+
+    def begin_step(self) -> None:
+        self._step_start = self.clock()
+
+    def end_step(self, units: int, warm_up: bool = False) -> None:
+        """Counts the step begun last with its ``units``, or leaves its time out (``warm_up``)."""
+        if warm_up:
+            self.left_out += self.clock() - (self._step_start if self._step_start is not None else self.start)
+        else:
+            self.units += units
+            self.steps += 1
+        self._step_start = None
+
+    @contextlib.contextmanager
+    def pause(self):
+        """Time spent here does not count."""
+        t = self.clock()
+        try:
+            yield
+        finally:
+            self.left_out += self.clock() - t
+
+    def rate(self) -> float:
+        """Units per second of the counted steps; NaN when no step was counted."""
+        seconds = self.clock() - self.start - self.left_out
+        return self.units / seconds if self.units and seconds > 0 else math.nan
+
+
 class Progress:
     """tqdm bar when stderr is a terminal (rank 0): ``tick()`` every step, ``show()`` at log steps."""
 
@@ -75,19 +126,24 @@ class Progress:
         if self.bar is not None:
             self.bar.update(1)
 
-    def show(self, step: int, metrics: dict, metric: str | None, unit: str = "tokens") -> None:
+    def show(self, step: int, metrics: dict, metric: str | None, unit: str = "tokens", steps: int = 1) -> None:
         """The per-step line: to train.log always, to the console unless the bar shows it.
         ``metric`` is the task's metric (shown when the training metrics hold it); ``unit`` what
-        ``metrics[unit + "_per_s"]`` counts."""
+        ``metrics[unit + "_per_s"]`` counts (absent while only warm-up steps were timed); ``steps``
+        how many steps the loss is the mean of, which the line says: ``loss 1.2345 (avg10)``
+        (the number right after ``loss``, where parsers of these lines look for it)."""
         extra = f" {metric} {metrics[metric]:.4f}" if metric in metrics else ""
-        rate = metrics[f"{unit}_per_s"]
+        rate = metrics.get(f"{unit}_per_s")
         if self.bar is not None:
-            post = {"loss": f"{metrics['loss']:.3f}", "lr": f"{metrics['lr']:.2e}", f"{unit}/s": f"{rate:.0f}"}
+            post = {f"loss(avg{steps})": f"{metrics['loss']:.3f}", "lr": f"{metrics['lr']:.2e}"}
             if metric in metrics:
                 post[metric] = f"{metrics[metric]:.3f}"
+            if rate is not None:
+                post[f"{unit}/s"] = f"{rate:.0f}"
             self.bar.set_postfix(post)
-        log.info("step %d loss %.4f%s lr %.2e grad_norm %.3f %s/s %.0f", step, metrics["loss"], extra,
-                 metrics["lr"], metrics["grad_norm"], unit, rate, extra={"step_line": True})
+        shown_rate = f" {unit}/s {rate:.0f}" if rate is not None else ""
+        log.info("step %d loss %.4f (avg%d)%s lr %.2e grad_norm %.3f%s", step, metrics["loss"], steps, extra,
+                 metrics["lr"], metrics["grad_norm"], shown_rate, extra={"step_line": True})
 
     def close(self) -> None:
         if self.bar is not None:
@@ -154,7 +210,13 @@ class Board:
             self.writer.close()
             self.writer = None
 
-    def finish(self, hparams: dict, metrics: dict) -> None:
+    def finish(self, hparams: dict, metrics: dict, step: int = 0) -> None:
+        """The hparams view's entry, written into this run (``SummaryWriter.add_hparams`` would make
+        a second run, ``tb/<name>``, in TensorBoard's run list); its metrics as scalars at ``step``."""
         if self.writer is not None:
-            self.writer.add_hparams(hparams, metrics, run_name="hparams")
+            from torch.utils.tensorboard.summary import hparams as hparams_summaries
+            for summary in hparams_summaries(hparams, metrics):     # experiment, session start, session end
+                self.writer.file_writer.add_summary(summary)
+            for key, value in metrics.items():
+                self.writer.add_scalar(key, value, step)
         self.close()

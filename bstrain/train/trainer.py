@@ -36,13 +36,13 @@ from omegaconf import DictConfig, OmegaConf
 from bstrain.errors import RunAborted, RunInterrupted, UserError
 from bstrain.nn import block_sparse_layouts, set_grad_group
 from bstrain.train import checkpoint as ckpt_io
-from bstrain.train import sparsity
+from bstrain.train import checks, sparsity
 from bstrain.train.checkpoint import (checkpoint_path, latest_checkpoint, load_checkpoint, prune_checkpoints,
                                       save_checkpoint)
 from bstrain.train.distributed import (World, barrier, broadcast, check_same_layouts, device_for, finish, gather,
                                        init_world)
 from bstrain.train.graphs import CapturedStep, CaptureError, GraphedForward, check_graph_config, ema_update
-from bstrain.train.progress import Board, Progress, log, remove_logging, setup_logging
+from bstrain.train.progress import Board, Progress, Throughput, log, remove_logging, setup_logging
 from bstrain.train.rundir import missing_dirs, remove_failed_start
 from bstrain.train.schedule import LRSchedule, set_lr
 from bstrain.train.step import Forward, is_stateful, train_step, unwrap
@@ -263,7 +263,8 @@ class Run:
     step: int = 0
     state: Any = None                     # carried model state (stateful models)
     pending_state: Any = None             # a checkpoint's states, placed at the first batch
-    train_loss: float = float("nan")
+    train_loss: float = float("nan")      # the mean loss of the last logged window ...
+    train_loss_steps: int = 0             # ... of this many steps
     valid: dict = field(default_factory=dict)
     history: list = field(default_factory=list)
     valid_history: list = field(default_factory=list)
@@ -271,6 +272,8 @@ class Run:
     skipped: Any = 0                      # fp16 steps skipped since the last log (a device tensor)
     sparsity: Any = None                  # the dynamic-sparsity policy (bstrain.sparsity), None if static
     forward_hooked: Forward | None = None  # compiled runs: the uncompiled model, for RigL's hooked steps
+    first_batch: tuple | None = None      # the batch the start's check ran on: the first step trains on it
+    warming_up: bool = False              # this step captured a graph: its time is not throughput
 
 
 def build(cfg: DictConfig, run_dir: Path, device: torch.device, world: World) -> Run:
@@ -280,6 +283,7 @@ def build(cfg: DictConfig, run_dir: Path, device: torch.device, world: World) ->
     resume = _resume_path(cfg, run_dir)
     task = instantiate(cfg.task, "task")
     task.setup(instantiate(cfg.data, "data"), world, t_cfg.seed)
+    checks.check_model_config(task, cfg.model)
     torch.manual_seed(t_cfg.seed)
     model = instantiate(cfg.model, "model")
     if not isinstance(model, torch.nn.Module):
@@ -329,7 +333,16 @@ def build(cfg: DictConfig, run_dir: Path, device: torch.device, world: World) ->
         log.info("resumed from %s at step %d", resume, run.step)
         if run.sparsity is not None:
             run.sparsity.load_state_dict({"steps": run.step})
+    if run.step < t_cfg.max_steps:                  # the model against the data, before the run dir fills
+        run.first_batch = task.next_batch(device)
+        checks.check_first_batch(model, task, run.first_batch, amp_dtype, device, cfg)
     return run
+
+
+def next_batch(run: Run) -> tuple:
+    """(inputs, targets, fresh): the batch the start checked, then the task's next ones."""
+    batch, run.first_batch = run.first_batch, None
+    return batch if batch is not None else run.task.next_batch(run.device)
 
 
 def _place_state(run: Run, x: torch.Tensor) -> None:
@@ -440,6 +453,7 @@ def _start_armed_graph(run: Run, x: torch.Tensor, y: torch.Tensor) -> bool:
     """Captures the step with the policy's gradient hooks armed; where it cannot be, that step
     runs eagerly from now on, with one log line saying why (every rank alike under DDP)."""
     reason = _capture(run, run.captured_armed, x, y)
+    run.warming_up = True
     if reason is None:
         run.sparsity.keep_captured()                    # the gradient sums the captured run writes
         if not run.step_mode.startswith("graph"):       # (every step may be armed: sparsity.every=1)
@@ -454,6 +468,7 @@ def _start_graph(run: Run, x: torch.Tensor, y: torch.Tensor) -> None:
     """Captures the step on the first batch. Where it cannot be (auto), the run trains eagerly
     and one log line names why; under DDP every rank falls back if any must."""
     reason = _capture(run, run.captured, x, y)
+    run.warming_up = True
     if reason is None:
         run.step_mode = "graph" + (" (compiled)" if "compiled" in run.step_mode else "")
         log.info("step: one CUDA graph per step (trainer.cuda_graph=%s)", graph_mode(run.cfg.trainer.cuda_graph))
@@ -466,13 +481,17 @@ def _start_graph(run: Run, x: torch.Tensor, y: torch.Tensor) -> None:
 
 # --- logging, validation, checkpoints ----------------------------------------------------------------
 class Window:
-    """The device-side losses, gradient norms and task metrics of the steps since the last log line."""
+    """The device-side losses, gradient norms and task metrics of the steps since the last log line,
+    and their throughput (:class:`bstrain.train.progress.Throughput`: warm-up steps and paused
+    time left out)."""
 
     def __init__(self):
+        self.meter = Throughput()
         self.reset()
 
     def reset(self) -> None:
-        self.losses, self.norms, self.metrics, self.t0, self.paused = [], [], [], time.perf_counter(), 0.0
+        self.losses, self.norms, self.metrics = [], [], []
+        self.meter.reset()
 
     def add(self, loss: torch.Tensor, grad_norm: torch.Tensor, metrics: dict) -> None:
         self.losses.append(loss)
@@ -487,14 +506,9 @@ class Window:
                                                       for k in names]
         return torch.stack(rows), names
 
-    @contextlib.contextmanager
     def pause(self):
         """Time spent here (validation, checkpoints) does not count against the throughput."""
-        t = time.perf_counter()
-        try:
-            yield
-        finally:
-            self.paused += time.perf_counter() - t
+        return self.meter.pause()
 
 
 def log_window(run: Run, window: Window, progress: Progress, board: Board) -> None:
@@ -513,14 +527,16 @@ def log_window(run: Run, window: Window, progress: Progress, board: Board) -> No
     first = run.step - n + 1
     run.history.extend(zip(range(first, run.step + 1), losses))
     finite = [g for g in norms if math.isfinite(g)]
-    elapsed = time.perf_counter() - window.t0 - window.paused
     mean_loss = sum(losses) / n
-    run.train_loss = losses[-1]
+    run.train_loss, run.train_loss_steps = mean_loss, n
     unit = run.task.unit
     metrics = {"loss": mean_loss, **run.task.train_metrics(mean_loss), **task_metrics,
                "lr": run.schedule.lr(run.step - 1),
-               "grad_norm": sum(finite) / len(finite) if finite else float("nan"),
-               f"{unit}_per_s": run.task.units_per_batch() * run.world.size * n / max(elapsed, 1e-9)}
+               "grad_norm": sum(finite) / len(finite) if finite else float("nan")}
+    rate = window.meter.rate()                      # after the read above: the device's work is done
+    if math.isfinite(rate):                         # (NaN: only warm-up steps in this window)
+        metrics[f"{unit}_per_s"] = rate
+        run.throughput.append(rate)
     if run.scaler.is_enabled():
         metrics["loss_scale"] = run.scaler.get_scale()
         _check_same_scale(run, metrics["loss_scale"])
@@ -529,8 +545,7 @@ def log_window(run: Run, window: Window, progress: Progress, board: Board) -> No
                      "%g", run.step, skipped, n, metrics["loss_scale"])
     if run.device.type == "cuda":
         metrics["gpu_mem_gb"] = torch.cuda.max_memory_allocated(run.device) / 2**30
-    run.throughput.append(metrics[f"{unit}_per_s"])
-    progress.show(run.step, metrics, run.task.metric, unit)
+    progress.show(run.step, metrics, run.task.metric, unit, steps=n)
     board.scalars(run.step, {f"train/{k}": v for k, v in metrics.items()})
     window.reset()
 
@@ -561,7 +576,8 @@ def on_main(run: Run, fn):
 
 
 def validate(run: Run, progress: Progress, board: Board, elapsed: float) -> None:
-    """Rank 0 evaluates (the EMA weights when kept) on the valid split; every rank gets the result."""
+    """Rank 0 evaluates (the EMA weights when kept, and the log line says so) on the valid split;
+    every rank gets the result."""
     def evaluate():
         model = run.ema.module if run.ema is not None else run.model
         model.eval()
@@ -575,10 +591,15 @@ def validate(run: Run, progress: Progress, board: Board, elapsed: float) -> None
             model.train()
         board.scalars(run.step, {f"valid/{k}": v for k, v in valid.items()})
         shown = ", ".join(f"{k} {v:.4f}" for k, v in valid.items() if isinstance(v, float))
-        log.info("step %d: valid %s", run.step, shown)
+        log.info("step %d: %s %s", run.step, valid_label(run), shown)
         run.valid_history.append((run.step, elapsed, valid.get(run.task.metric, valid["loss"])))
         return valid
     run.valid = broadcast(on_main(run, evaluate), run.world)
+
+
+def valid_label(run: Run) -> str:
+    """'valid', or 'valid (EMA weights)' when evaluation reads the EMA of the weights."""
+    return "valid (EMA weights)" if run.ema is not None else "valid"
 
 
 def save(run: Run) -> Path | None:
@@ -672,6 +693,40 @@ def _finished(run: Run) -> bool:
     return True
 
 
+def _compilations() -> int:
+    """Frames torch.compile has compiled in this process so far (0 where torch keeps no such count)."""
+    try:
+        from torch._dynamo.utils import counters
+        return int(counters["frames"]["total"])
+    except Exception:                       # a private counter: its absence only costs the detection
+        return 0
+
+
+def _begin_step(run: Run, window: Window, first: bool) -> tuple:
+    """Starts timing a step; at a compiled run's first step, says that compilation starts."""
+    compiled = "compiled" in run.step_mode
+    if first and compiled:
+        log.info("compiling the model with torch.compile (trainer.compile=true): the first step takes minutes on a "
+                 "CPU ...")
+    window.meter.begin_step()
+    return first, _compilations() if compiled else 0, time.perf_counter()
+
+
+def _end_step(run: Run, window: Window, began: tuple) -> None:
+    """Counts the step's units in the throughput, or leaves it out as warm-up: the run's first step
+    (compilation, graph capture, kernels loading), a step that captured a graph or compiled."""
+    first, compilations, t0 = began
+    compiled = "compiled" in run.step_mode
+    warm_up = first or run.warming_up or (compiled and _compilations() != compilations)
+    run.warming_up = False
+    if warm_up and run.device.type == "cuda":
+        torch.cuda.synchronize(run.device)          # its queued device work inside the left-out time too
+    if first and compiled:
+        log.info("compiled: the first step took %.0f s (not counted in %s/s)", time.perf_counter() - t0,
+                 run.task.unit)
+    window.meter.end_step(run.task.units_per_batch() * run.world.size, warm_up=warm_up)
+
+
 def fit(run: Run) -> dict:
     """Trains from run.step to trainer.max_steps (or the time limit, or a signal)."""
     t_cfg = run.cfg.trainer
@@ -680,15 +735,16 @@ def fit(run: Run) -> dict:
     board = Board(run.run_dir, run.world.rank)
     board.start(OmegaConf.to_yaml(run.cfg), " ".join(sys.argv), _header(run))
     progress = Progress(t_cfg.max_steps, run.step, t_cfg.progress, run.world.rank)
-    window, t_start, stop_at = Window(), time.perf_counter(), t_cfg.max_steps
+    window, t_start, stop_at, start_step = Window(), time.perf_counter(), t_cfg.max_steps, run.step
     try:
         with stop_on_signals(run):
             while run.step < stop_at:
-                x, y, fresh = run.task.next_batch(run.device)
-                window.add(*one_step(run, x, y, fresh))
+                began = _begin_step(run, window, first=run.step == start_step)
+                window.add(*one_step(run, *next_batch(run)))
                 run.step += 1
                 if run.sparsity is not None:
                     sparsity.after_step(run, board)
+                _end_step(run, window, began)
                 progress.tick()
                 log_step = run.step % t_cfg.log_every == 0 or run.step == stop_at
                 out_of_time = bool(t_cfg.time_limit_s) and time.perf_counter() - t_start > t_cfg.time_limit_s
@@ -710,16 +766,19 @@ def fit(run: Run) -> dict:
         raise
     finally:
         progress.close()
-    board.finish(_flat_hparams(run), {f"hparam/valid_{run.task.metric}": run.valid.get(run.task.metric, math.nan)})
+    board.finish(_flat_hparams(run), {f"hparam/valid_{run.task.metric}": run.valid.get(run.task.metric, math.nan)},
+                 run.step)
     result = _result(run)
-    log.info("done: %d steps, train loss %.4f, valid %s", run.step, result["train_loss"],
-             ", ".join(f"{k} {v:.4f}" for k, v in run.valid.items() if isinstance(v, float)))
+    log.info("done: %d steps, train loss %.4f (avg%d), %s %s", run.step, result["train_loss"], run.train_loss_steps,
+             valid_label(run), ", ".join(f"{k} {v:.4f}" for k, v in run.valid.items() if isinstance(v, float)))
     return result
 
 
 def _result(run: Run) -> dict:
-    out = {"steps": run.step, "train_loss": run.train_loss, "run_dir": str(run.run_dir), "history": run.history,
-           "valid_history": run.valid_history, "valid": dict(run.valid),
+    """The run's numbers; ``train_loss`` is the mean of the last logged window (``train_loss_steps`` steps)."""
+    out = {"steps": run.step, "train_loss": run.train_loss, "train_loss_steps": run.train_loss_steps,
+           "run_dir": str(run.run_dir), "history": run.history, "valid_history": run.valid_history,
+           "valid": dict(run.valid),
            "params": sum(p.numel() for p in run.model.parameters()), "data": run.task.describe(),
            "step_mode": run.step_mode, "throughput": list(run.throughput), "unit": run.task.unit}
     out.update({f"valid_{k}": v for k, v in run.valid.items()})
@@ -747,7 +806,7 @@ def train(cfg: DictConfig) -> dict:
         handlers = setup_logging(run_dir if world.main else None, world.rank)
         try:
             run = build(cfg, run_dir, device_for(world, device), world)
-        except (UserError, KeyboardInterrupt):          # a start that fails leaves no run dir of its own behind
+        except BaseException:                           # a start that fails leaves no run dir of its own behind
             remove_logging(handlers)
             handlers = []
             remove_failed_start(run_dir, created)

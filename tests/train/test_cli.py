@@ -251,7 +251,7 @@ def test_terminal_output_prints_each_line_once(tmp_path):
     for line in shown.replace("\r", "\n").splitlines():
         assert not ("valid loss" in line and "train:" in line), f"a line glued onto the bar: {line!r}"
     log = (a / "train.log").read_text()
-    assert len(re.findall(r" INFO step \d+ loss ", log)) == 3 and log.count(": valid loss") == 2, log
+    assert len(re.findall(r" INFO step \d+ loss \S+ \(avg\d+\) ", log)) == 3 and log.count(": valid loss") == 2, log
 
 
 def test_non_ascii_prompt_and_trailing_space(tmp_path):

@@ -31,7 +31,7 @@ LSTM = ["model.hidden=64", "model.embed=16", "model.block_size=16"]
 
 def losses(run: Path) -> dict[int, float]:
     """{step: loss} from the per-step lines of a run's train.log (log_every=1)."""
-    found = re.findall(r" INFO step (\d+) loss ([0-9.]+) ", (run / "train.log").read_text())
+    found = re.findall(r" INFO step (\d+) loss ([0-9.]+) \(avg1\) ", (run / "train.log").read_text())
     return {int(k): float(v) for k, v in found}
 
 

@@ -4,13 +4,14 @@ from __future__ import annotations
 import math
 import os
 import socket
+from pathlib import Path
 
 import pytest
 import torch
 
 import bstrain
 from bstrain.errors import UserError
-from bstrain.train.graphs import CaptureError, _changed, _python_state, ema_update
+from bstrain.train.graphs import CaptureError, _changed, _python_state, ema_decay, ema_update
 from bstrain.train.trainer import train
 
 gpu = pytest.mark.gpu
@@ -52,24 +53,54 @@ def test_python_side_state_is_named():
     assert _changed(before, before) is None
 
 
-def test_ema_update_is_averaged_models_ema():
-    """The host-sync-free EMA of the graphed step updates like AveragedModel with an EMA function."""
-    from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["fp32", "fp64"])
+def test_ema_update_warms_up_its_decay(dtype):
+    """The host-sync-free EMA of the graphed step: ema_t = d_t ema_(t-1) + (1 - d_t) w_t with
+    d_t = min(decay, (1 + t) / (10 + t)), t the updates before (TF's num_updates, timm's warm-up),
+    from the weights the EMA was made with; decay 0.3 is reached at the fourth update."""
+    from torch.optim.swa_utils import AveragedModel
     torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Linear(4, 2))
-    ours, ref = AveragedModel(model), AveragedModel(model, multi_avg_fn=get_ema_multi_avg_fn(0.9))
-    for _ in range(3):
+    model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Linear(4, 2)).to(dtype)
+    ema = AveragedModel(model)
+    want = [p.detach().double().clone() for p in model.parameters()]
+    decays = []
+    for t in range(6):
         with torch.no_grad():
             for p in model.parameters():
                 p.add_(torch.randn_like(p))
-        ema_update(ours, model, 0.9)
-        ref.update_parameters(model)
-    for a, b in zip(ours.parameters(), ref.parameters()):
-        torch.testing.assert_close(a, b)
-    assert int(ours.n_averaged) == int(ref.n_averaged) == 3
+        assert float(ema_decay(ema.n_averaged, 0.3)) == pytest.approx(min(0.3, (1 + t) / (10 + t)))
+        ema_update(ema, model, 0.3)
+        d = min(0.3, (1 + t) / (10 + t))
+        decays.append(d)
+        want = [d * e + (1 - d) * p.detach().double() for e, p in zip(want, model.parameters())]
+        for got, ref in zip(ema.module.parameters(), want):
+            torch.testing.assert_close(got.double(), ref, rtol=1e-6, atol=1e-6)
+    assert decays[:3] == [0.1, 2 / 11, 3 / 12] and decays[3:] == [0.3] * 3
+    assert int(ema.n_averaged) == 6
 
 
-@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU-only error")
+def test_ema_resumes_its_warm_up(make_cfg):
+    """A run split by a checkpoint and resumed has the EMA of the run that went straight through
+    (the update count is in the checkpoint), and its validation says it reads the EMA weights. On
+    the CPU, where steps are bitwise reproducible (the graphed step's EMA is checked against the
+    eager one below)."""
+    def cfg(run, *extra, steps=8):
+        return make_cfg("optim.schedule=constant", "trainer.device=cpu", *extra, optim__ema=0.99,
+                        trainer__max_steps=steps, trainer__ckpt_every=4, trainer__eval_every=0, run=run)
+    full = train(cfg("full"))
+    train(cfg("split", steps=4))
+    split = train(cfg("split", "trainer.resume=true"))
+    a, b = (torch.load(Path(out["run_dir"]) / "ckpt" / "step_00000008.pt", weights_only=True)["ema"]
+            for out in (full, split))
+    assert int(a["n_averaged"]) == int(b["n_averaged"]) == 8
+    for key in a:
+        torch.testing.assert_close(b[key], a[key], rtol=1e-6, atol=1e-7, msg=lambda m, key=key: f"{key}: {m}")
+    assert split["valid_bpb"] == pytest.approx(full["valid_bpb"], rel=1e-6)
+    log = (Path(full["run_dir"]) / "train.log").read_text()
+    assert "step 8: valid (EMA weights) loss" in log and ", valid (EMA weights) loss" in log
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the message of a machine without CUDA")
 def test_graphed_needs_cuda():
     with pytest.raises(ValueError, match="bstrain.graphed: needs a CUDA device"):
         bstrain.graphed(lambda x: x, torch.ones(2))

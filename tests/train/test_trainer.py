@@ -35,7 +35,7 @@ def test_trains_and_writes_the_run_dir(make_cfg):
     assert sum(losses[-5:]) / 5 < sum(losses[:5]) / 5 - 0.5, f"loss did not fall: {losses}"
     log = (run / "train.log").read_text()
     assert log.count(": valid loss") == 2
-    assert len(re.findall(r" INFO step \d+ loss ", log)) == 15, "every log_every=2 steps a line in train.log"
+    assert len(re.findall(r" INFO step \d+ loss \S+ \(avg2\) ", log)) == 15, "every log_every=2 steps a line in train.log"
     assert list((run / "tb").glob("events.out.tfevents.*")), "TensorBoard events missing"
     assert ckpt_mod.latest_checkpoint(run / "ckpt").name == "step_00000030.pt"
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
@@ -130,7 +130,7 @@ def test_fp16_overflow_skips_the_step_and_never_writes_nan(make_cfg, monkeypatch
         calls = {"n": 0}
 
         def maybe_overflowing_ce(*args, **kwargs):
-            calls["n"] += 1
+            calls["n"] += torch.is_grad_enabled()        # training steps only, not the start's check of the model
             loss = real_ce(*args, **kwargs)
             return loss * float("inf") if inject and calls["n"] == 3 else loss    # step 3 overflows
         # the LM task's loss (bstrain's fused cross-entropy on CUDA, F.cross_entropy on the CPU)
@@ -372,29 +372,6 @@ def test_eval_reads_a_checkpoint_written_before_target_configs(make_cfg, command
     torch.save(ckpt, tmp_path / "old.pt")
     res = evaluate_checkpoint(command_cfg("eval", f"ckpt={tmp_path / 'old.pt'}", "batches=1", "device=cpu"))
     assert math.isfinite(res["bpb"]) and res["step"] == 2
-
-
-def test_tokens_per_second_is_the_window_mean_without_eval_time(make_cfg, monkeypatch):
-    """Steps take 0.5 s and 1.5 s in turn on a fake clock, validations 100 s: each logged rate is
-    batch x seq_len (64 bytes) per 1 s, the mean over the log window with evaluation excluded (a
-    single step's rate would read 128 or 43)."""
-    clock = {"t": 0.0, "n": 0}
-    monkeypatch.setattr(trainer_mod.time, "perf_counter", lambda: clock["t"])
-    real_step, real_validate = trainer_mod.one_step, trainer_mod.validate
-
-    def step(*args):
-        clock["n"] += 1
-        clock["t"] += 0.5 if clock["n"] % 2 else 1.5
-        return real_step(*args)
-
-    def validate(*args):
-        clock["t"] += 100.0
-        return real_validate(*args)
-    monkeypatch.setattr(trainer_mod, "one_step", step)
-    monkeypatch.setattr(trainer_mod, "validate", validate)
-    out = train(make_cfg(trainer__max_steps=12, trainer__log_every=4, trainer__eval_every=2))
-    rates = re.findall(r" INFO step \d+ loss .* tokens/s (\d+)", (Path(out["run_dir"]) / "train.log").read_text())
-    assert rates == ["64"] * 3
 
 
 def test_resume_rules_for_run_dirs_precision_and_old_checkpoints(make_cfg, tmp_path):

@@ -76,7 +76,7 @@ def test_classification_logs_images_per_second_and_training_accuracy(make_cfg, e
     run = Path(train(cfg)["run_dir"])
     log = (run / "train.log").read_text()
     lines = re.findall(r" INFO (step \d+ loss .*)", log)
-    assert len(lines) == 2 and all(re.fullmatch(r"step \d+ loss \S+ acc [01]\.\d{4} lr \S+ grad_norm \S+ "
+    assert len(lines) == 2 and all(re.fullmatch(r"step \d+ loss \S+ \(avg2\) acc [01]\.\d{4} lr \S+ grad_norm \S+ "
                                                 r"images/s \d+", line) for line in lines), lines
     assert "tokens" not in log
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator

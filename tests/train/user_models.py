@@ -68,3 +68,51 @@ class BoostLM(nn.Module):
 
     def forward(self, x):
         return self.head(torch.relu(self.mix(self.embed(x)))) * self.boost
+
+
+class VocabLM(nn.Module):
+    """A stateless LM over ``vocab_size`` tokens: a byte LM needs 256 (the start check names the key)."""
+
+    def __init__(self, vocab_size: int = 256, width: int = 16):
+        super().__init__()
+        self.embed = nn.Embedding(256, width)
+        self.head = nn.Linear(width, vocab_size)
+
+    def forward(self, x):
+        return self.head(self.embed(x))
+
+
+class HeadLM(VocabLM):
+    """:class:`VocabLM` with ``outputs`` logits per position, under a name the start check does not know."""
+
+    def __init__(self, outputs: int = 256, width: int = 16):
+        super().__init__(vocab_size=outputs, width=width)
+
+
+class RGBNet(nn.Module):
+    """An image classifier that takes 3-channel images and has ``outputs`` logits, with no config
+    key the start check knows saying so."""
+
+    def __init__(self, outputs: int = 10):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 8, 3)
+        self.head = nn.Linear(8, outputs)
+
+    def forward(self, x):
+        return self.head(self.conv(x).mean((2, 3)))
+
+
+class LimitLM(nn.Module):
+    """A stateless LM that takes at most ``limit`` positions (a name the start check does not know)
+    and raises ValueError for longer inputs."""
+
+    def __init__(self, limit: int = 64, width: int = 16):
+        super().__init__()
+        self.limit = limit
+        self.embed = nn.Embedding(256, width)
+        self.head = nn.Linear(width, 256)
+
+    def forward(self, x):
+        if x.shape[1] > self.limit:
+            raise ValueError(f"x: expected at most {self.limit} positions, got {x.shape[1]}")
+        return self.head(self.embed(x))

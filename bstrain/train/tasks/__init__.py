@@ -6,6 +6,9 @@ from the ``data`` config the same way). The trainer calls, in this order:
 
 - ``setup(data, world, seed)``: load and check the data (raise :class:`bstrain.errors.UserError`
   for a bad path or too small a split), before any model is built;
+- ``check_model_config(model)`` (optional): a UserError naming the key where the model's config
+  (a dict of its constructor's arguments) contradicts the data: image channels, classes, the
+  vocabulary, the context (see :func:`model_key`);
 - ``next_batch(device) -> (inputs, targets, fresh)``: this rank's next training batch; ``fresh``
   says that a carried recurrent state must restart (a new epoch of contiguous streams);
 - ``loss(output, targets) -> scalar tensor``: the mean training loss, in fp32;
@@ -16,10 +19,15 @@ from the ``data`` config the same way). The trainer calls, in this order:
 - ``unit`` and ``units_per_batch()``: what a batch holds and how many of this rank's (tokens,
   images), for the throughput the logs report (``tokens/s``, ``images/s``);
 - ``evaluate(forward, split, max_batches) -> dict``: ``loss`` and the task's metrics on a split,
-  where ``forward(x, state) -> (output, state)`` runs the model (state None: a fresh one);
+  and ``batches``, the number of batches evaluated (the same name for every task), where
+  ``forward(x, state) -> (output, state)`` runs the model (state None: a fresh one);
 - ``state_dict()`` / ``load_state_dict(state, world)``: the data position, for exact resumes
   (``state_continues = False`` after loading tells the trainer to drop a carried model state);
 - ``sample(forward, stateful, prompt, ...)`` (language tasks only).
+
+``loss`` checks the shape of the model's output (TypeError naming the expected and the got
+shape): when a run starts, the trainer runs the model on two rows of the first batch and reports
+that error in one line, before any step (bstrain/train/checks.py).
 
 ``metric`` names the validation value a run reports and TensorBoard's hparams view shows.
 Add a task by writing a class with these methods and naming it in a config's ``task._target_``.
@@ -53,6 +61,9 @@ class Task:
     def loss(self, output, targets: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
 
+    def check_model_config(self, model: dict) -> None:
+        """UserError where the model's config contradicts the data; by default nothing is checked."""
+
     def train_metrics(self, loss: float) -> dict:
         return {}
 
@@ -83,6 +94,16 @@ class Task:
     def sample(self, forward: Forward, stateful: bool, prompt: bytes, length: int, temperature: float,
                generator: torch.Generator, device: torch.device) -> bytes:
         raise NotImplementedError(f"{type(self).__name__} does not generate samples")
+
+
+def model_key(model: dict, names: tuple[str, ...]) -> tuple[str, int] | None:
+    """(name, value) of the first of ``names`` (the spellings models give one argument: in_channels,
+    channels, in_chans) that the model config sets to an int; None when it sets none."""
+    for name in names:
+        value = model.get(name)
+        if isinstance(value, int) and not isinstance(value, bool):
+            return name, value
+    return None
 
 
 def eval_progress(total: int, enabled: bool, desc: str):

@@ -6,7 +6,7 @@ import torch.nn.functional as F
 
 from bstrain.data.images import ImageData
 from bstrain.errors import UserError
-from bstrain.train.tasks import Forward, Task, eval_progress
+from bstrain.train.tasks import Forward, Task, eval_progress, model_key
 
 
 class Classification(Task):
@@ -16,7 +16,8 @@ class Classification(Task):
     the global batch of W x data.batch_size images is cut into rank slices, so a run on W ranks
     sees the batches of one process with W times the batch. The last partial batch of an epoch is
     dropped. Metrics: ``loss``, ``acc`` (the reported one) and ``top5``; in training, ``acc`` of
-    the training batches too.
+    the training batches too. The model must return one logit per class of the data
+    (:attr:`bstrain.data.images.ImageData.classes`).
     """
 
     metric = "acc"
@@ -38,7 +39,22 @@ class Classification(Task):
             raise UserError(f"data.batch_size: {data.batch_size} x {world.size} rank(s) is more than the "
                             f"{len(x)} training images")
         self.per_epoch = len(x) // self.global_batch
+        self.classes = data.classes
         self._order = None
+
+    def check_model_config(self, model: dict) -> None:
+        """The model's image channels, classes and image size (where it names them) against the data's."""
+        channels, height, width = self.data.image_shape
+        where = self.data.where()
+        if (key := model_key(model, ("in_channels", "channels", "in_chans"))) and key[1] != channels:
+            raise UserError(f"model.{key[0]}={key[1]}, but the images of {where} have {channels} "
+                            f"channel{'s' if channels != 1 else ''}: set model.{key[0]}={channels}")
+        if (key := model_key(model, ("classes", "num_classes", "n_classes"))) and key[1] != self.classes:
+            raise UserError(f"model.{key[0]}={key[1]}, but the labels of {where} name {self.classes} classes: "
+                            f"set model.{key[0]}={self.classes}")
+        if (key := model_key(model, ("image_size", "img_size"))) and (key[1], key[1]) != (height, width):
+            fix = f"set model.{key[0]}={height}" if height == width else "the model takes square images"
+            raise UserError(f"model.{key[0]}={key[1]}, but the images of {where} are {height}x{width}: {fix}")
 
     def describe(self) -> str:
         return f"classification on {self.data.describe()}"
@@ -71,9 +87,10 @@ class Classification(Task):
         return self.data.normalise(x.to(device, non_blocking=True)), y.to(device, non_blocking=True), fresh
 
     def loss(self, output, targets: torch.Tensor) -> torch.Tensor:
-        if not isinstance(output, torch.Tensor) or output.dim() != 2 or output.shape[0] != targets.shape[0]:
+        if not isinstance(output, torch.Tensor) or tuple(output.shape) != (targets.shape[0], self.classes):
             got = tuple(output.shape) if isinstance(output, torch.Tensor) else type(output).__name__
-            raise TypeError(f"model output: expected (B, classes) logits for B = {targets.shape[0]} images, got {got}")
+            raise TypeError(f"model output: expected (B, classes) = ({targets.shape[0]}, {self.classes}) logits for "
+                            f"{targets.shape[0]} images of {self.classes} classes, got {got}")
         return F.cross_entropy(output.float(), targets, label_smoothing=self.label_smoothing)
 
     @torch.no_grad()
@@ -85,7 +102,7 @@ class Classification(Task):
         device = forward.device
         loss = torch.zeros((), dtype=torch.float64, device=device)
         hits = torch.zeros(2, dtype=torch.float64, device=device)
-        seen = 0
+        seen = batches = 0
         for i in eval_progress(n, show_progress, f"eval {split}"):
             x = self.data.normalise(torch.from_numpy(x_all[i * bs:(i + 1) * bs]).to(device))
             y = torch.from_numpy(y_all[i * bs:(i + 1) * bs]).to(device)
@@ -95,10 +112,11 @@ class Classification(Task):
             hits[0] += (top[:, 0] == y).sum()
             hits[1] += (top == y[:, None]).any(1).sum()
             seen += len(y)
+            batches += 1
         if seen == 0:
             raise UserError(f"data: the {split} split has no images")
         return {"loss": float(loss) / seen, "acc": float(hits[0]) / seen, "top5": float(hits[1]) / seen,
-                "images": seen}
+                "batches": batches}
 
     def state_dict(self) -> dict:
         return {"epoch": self.epoch, "position": self.position, "global_batch": self.global_batch}

@@ -8,7 +8,7 @@ import torch
 from bstrain.data.text import BpttBatches, ByteCorpus, bits_per_byte, check_size
 from bstrain.errors import UserError
 from bstrain.ops.cross_entropy import cross_entropy
-from bstrain.train.tasks import Forward, Task, eval_progress
+from bstrain.train.tasks import Forward, Task, eval_progress, model_key
 
 log = logging.getLogger("bstrain")
 
@@ -48,6 +48,17 @@ class ByteLM(Task):
 
     def describe(self) -> str:
         return f"byte LM on {self.data.describe()}"
+
+    def check_model_config(self, model: dict) -> None:
+        """The model's vocabulary (256 byte values) and context (at least data.seq_len), where it names them."""
+        if (key := model_key(model, ("vocab_size", "vocab", "n_vocab", "num_embeddings"))) and key[1] != 256:
+            raise UserError(f"model.{key[0]}={key[1]}, but the byte LM's vocabulary is the 256 byte values: "
+                            f"set model.{key[0]}=256")
+        seq_len = self.data.seq_len
+        names = ("context", "max_seq_len", "n_ctx", "n_positions", "max_position_embeddings")
+        if (key := model_key(model, names)) and key[1] < seq_len:
+            raise UserError(f"model.{key[0]}={key[1]}, but the model reads data.seq_len={seq_len} bytes at a time: "
+                            f"set model.{key[0]} to at least {seq_len}, or data.seq_len to at most {key[1]}")
 
     def units_per_batch(self) -> int:
         return self.data.batch_size * self.data.seq_len
