@@ -185,11 +185,12 @@ class SparsityConfig:
                                                             "decayed by a cosine"})
     until: float = field(default=0.75, metadata={"help": "share of trainer.max_steps after which layouts are "
                                                           "frozen"})
-    balanced: bool = field(default=False, metadata={"help": "keep each column of blocks' live count"})
+    balanced: bool = field(default=False, metadata={"help": "keep each block row's and column's live count: prune each "
+                                                    "column's smallest-norm share, regrow as few of them as the counts allow"})
     seed: int = field(default=0, metadata={"help": "seed of the random draws (SET's growth, ties)"})
     grown_moments: GrownMoments = field(default=GrownMoments.zero, metadata={
-        "help": "zero: grown blocks start with zero AdamW moments | mean: their second moment starts at the "
-                "mean of the layer's surviving blocks' (experimental: first steps scale with the gradient)"})
+        "help": "zero: grown blocks start with the optimizer's initial state | mean: their AdamW second moment starts at "
+                "the mean of the layer's surviving blocks' (their first steps then scale with their gradient)"})
 
 
 @dataclass
