@@ -189,8 +189,9 @@ class SparsityConfig:
                                                     "column's smallest-norm share, regrow as few of them as the counts allow"})
     seed: int = field(default=0, metadata={"help": "seed of the random draws (SET's growth, ties)"})
     grown_moments: GrownMoments = field(default=GrownMoments.zero, metadata={
-        "help": "zero: grown blocks start with the optimizer's initial state | mean: their AdamW second moment starts at "
-                "the mean of the layer's surviving blocks' (their first steps then scale with their gradient)"})
+        "help": "zero: grown blocks start with the optimizer's initial state | mean: their AdamW second "
+                "moment starts at the mean of the layer's surviving blocks' (their first steps then scale with "
+                "their gradient)"})
 
 
 @dataclass
