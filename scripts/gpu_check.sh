@@ -1,13 +1,13 @@
 #!/usr/bin/env bash
 # One device call: GPU tests, the seed example, then a benchmark.
-# Usage: bash scripts/gpu_check.sh [matmul|ops|lstm|eager|attention|conv] [bench args]   (SKIP_TESTS=1 to skip the tests,
+# Usage: bash scripts/gpu_check.sh [matmul|ops|lstm|eager|eager_linear|attention|conv] [bench args]   (SKIP_TESTS=1 to skip the tests,
 # TESTS="tests/train ..." to run a subset)
 # The GPU machine lacks hydra-core/omegaconf/antlr4: stage their wheels in .whl/ first
 # (bash ../shared/tools/device-wheels.sh) and carry .whl with the call.
 set -o pipefail
 . "$(dirname "$0")/gpu_env.sh"
 bench=matmul
-case "${1:-}" in matmul|ops|lstm|eager|attention|conv) bench=$1; shift ;; esac
+case "${1:-}" in matmul|ops|lstm|eager|eager_linear|attention|conv) bench=$1; shift ;; esac
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,memory.used --format=csv
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
 if [ -z "$SKIP_TESTS" ]; then
