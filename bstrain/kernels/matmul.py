@@ -62,7 +62,9 @@ def _bsmm_ds_kernel(
     BS: tl.constexpr, BS_PAD: tl.constexpr, G: tl.constexpr, SUB: tl.constexpr, KC: tl.constexpr,
     BLOCK_M: tl.constexpr, GROUP_M: tl.constexpr, PRECISION: tl.constexpr,
 ):
-    """A: (M, n_in*bs) by strides; W: (nnz, bs, bs); Y: (n_split, M, n_out*bs) by strides."""
+    """A: (M, n_in*bs) by strides; W: (nnz, bs, bs); Y: (n_split, M, n_out*bs) by strides. A may be
+    fp32 where W is 16-bit (activations cast in registers, not by a kernel of their own), and Y
+    of any float dtype."""
     split = tl.program_id(1)
     m_tile, unit = _swizzle(tl.program_id(0), M, n_out, BLOCK_M, GROUP_M)
     col = tl.load(order + unit)                          # heaviest output blocks first
@@ -100,7 +102,7 @@ def _bsmm_ds_kernel(
         k_off = blk * BS + rows
         k_off = tl.max_contiguous(tl.multiple_of(k_off, KC // G), KC // G)
         a = tl.load(A + offs_m[:, None] * stride_am + k_off[None, :] * stride_ak,
-                    mask=mask_m[:, None] & valid[None, :], other=0.0)        # (BLOCK_M, KC)
+                    mask=mask_m[:, None] & valid[None, :], other=0.0).to(W.dtype.element_ty)   # (BLOCK_M, KC)
         w = tl.load(W + w_off + n[None, :] * stride_wc,
                     mask=valid[:, None] & mask_n[None, :], other=0.0)        # (KC, BS_PAD)
         acc = tl.dot(a, w, acc, input_precision=PRECISION)
@@ -152,7 +154,8 @@ def _bsmm_dw_kernel(
     BS: tl.constexpr, BS_PAD: tl.constexpr, G: tl.constexpr, BLOCK_N: tl.constexpr,
     PRECISION: tl.constexpr,
 ):
-    """X: (N, C) by strides; DY: (N, K) by strides; DW: (n_split, nnz, bs, bs)."""
+    """X: (N, C) by strides; DY: (N, K) by strides; DW: (n_split, nnz, bs, bs). X may be fp32 where
+    DY is 16-bit (cast in registers)."""
     item = tl.program_id(0)
     split = tl.program_id(1)
     col = tl.load(item_col + item)
@@ -176,7 +179,7 @@ def _bsmm_dw_kernel(
         offs_n = n0 + nn
         mask_nn = offs_n < hi
         xt = tl.load(X + offs_n[None, :] * stride_xn + c_off[:, None] * stride_xc,
-                     mask=valid[:, None] & mask_nn[None, :], other=0.0)     # (G*BS, BLOCK_N)
+                     mask=valid[:, None] & mask_nn[None, :], other=0.0).to(DY.dtype.element_ty)   # (G*BS, BLOCK_N)
         dy = tl.load(DY + offs_n[:, None] * stride_dn + k_off[None, :] * stride_dk,
                      mask=mask_nn[:, None] & mask_q[None, :], other=0.0)    # (BLOCK_N, BS_PAD)
         acc = tl.dot(xt, dy, acc, input_precision=PRECISION)
@@ -664,7 +667,7 @@ def _ds_plan(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, lut: SegmentLu
     trans = a.stride(0) == 1 and a.stride(1) != 1                # axis-0 activations
     a_src, y_src = (a.t(), out.t()) if trans else (a, out)
     if cfg.tma and cfg.kc <= bs and split in (None, 1) and lut.cap <= MAX_REGISTER_LUT \
-            and _tma_ok(a_src, y_src, w):
+            and a.dtype == w.dtype == out.dtype and _tma_ok(a_src, y_src, w):
         return _ds_tma_plan(a, out, a_src, y_src, trans, w, lut, bs, transpose_w, cfg)
     group = max(1, cfg.kc // bs)
     sub = max(1, bs // cfg.kc)
@@ -677,7 +680,7 @@ def _ds_plan(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, lut: SegmentLu
     wr, wc = (1, bs) if transpose_w else (bs, 1)
     launch = Launch(_bsmm_ds_kernel, (n_prog, split), a.device, dict(
         BS=bs, BS_PAD=max(bs, 16), G=group, SUB=sub, KC=cfg.kc, BLOCK_M=cfg.block_m, GROUP_M=GROUP_M,
-        PRECISION=_precision(a.dtype)), num_warps=cfg.warps,
+        PRECISION=_precision(w.dtype)), num_warps=cfg.warps,
         num_stages=_fit_stages(cfg.stages, (cfg.block_m + max(bs, 16)) * cfg.kc * a.element_size()))
     if split == 1:
         ints = (M, lut.n_out, 1, a.stride(0), a.stride(1), wr, wc, 0, out.stride(0), out.stride(1))
@@ -744,9 +747,10 @@ def _launch_ds(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, lut: Segment
     """out (M, n_out*bs) = a (M, n_in*bs) @ sparse; both given as (rows, features) views."""
     if split is None and host_bound(a.shape[0], SMALL_M, a):
         split = 0                                          # one launch, pointer kernel
-    key = (a.shape[0], a.dtype, a.stride(0), a.stride(1), out.stride(0), out.stride(1), transpose_w, split,
-           aligned(a, w, out), a.device, a.dtype == torch.float32 and torch.backends.cuda.matmul.allow_tf32)
-    if split is None and a.shape[0] > SMALL_M and _use_panels(lut, bs):
+    key = (a.shape[0], a.dtype, w.dtype, out.dtype, a.stride(0), a.stride(1), out.stride(0), out.stride(1),
+           transpose_w, split, aligned(a, w, out), a.device,
+           a.dtype == torch.float32 and torch.backends.cuda.matmul.allow_tf32)
+    if split is None and a.shape[0] > SMALL_M and a.dtype == w.dtype == out.dtype and _use_panels(lut, bs):
         pl = lut.panels
         plan(pl.plans, key, lambda: _panel_plan(a, w, out, pl, bs, transpose_w))(a, w, out)
         return
@@ -765,24 +769,31 @@ def _alloc_out(out: torch.Tensor | None, shape: tuple[int, int], like: torch.Ten
 
 
 def _run_ds(a: torch.Tensor, w: torch.Tensor, lut: SegmentLut, features: int, transpose_w: bool, bs: int,
-            feature_axis: int, out: torch.Tensor | None, split: int | None) -> torch.Tensor:
-    """The ds product on an activation with either feature axis, into ``out`` or a new tensor."""
+            feature_axis: int, out: torch.Tensor | None, split: int | None,
+            dtype: torch.dtype | None = None) -> torch.Tensor:
+    """The ds product on an activation with either feature axis, into ``out`` or a new tensor of
+    ``dtype`` (a's by default)."""
     n = a.shape[1 - feature_axis]
-    y = out if out is not None else empty((n, features) if feature_axis == 1 else (features, n), a.dtype, a.device)
+    y = out if out is not None else empty((n, features) if feature_axis == 1 else (features, n), dtype or a.dtype,
+                                          a.device)
     _launch_ds(_rows_view(a, feature_axis), w, _rows_view(y, feature_axis), lut, bs, transpose_w, split)
     return y
 
 
 def run_forward(x: torch.Tensor, w: torch.Tensor, luts: BsmmLuts, feature_axis: int = 1,
-                out: torch.Tensor | None = None, split: int | None = None) -> torch.Tensor:
-    """:func:`bsmm_forward` without its argument checks (the op layer checks once, at its boundary)."""
-    return _run_ds(x, w, luts.fwd, luts.K, False, luts.block_size, feature_axis, out, split)
+                out: torch.Tensor | None = None, split: int | None = None,
+                dtype: torch.dtype | None = None) -> torch.Tensor:
+    """:func:`bsmm_forward` without its argument checks (the op layer checks once, at its boundary).
+    x may be fp32 with a 16-bit w (then the pointer kernel runs, which casts x's tiles as it
+    loads them); the output is ``dtype`` (x's by default)."""
+    return _run_ds(x, w, luts.fwd, luts.K, False, luts.block_size, feature_axis, out, split, dtype)
 
 
 def run_dx(dy: torch.Tensor, w: torch.Tensor, luts: BsmmLuts, feature_axis: int = 1,
-           out: torch.Tensor | None = None, split: int | None = None) -> torch.Tensor:
-    """:func:`bsmm_dx` without its argument checks."""
-    return _run_ds(dy, w, luts.bwd, luts.C, True, luts.block_size, feature_axis, out, split)
+           out: torch.Tensor | None = None, split: int | None = None,
+           dtype: torch.dtype | None = None) -> torch.Tensor:
+    """:func:`bsmm_dx` without its argument checks; dX in ``dtype`` (dy's by default)."""
+    return _run_ds(dy, w, luts.bwd, luts.C, True, luts.block_size, feature_axis, out, split, dtype)
 
 
 def bsmm_forward(x: torch.Tensor, w: torch.Tensor, luts: BsmmLuts, feature_axis: int = 1,
@@ -839,11 +850,11 @@ def _dw_plan(x: torch.Tensor, dy: torch.Tensor, xr: torch.Tensor, dyr: torch.Ten
         cfg = cfg._replace(tma=False, warps=max(cfg.warps, 8))
     trans = feature_axis == 0
     x_src, dy_src = (x, dy) if trans else (xr, dyr)
-    use_tma = cfg.tma and cfg.group == 1 and _tma_ok(x_src, dy_src)
+    use_tma = cfg.tma and cfg.group == 1 and x.dtype == dy.dtype and _tma_ok(x_src, dy_src)
     cols, starts, counts = luts.dw_items(1 if use_tma else cfg.group)
     if split is None:
         split = max(1, min(triton.cdiv(2 * _sm_count(x.device), cols.numel()), triton.cdiv(n, 4 * cfg.block_n)))
-    prec = _precision(x.dtype)
+    prec = _precision(dy.dtype)                        # the operands' dtype once x is cast
     grid = (cols.numel(), split)
     blk, fwd = luts.fwd.blk, luts.fwd.idx
 
@@ -894,7 +905,7 @@ def run_dw(x: torch.Tensor, dy: torch.Tensor, luts: BsmmLuts, feature_axis: int 
     host = split is None and host_bound(xr.shape[0], DW_SMALL_N, x)
     if host:
         split = 1                                          # one launch, no workspace, no descriptors
-    key = (xr.shape[0], x.dtype, x.stride(0), x.stride(1), dy.stride(0), dy.stride(1), feature_axis, dw_dtype,
+    key = (xr.shape[0], x.dtype, dy.dtype, x.stride(0), x.stride(1), dy.stride(0), dy.stride(1), feature_axis, dw_dtype,
            split, host, aligned(x, dy, dw), x.device,
            x.dtype == torch.float32 and torch.backends.cuda.matmul.allow_tf32)
     plan(luts.dw_plans, key, lambda: _dw_plan(x, dy, xr, dyr, luts, feature_axis, dw_dtype, split, host))(

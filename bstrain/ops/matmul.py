@@ -318,24 +318,38 @@ def _autocast_input(I: torch.Tensor) -> torch.Tensor:
 
 class _BlocksparseMatMulFn(torch.autograd.Function):
     """The eager path: the launchers of torch.ops.bstrain.bsmm and its backward, without the
-    dispatcher's round trip (which costs about as much as a small kernel's launch)."""
+    dispatcher's round trip (which costs about as much as a small kernel's launch). The product
+    runs in ``dtype``; x may be fp32 under a 16-bit autocast (:func:`_casts_in_kernel`), and then
+    gets its gradient in fp32 straight from the kernel."""
 
     @staticmethod
-    def forward(ctx, x, w, luts, axis, dw_dtype):
+    def forward(ctx, x, w, luts, axis, dw_dtype, dtype):
         from bstrain.kernels.matmul import run_forward
-        wk = _as(w, x.dtype)
+        wk = _as(w, dtype)
         ctx.save_for_backward(x, wk)
         ctx.luts, ctx.axis, ctx.dw_dtype = luts, axis, dw_dtype
-        return run_forward(x, wk, luts, axis)
+        return run_forward(x, wk, luts, axis, dtype=dtype)
 
     @staticmethod
     def backward(ctx, dy):
         from bstrain.kernels.matmul import run_dw, run_dx
         x, wk = ctx.saved_tensors
-        dy = dy if dy.dtype == x.dtype else dy.to(x.dtype)
-        dx = run_dx(dy, wk, ctx.luts, ctx.axis) if ctx.needs_input_grad[0] else None
+        dy = dy if dy.dtype == wk.dtype else dy.to(wk.dtype)
+        dx = run_dx(dy, wk, ctx.luts, ctx.axis, dtype=x.dtype) if ctx.needs_input_grad[0] else None
         dw = run_dw(x, dy, ctx.luts, ctx.axis, ctx.dw_dtype) if ctx.needs_input_grad[1] else None
-        return dx, dw, None, None, None
+        return dx, dw, None, None, None, None
+
+
+def _casts_in_kernel(X: torch.Tensor, dtype: torch.dtype, feature_axis: int) -> bool:
+    """An fp32 activation under a 16-bit autocast goes to the kernels as it is, where an eager call
+    is host-bound (few rows): the pointer kernels cast its tiles as they load them and write its
+    gradient in fp32, which saves the two cast kernels (and their host time) that a cast of X
+    before the product costs. Larger calls cast first and take the TMA kernels."""
+    if X.dtype != torch.float32 or dtype not in (torch.float16, torch.bfloat16):
+        return False
+    from bstrain.kernels import launch
+    from bstrain.kernels.matmul import SMALL_M
+    return launch.host_bound(X.shape[1 - feature_axis], SMALL_M, X)
 
 
 class BlocksparseMatMul:
@@ -747,19 +761,23 @@ class BlocksparseMatMul:
 
     def _product(self, I: torch.Tensor, W: torch.Tensor, dw_dtype: torch.dtype) -> torch.Tensor:
         self._check_call(I, W, dw_dtype)
-        I = _autocast_input(I)
+        dtype = compute_dtype(I)                   # I's, or the autocast dtype it runs in
         X = self._as_2d(I)
         if self._use_kernels(X):
             if dw_dtype == torch.float64:
                 raise TypeError("dw_dtype: the Triton backend writes float32, float16 or bfloat16, got float64")
             if not eager(X):
-                Y = torch.ops.bstrain.bsmm(X, W, self.key, self.feature_axis, dw_dtype)
-            elif torch.is_grad_enabled() and (X.requires_grad or W.requires_grad):
-                Y = _BlocksparseMatMulFn.apply(X, W, self.luts(X.device), self.feature_axis, dw_dtype)
+                Y = torch.ops.bstrain.bsmm(X.to(dtype), W, self.key, self.feature_axis, dw_dtype)
+                return self._from_2d(Y, I)
+            if X.dtype != dtype and not _casts_in_kernel(X, dtype, self.feature_axis):
+                X = X.to(dtype)
+            if torch.is_grad_enabled() and (X.requires_grad or W.requires_grad):
+                Y = _BlocksparseMatMulFn.apply(X, W, self.luts(X.device), self.feature_axis, dw_dtype, dtype)
             else:
                 from bstrain.kernels.matmul import run_forward
-                Y = run_forward(X, _as(W, X.dtype), self.luts(X.device), self.feature_axis)
+                Y = run_forward(X, _as(W, dtype), self.luts(X.device), self.feature_axis, dtype=dtype)
             return self._from_2d(Y, I)
+        X = X.to(dtype)
         c_idx, k_idx = self._ref_coords(X.device)
         return self._from_2d(bsmm_ref(X, W.to(X.dtype), c_idx, k_idx, self.K, self.feature_axis), I)
 

@@ -74,6 +74,32 @@ def test_dw(dtype, bs, axis, n):
     assert_close(dw, blocks(full), blocks(base), dtype, "dw")
 
 
+@params("dtype", [d for d in kernel_dtypes() if d != torch.float32], ids=lambda d: DTYPE_IDS[d])
+@BS
+@AX
+@params("split", (0, None), ids=lambda s: "one_launch" if s == 0 else "split")
+def test_fp32_activations_meet_16bit_weights(dtype, bs, axis, split):
+    """fp32 x with a 16-bit w (an eager call under autocast): the pointer kernels cast x's tiles as
+    they load them, so forward and dW equal the product of x cast first, and dX comes out in fp32;
+    split=None takes the split pointer path, as a graph capture would."""
+    lay, luts, x16, dy, w = make_case(bs, axis, dtype)
+    x = torch.randn(x16.shape, device=x16.device)                                    # fp32
+    wd = dense_weight(lay, w)
+    xc = rows(x.to(dtype), axis)                                                     # what the kernel multiplies
+    y = kernels.run_forward(x, w, luts, axis, split=split, dtype=dtype)
+    assert y.dtype == dtype
+    assert_close(rows(y, axis), xc @ wd, torch_mm(xc, wd, dtype), dtype, "y")
+    dx = kernels.run_dx(dy, w, luts, axis, split=split, dtype=torch.float32)
+    assert dx.dtype == torch.float32
+    assert_close(rows(dx, axis), rows(dy, axis) @ wd.t(), torch_mm(rows(dy, axis), wd.t(), dtype), dtype, "dx")
+    dw = kernels.run_dw(x, dy, luts, axis, split=None if split is None else 1)
+    c_idx, k_idx = np.nonzero(lay)
+
+    def blocks(d):
+        return d.reshape(lay.shape[0], bs, lay.shape[1], bs)[c_idx, :, k_idx, :]
+    assert_close(dw, blocks(xc.t() @ rows(dy, axis)), blocks(torch_mm(xc.t(), rows(dy, axis), dtype)), dtype, "dw")
+
+
 @params("split", (2, 3, 7), ids=lambda s: f"split{s}")
 @params("bs", (16, 128), ids=lambda b: f"bs{b}")
 @AX

@@ -86,6 +86,35 @@ def test_master_weights_fp32_with_fp16_activations():
     assert_close(w.grad, ref_dw, None, torch.float16, "dw")
 
 
+@pytest.mark.triton
+@pytest.mark.parametrize("axis", (0, 1), ids=("axis0", "axis1"))
+@pytest.mark.parametrize("host_bound", (True, False), ids=("cast_in_kernel", "cast_first"))
+def test_autocast_fp32_activations_on_the_kernels(axis, host_bound, monkeypatch):
+    """An fp32 activation that needs its gradient, under a 16-bit autocast with fp32 master
+    weights: host-bound eager calls hand it to the kernels as it is (they cast its tiles) and get
+    its gradient in fp32 from the dX kernel; larger calls cast it first. Both give what the
+    product of the cast operands gives, gradients included (bf16: on the GPU; the interpreter's
+    bf16 dot is wrong)."""
+    from bstrain.kernels import launch
+    dtype = torch.bfloat16 if torch.cuda.is_available() else torch.float16
+    monkeypatch.setattr(launch, "host_bound", lambda rows, limit, t: host_bound)
+    op = BlocksparseMatMul(layouts.random((3, 4), 0.6, seed=fresh_seed()), 16, feature_axis=axis, backend="triton")
+    dev = kernel_device()
+    x = torch.randn(op.i_shape(19), device=dev, requires_grad=True)              # fp32
+    w = torch.randn(op.w_shape, device=dev, requires_grad=True)                  # fp32 master
+    dy = torch.randn(op.o_shape(19), device=dev).to(dtype)
+    with torch.autocast(dev, dtype=dtype):
+        y = op(x, w)
+    assert y.dtype == dtype
+    y.backward(dy)
+    assert x.grad.dtype == torch.float32 and w.grad.dtype == torch.float32
+    xc, wc = x.detach().to(dtype), w.detach().to(dtype)                          # what autocast computes on
+    ref_y, ref_dx, ref_dw, _ = reference_grads(op, xc, wc, dy)
+    assert_close(rows(y, axis), ref_y, None, dtype, "y")
+    assert_close(rows(x.grad, axis), ref_dx, None, dtype, "dx")
+    assert_close(w.grad, ref_dw, None, dtype, "dw")
+
+
 def test_cpu_fallback_never_builds_dense():
     """A 65536 x 65536 weight at 1e-4 density: a dense path would need 17 GB."""
     lay = np.zeros((2048, 2048), dtype=bool)
