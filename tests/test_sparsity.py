@@ -796,7 +796,10 @@ def test_balanced_growth_greedy_matches_the_cell_by_cell_fill(monkeypatch):
     monkeypatch.setattr(sp, "_top", top)
     rng = np.random.default_rng(int(torch.randint(1 << 30, ())))
     filled = 0
-    for shape, density, frac in [((32, 128), 0.05, 0.05), ((64, 64), 0.1, 0.1), ((16, 16), 0.25, 0.3)] * 4:
+    cases = [((32, 128), 0.05, 0.05), ((64, 64), 0.1, 0.1), ((16, 16), 0.25, 0.3)] * 20
+    for shape, density, frac in cases:
+        if filled >= 4:                     # enough cases where the greedy alone closed every gap
+            break
         old = balanced(shape, density, seed=int(rng.integers(1 << 30)))
         pruned = rng.choice(np.flatnonzero(old), max(1, int(round(frac * old.sum()))), replace=False)
         new = old.copy()
