@@ -338,10 +338,11 @@ class DynamicSparsity:
         from when the queued steps are done)}``; else None. A balanced update may regrow some
         pruned blocks (each block row and column keeps its count), so fewer may be replaced than
         pruned."""
-        self.steps = self.steps + 1 if step is None else int(step)
-        info = None
-        if self.updates_at(self.steps):
-            info = self._update(self.steps)
+        count = self.steps + 1 if step is None else int(step)
+        if self.updates_at(count):
+            self._check_optimizer()         # refused state leaves the policy as it was: no step counted
+        self.steps = count
+        info = self._update(count) if self.updates_at(count) else None
         self._arm()
         return info
 
@@ -584,9 +585,10 @@ class RigL(DynamicSparsity):
         return g + 1e-12 * torch.rand(old.shape, generator=gen)
 
     def _update(self, step: int) -> dict:
-        info = super()._update(step)
-        self._disarm()
-        return info
+        try:
+            return super()._update(step)
+        finally:
+            self._disarm()
 
 
 class _GradRecord:

@@ -186,6 +186,7 @@ def test_state_that_cannot_follow_the_blocks_is_refused_before_anything_moves(od
                opt.state[layer.weight]["momentum_buffer"].clone()) for _, layer in sparse_layers(model)]
     with pytest.raises(ValueError, match=match):
         policy.step()
+    assert policy.steps == 1, "a refused update must leave the policy's step count as it was"
     for (lay, w, buf), (_, layer) in zip(before, sparse_layers(model)):
         assert np.array_equal(layer.block_layout(), lay) and torch.equal(layer.weight, w)
         assert torch.equal(opt.state[layer.weight]["momentum_buffer"], buf)

@@ -286,7 +286,9 @@ def ema_decay(n_averaged: torch.Tensor, decay: float) -> torch.Tensor:
 def ema_update(ema, model: torch.nn.Module, decay: float) -> None:
     """``AveragedModel.update_parameters`` with an EMA of warmed decay (:func:`ema_decay`), without
     a host sync: ``ema = ema + (1 - decay_t) (model - ema)``; n_averaged counts updates on the
-    device (it is in the EMA's state dict, so a resumed run continues the warm-up)."""
+    device (it is in the EMA's state dict, so a resumed run continues the warm-up). The buffers
+    (BatchNorm's running statistics) are the model's: an EMA copy evaluated with the statistics it
+    was built with would normalise every layer wrongly."""
     with torch.no_grad():
         e = [p.detach() for p in ema.module.parameters()]
         m = [p.detach() for p in model.parameters()]
@@ -295,6 +297,9 @@ def ema_update(ema, model: torch.nn.Module, decay: float) -> None:
             d = torch._foreach_sub(m, e)
             torch._foreach_mul_(d, w)
             torch._foreach_add_(e, d)
+        eb, mb = list(ema.module.buffers()), list(model.buffers())
+        if eb:
+            torch._foreach_copy_(eb, mb)
         ema.n_averaged += 1
 
 

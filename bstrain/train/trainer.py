@@ -274,6 +274,8 @@ class Run:
     forward_hooked: Forward | None = None  # compiled runs: the uncompiled model, for RigL's hooked steps
     first_batch: tuple | None = None      # the batch the start's check ran on: the first step trains on it
     warming_up: bool = False              # this step captured a graph: its time is not throughput
+    captured_kinds: set = field(default_factory=set)   # graphs captured once: a recapture (new layout
+                                          # tables after a sparsity update) is training time, not warm-up
 
 
 def build(cfg: DictConfig, run_dir: Path, device: torch.device, world: World) -> Run:
@@ -453,7 +455,8 @@ def _start_armed_graph(run: Run, x: torch.Tensor, y: torch.Tensor) -> bool:
     """Captures the step with the policy's gradient hooks armed; where it cannot be, that step
     runs eagerly from now on, with one log line saying why (every rank alike under DDP)."""
     reason = _capture(run, run.captured_armed, x, y)
-    run.warming_up = True
+    run.warming_up = "armed" not in run.captured_kinds
+    run.captured_kinds.add("armed")
     if reason is None:
         run.sparsity.keep_captured()                    # the gradient sums the captured run writes
         if not run.step_mode.startswith("graph"):       # (every step may be armed: sparsity.every=1)
@@ -468,7 +471,8 @@ def _start_graph(run: Run, x: torch.Tensor, y: torch.Tensor) -> None:
     """Captures the step on the first batch. Where it cannot be (auto), the run trains eagerly
     and one log line names why; under DDP every rank falls back if any must."""
     reason = _capture(run, run.captured, x, y)
-    run.warming_up = True
+    run.warming_up = "step" not in run.captured_kinds
+    run.captured_kinds.add("step")
     if reason is None:
         run.step_mode = "graph" + (" (compiled)" if "compiled" in run.step_mode else "")
         log.info("step: one CUDA graph per step (trainer.cuda_graph=%s)", graph_mode(run.cfg.trainer.cuda_graph))
@@ -714,7 +718,9 @@ def _begin_step(run: Run, window: Window, first: bool) -> tuple:
 
 def _end_step(run: Run, window: Window, began: tuple) -> None:
     """Counts the step's units in the throughput, or leaves it out as warm-up: the run's first step
-    (compilation, graph capture, kernels loading), a step that captured a graph or compiled."""
+    (compilation, graph capture, kernels loading), the first capture of each graph, a step that
+    compiled. A graph captured again (a sparsity update that took new layout tables) counts, as
+    the cost of that update."""
     first, compilations, t0 = began
     compiled = "compiled" in run.step_mode
     warm_up = first or run.warming_up or (compiled and _compilations() != compilations)

@@ -84,7 +84,7 @@ def test_user_classifier_without_keys_is_checked_by_its_output(tmp_path):
     """No key names the classes: the task's check of the output shape, naming the task and both shapes."""
     cfg = user_model(images_cfg(tmp_path), "tests.train.user_models.RGBNet", outputs=5)
     fails_at_start(cfg, tmp_path, "tests.train.user_models.RGBNet",
-                   "bstrain.train.tasks.classify.Classification", "expected (B, classes) = (2, 10)", "got (2, 5)")
+                   "bstrain.train.tasks.classify.Classification", "expected (B, classes) = (2, >= 10)", "got (2, 5)")
 
 
 def test_user_classifier_with_fixed_channels_keeps_its_traceback_with_a_note(tmp_path):

@@ -79,6 +79,21 @@ def test_ema_update_warms_up_its_decay(dtype):
     assert int(ema.n_averaged) == 6
 
 
+def test_ema_takes_the_models_buffers():
+    """BatchNorm's running statistics of the EMA copy are the model's after each update (never the
+    ones it was built with, which would normalise its evaluation wrongly)."""
+    from torch.optim.swa_utils import AveragedModel
+    model = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3), torch.nn.BatchNorm2d(4), torch.nn.Flatten(),
+                                torch.nn.Linear(4 * 6 * 6, 2))
+    ema = AveragedModel(model)
+    for _ in range(3):
+        model(torch.randn(5, 3, 8, 8) * 3 + 1)           # train mode: the running statistics move
+        ema_update(ema, model, 0.9)
+        for (name, got), ref in zip(ema.module.named_buffers(), model.buffers()):
+            torch.testing.assert_close(got, ref, rtol=0, atol=0, msg=name)
+    assert not torch.allclose(ema.module[1].running_mean, torch.zeros(4))
+
+
 def test_ema_resumes_its_warm_up(make_cfg):
     """A run split by a checkpoint and resumed has the EMA of the run that went straight through
     (the update count is in the checkpoint), and its validation says it reads the EMA weights. On

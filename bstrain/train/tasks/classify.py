@@ -43,13 +43,14 @@ class Classification(Task):
         self._order = None
 
     def check_model_config(self, model: dict) -> None:
-        """The model's image channels, classes and image size (where it names them) against the data's."""
+        """The model's image channels, classes and image size (where it names them) against the data's.
+        A model may have more classes than the labels name (a set on disk may lack the top label)."""
         channels, height, width = self.data.image_shape
         where = self.data.where()
-        if (key := model_key(model, ("in_channels", "channels", "in_chans"))) and key[1] != channels:
+        if (key := model_key(model, ("in_channels", "in_chans"))) and key[1] != channels:
             raise UserError(f"model.{key[0]}={key[1]}, but the images of {where} have {channels} "
                             f"channel{'s' if channels != 1 else ''}: set model.{key[0]}={channels}")
-        if (key := model_key(model, ("classes", "num_classes", "n_classes"))) and key[1] != self.classes:
+        if (key := model_key(model, ("classes", "num_classes", "n_classes"))) and key[1] < self.classes:
             raise UserError(f"model.{key[0]}={key[1]}, but the labels of {where} name {self.classes} classes: "
                             f"set model.{key[0]}={self.classes}")
         if (key := model_key(model, ("image_size", "img_size"))) and (key[1], key[1]) != (height, width):
@@ -87,10 +88,11 @@ class Classification(Task):
         return self.data.normalise(x.to(device, non_blocking=True)), y.to(device, non_blocking=True), fresh
 
     def loss(self, output, targets: torch.Tensor) -> torch.Tensor:
-        if not isinstance(output, torch.Tensor) or tuple(output.shape) != (targets.shape[0], self.classes):
+        if not isinstance(output, torch.Tensor) or output.dim() != 2 or output.shape[0] != targets.shape[0] \
+                or output.shape[1] < self.classes:
             got = tuple(output.shape) if isinstance(output, torch.Tensor) else type(output).__name__
-            raise TypeError(f"model output: expected (B, classes) = ({targets.shape[0]}, {self.classes}) logits for "
-                            f"{targets.shape[0]} images of {self.classes} classes, got {got}")
+            raise TypeError(f"model output: expected (B, classes) = ({targets.shape[0]}, >= {self.classes}) logits "
+                            f"for {targets.shape[0]} images of {self.classes} classes, got {got}")
         return F.cross_entropy(output.float(), targets, label_smoothing=self.label_smoothing)
 
     @torch.no_grad()
