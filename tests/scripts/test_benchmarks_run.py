@@ -15,3 +15,14 @@ def test_bench_eager_linear_cpu_smoke(tmp_path, monkeypatch, capsys):
     table = (tmp_path / "eager_linear.md").read_text()
     assert "| 32 |" in table and "nn.Linear" in table
     assert "ratio" in capsys.readouterr().out
+
+
+def test_bench_lm_anchor_cpu_smoke(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(sys, "argv", ["bench_lm_anchor.py", "--cpu-smoke", "--anchor-mask", "layers,window",
+                                      "--out", str(tmp_path)])
+    runpy.run_path(str(REPO / "scripts" / "bench_lm_anchor.py"), run_name="__main__")
+    table = (tmp_path / "lm_anchor.md").read_text()
+    assert "bstrain sparse / anchor (layers" in table and "bstrain sparse / dense twin" in table
+    assert "failed" not in table and "**check" not in table
+    assert (tmp_path / "lm_anchor.json").exists()
+    assert "same function, fp32 loss" in capsys.readouterr().out
