@@ -3,7 +3,7 @@
     PYTHONPATH=$PWD python scripts/tune_attention.py [--out DIR] [--seq 8192] [--dims 64,128]
                                                      [--layouts causal,strided] [--budget-s 240]
 
-For each head dim, each kernel (fwd, dq, dkdv) and each candidate (BO, BI, warps, stages), the
+For each head dim, each kernel (fwd, dq, dkdv) and each candidate (BO, BI, warps, stages, TMA, warp specialisation), the
 median time (triton.testing.do_bench) on each layout (B=4, H=16, bf16, 128-blocks), with the
 compiled kernel's registers and spills. The best candidate per (kernel, head dim) minimises the
 summed time over the layouts. Writes tune_attention.json ({"best": {...}, "rows": [...]}), which
@@ -25,13 +25,15 @@ from bstrain import layout as L  # noqa: E402
 from bstrain.kernels import attention as K  # noqa: E402
 from bstrain.ops.transformer import BlocksparseTransformer  # noqa: E402
 
-CANDIDATES = {
-    "fwd": [(128, 64, 8, 3), (128, 64, 8, 2), (128, 64, 8, 4), (128, 128, 8, 2), (128, 128, 8, 3),
-            (64, 64, 4, 3), (64, 128, 4, 3), (128, 32, 8, 3), (128, 64, 4, 3), (64, 64, 4, 4)],
-    "dq": [(128, 32, 8, 3), (128, 32, 8, 2), (128, 64, 8, 3), (128, 64, 8, 2), (64, 32, 4, 3), (64, 64, 4, 3),
-           (128, 16, 8, 3), (64, 16, 4, 3), (128, 32, 4, 3), (64, 32, 4, 4)],
-    "dkdv": [(128, 16, 8, 3), (128, 16, 8, 2), (128, 32, 8, 3), (128, 32, 8, 2), (128, 64, 8, 2), (64, 16, 4, 3),
-             (64, 32, 4, 3), (64, 64, 8, 3), (64, 32, 8, 3), (128, 16, 8, 4)],
+CANDIDATES = {      # (BO, BI, warps, stages[, tma]): bstrain.kernels.attention.Tile
+    "fwd": [(64, 64, 4, 3), (64, 64, 4, 3, True), (64, 64, 4, 4, True), (128, 64, 8, 3, True), (128, 128, 8, 3, True),
+            (128, 128, 8, 2, True), (128, 64, 8, 4, True), (128, 128, 8, 3)],
+    "dq": [(64, 64, 4, 3), (64, 32, 4, 4), (64, 64, 4, 3, True), (64, 32, 4, 4, True), (128, 64, 8, 3, True),
+           (128, 32, 8, 3, True), (64, 64, 4, 4, True)],
+    "dkdv": [(64, 32, 4, 3), (64, 32, 4, 3, True), (128, 32, 8, 3, True), (128, 64, 8, 2, True), (64, 64, 4, 3, True),
+             (128, 64, 8, 3, True), (64, 32, 4, 4, True)],
+    "bwd": [(64, 64, 4, 3, True), (64, 32, 4, 3, True), (128, 64, 8, 3, True), (128, 32, 8, 3, True),
+            (128, 64, 8, 2, True), (64, 64, 4, 2, True), (64, 64, 4, 3), (128, 128, 8, 2, True)],
 }
 MASKS = {"causal": lambda w: L.causal_mask, "local": lambda w: L.local_mask(4 * w),
          "strided": lambda w: L.strided_mask(w), "fixed": lambda w: L.fixed_mask(w, summary=w // 8)}
@@ -45,6 +47,7 @@ def main() -> None:
     ap.add_argument("--dims", type=ints, default=[64, 128])
     ap.add_argument("--layouts", default="causal,strided")
     ap.add_argument("--budget-s", type=float, default=240.0, help="stop sweeping after this long")
+    ap.add_argument("--kernels", default="fwd,dq,dkdv,bwd", help="the kernels to sweep")
     args = ap.parse_args()
     import triton
     t_start = time.time()
@@ -67,25 +70,30 @@ def main() -> None:
             luts = op.luts(q.device)
             o, lse = K.attention_forward(q, k, v, luts, scale)
             delta = torch.empty_like(lse)
-            K.launch("dq", luts, (q, k, v, o, do, lse, delta, torch.empty_like(q)), None, (scale * K.LOG2E, scale))
+            K.launch("dq", luts, (q, k, v, o, do, lse, delta, torch.empty_like(q)), None,
+                     (scale * K.LOG2E, 0.0, scale))
             state[name] = (luts, o, lse, delta)
-        for kernel, cands in CANDIDATES.items():
+        for kernel, cands in ((n, CANDIDATES[n]) for n in args.kernels.split(",")):
             totals = {}
             for cand in cands:
                 if time.time() - t_start > args.budget_s:
                     break
-                K.TILES[(kernel, bs, D, 2)] = cand
+                K.TILES[(kernel, bs, D, 2)] = K.Tile(*cand)
                 row = dict(kernel=kernel, D=D, tiles=list(cand))
                 try:
                     for name, (luts, o, lse, delta) in state.items():
                         if kernel == "fwd":
-                            ts, sc = (q, k, v, torch.empty_like(q), torch.empty_like(lse)), (scale * K.LOG2E,)
+                            ts, sc = (q, k, v, torch.empty_like(q), torch.empty_like(lse)), (scale * K.LOG2E, 0.0)
                         elif kernel == "dq":
                             ts = (q, k, v, o, do, lse, torch.empty_like(delta), torch.empty_like(q))
-                            sc = (scale * K.LOG2E, scale)
-                        else:
-                            ts = (q, k, v, do, lse, delta, torch.empty_like(k), torch.empty_like(v))
-                            sc = (scale * K.LOG2E, scale)
+                            sc = (scale * K.LOG2E, 0.0, scale)
+                        elif kernel == "dkdv":
+                            ts = (q, k, v, do, lse, delta, torch.empty_like(k), torch.empty_like(v), q)
+                            sc = (scale * K.LOG2E, 0.0, scale)
+                        else:                                   # the fused backward: dQ added in fp32
+                            ts = (q, k, v, do, lse, delta, torch.empty_like(k), torch.empty_like(v),
+                                  torch.zeros(q.shape, device=q.device))
+                            sc = (scale * K.LOG2E, 0.0, scale)
                         K.launch(kernel, luts, ts, None, sc)             # a new TILES entry: a new plan
                         row[name] = round(triton.testing.do_bench(
                             lambda: K.launch(kernel, luts, ts, None, sc), warmup=10, rep=60,
@@ -106,7 +114,7 @@ def main() -> None:
     with open(os.path.join(args.out, "tune_attention.json"), "w") as f:
         json.dump({"best": best, "rows": rows, "seq": S, "device": torch.cuda.get_device_name(),
                    "torch": torch.__version__, "triton": triton.__version__}, f, indent=1)
-    print("| kernel | D | best (BO, BI, warps, stages) |\n|---|---|---|")
+    print("| kernel | D | best (BO, BI, warps, stages, tma, ws) |\n|---|---|---|")
     for key, v in best.items():
         kern, D = key.split(",")
         print(f"| {kern} | {D} | {tuple(v)} |")
@@ -119,7 +127,7 @@ def apply(path: str) -> None:
     for key, v in best.items():
         kern, D = key.split(",")
         for itemsize in (2,):
-            K.TILES[(kern, 128, int(D), itemsize)] = tuple(v)
+            K.TILES[(kern, 128, int(D), itemsize)] = K.Tile(*v)
 
 
 if __name__ == "__main__":

@@ -36,6 +36,7 @@ kernel. Nothing on this path syncs with the host (CUDA-graph capture is safe).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -44,7 +45,7 @@ import triton.language as tl
 
 from bstrain.kernels.alloc import empty
 from bstrain.kernels.launch import Launch, aligned, plan
-from bstrain.kernels.matmul import _precision
+from bstrain.kernels.matmul import _desc_like, _precision, _template, _tma_ok
 
 LOG2E = 1.4426950408889634
 _TRI = -(1 << 20)       # a masked tile's code: >= 0 indexes the mask table; _TRI + d is triangular
@@ -60,6 +61,17 @@ def _rows(X, base, s_t, start, N: tl.constexpr, BLOCK_D: tl.constexpr, head_dim,
     if EVEN_D:
         return tl.load(ptr)
     return tl.load(ptr, mask=(d < head_dim)[None, :], other=0.0)
+
+
+@triton.jit
+def _inner(X, DESC, base, s_t, row0, col0, start, N: tl.constexpr, BLOCK_D: tl.constexpr, head_dim,
+           EVEN_D: tl.constexpr, TMA: tl.constexpr):
+    """An inner tile: rows start..start+N, through the tensor descriptor DESC (a 2-D view of X
+    whose rows are (batch, position): row0 the batch's first row, col0 the head's first column)
+    or by pointers."""
+    if TMA:
+        return DESC.load([row0 + start, col0])
+    return _rows(X, base, s_t, start, N, BLOCK_D, head_dim, EVEN_D)
 
 
 @triton.jit
@@ -96,6 +108,30 @@ def _keep(code, PMASK, BO: tl.constexpr, BI: tl.constexpr, MODE: tl.constexpr, T
 
 
 @triton.jit
+def _logits(s, qk_scale, cap, slope, ostart, istart, BO: tl.constexpr, BI: tl.constexpr, TRANS: tl.constexpr,
+            SOFTCAP: tl.constexpr, ALIBI: tl.constexpr):
+    """(x, t): the base-2 logits of raw scores s = q·kᵀ (BO, BI) and, under SOFTCAP, t =
+    tanh(scale·s / cap). x = log2(e)·(scale·s, or cap·t under SOFTCAP, + slope·(key − query)
+    under ALIBI); ``cap`` and ``slope`` arrive multiplied by log2(e), qk_scale is scale·log2(e).
+    TRANS: the outer index is the key (the dK/dV kernel)."""
+    if SOFTCAP:
+        # tanh(y) = 1 − 2 / (1 + e^{2y}), y = scale·s / cap: exact at ±inf, no tanh instruction needed
+        t = 1.0 - 2.0 / (1.0 + tl.exp2(s * (2.0 * qk_scale / cap * 1.4426950408889634)))
+        x = t * cap
+    else:
+        t = s
+        x = s * qk_scale
+    if ALIBI:
+        o = ostart + tl.arange(0, BO)
+        i = istart + tl.arange(0, BI)
+        if TRANS:
+            x += slope * (o[:, None] - i[None, :]).to(tl.float32)
+        else:
+            x += slope * (i[None, :] - o[:, None]).to(tl.float32)
+    return x, t
+
+
+@triton.jit
 def _program_row(ORDER, PTR, MID, TAB, B, n_outer, BO: tl.constexpr):
     """This program's batch element, head, first outer position and its row's entry bounds: full
     tiles [e0, e1), triangular [e1, e2), with a mask table [e2, e3)."""
@@ -106,25 +142,29 @@ def _program_row(ORDER, PTR, MID, TAB, B, n_outer, BO: tl.constexpr):
 
 
 @triton.jit
-def _fwd_loop(acc, l_i, m_i, q, K, V, kv_base, s_kt, INNER, CODE, e0, e1, PMASK, PAD, pad_base, qk_scale,
-              head_dim, BO: tl.constexpr, BI: tl.constexpr, BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr,
-              MODE: tl.constexpr, HAS_PAD: tl.constexpr, PRECISION: tl.constexpr, NUM_STAGES: tl.constexpr):
+def _fwd_loop(acc, l_i, m_i, q, K, V, DK, DV, k_base, v_base, s_kt, s_vt, kv_row0, k_col0, v_col0, INNER, CODE,
+              e0, e1, PMASK, PAD, pad_base, start, qk_scale, cap, slope, head_dim, head_dim_v,
+              BO: tl.constexpr, BI: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+              EVEN_D: tl.constexpr, EVEN_DV: tl.constexpr, MODE: tl.constexpr, HAS_PAD: tl.constexpr,
+              SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, PRECISION: tl.constexpr, NUM_STAGES: tl.constexpr,
+              TMA: tl.constexpr):
     for e in tl.range(e0, e1, num_stages=NUM_STAGES):
         n = tl.load(INNER + e)
-        k = _rows(K, kv_base, s_kt, n * BI, BI, BLOCK_D, head_dim, EVEN_D)
-        v = _rows(V, kv_base, s_kt, n * BI, BI, BLOCK_D, head_dim, EVEN_D)
+        k = _inner(K, DK, k_base, s_kt, kv_row0, k_col0, n * BI, BI, BLOCK_D, head_dim, EVEN_D, TMA)
+        v = _inner(V, DV, v_base, s_vt, kv_row0, v_col0, n * BI, BI, BLOCK_DV, head_dim_v, EVEN_DV, TMA)
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION)
+        x, _t = _logits(s, qk_scale, cap, slope, start, n * BI, BO, BI, False, SOFTCAP, ALIBI)
         if MODE > 0:
-            s = tl.where(_keep(tl.load(CODE + e), PMASK, BO, BI, MODE, False), s, float("-inf"))
+            x = tl.where(_keep(tl.load(CODE + e), PMASK, BO, BI, MODE, False), x, float("-inf"))
         if HAS_PAD:
             pad = tl.load(PAD + pad_base + n * BI + tl.arange(0, BI))
-            s = tl.where(pad[None, :] == 0, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)
+            x = tl.where(pad[None, :] == 0, x, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(x, 1))
         if MODE > 0 or HAS_PAD:
             m_use = tl.where(m_new == float("-inf"), 0.0, m_new)     # a row with nothing kept yet
         else:
             m_use = m_new
-        p = tl.exp2(s * qk_scale - m_use[:, None])
+        p = tl.exp2(x - m_use[:, None])
         alpha = tl.exp2(m_i - m_use)
         l_i = l_i * alpha + tl.sum(p, 1)
         acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=PRECISION)
@@ -133,136 +173,242 @@ def _fwd_loop(acc, l_i, m_i, q, K, V, kv_base, s_kt, INNER, CODE, e0, e1, PMASK,
 
 
 @triton.jit
-def _attn_fwd(Q, K, V, O, LSE, ORDER, PTR, MID, TAB, INNER, CODE, PMASK, PAD,
-              s_qb, s_qt, s_kb, s_kt, s_ob, s_ot, B, H, G, n_outer, Tq, Tk, head_dim, qk_scale,
-              BO: tl.constexpr, BI: tl.constexpr, BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr,
-              HAS_PAD: tl.constexpr, PRECISION: tl.constexpr, NUM_STAGES: tl.constexpr):
+def _attn_fwd(Q, K, V, O, LSE, SLOPES, DK, DV, ORDER, PTR, MID, TAB, INNER, CODE, PMASK, PAD,
+              s_qb, s_qt, s_kb, s_kt, s_vb, s_vt, s_ob, s_ot, B, H, G, n_outer, Tq, Tk, head_dim, head_dim_v,
+              qk_scale, cap,
+              BO: tl.constexpr, BI: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, EVEN_D: tl.constexpr,
+              EVEN_DV: tl.constexpr, HAS_PAD: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr,
+              PRECISION: tl.constexpr, NUM_STAGES: tl.constexpr, TMA: tl.constexpr):
     b, h, start, e0, e1, e2, e3 = _program_row(ORDER, PTR, MID, TAB, B, n_outer, BO)
     q = _rows(Q, b.to(tl.int64) * s_qb + h * head_dim, s_qt, start, BO, BLOCK_D, head_dim, EVEN_D)
-    kv_base = b.to(tl.int64) * s_kb + (h // G) * head_dim          # G query heads share a k/v head
+    hk = h // G                                                     # G query heads share a k/v head
+    k_base = b.to(tl.int64) * s_kb + hk * head_dim
+    v_base = b.to(tl.int64) * s_vb + hk * head_dim_v
+    kv_row0 = b * Tk
     pad_base = b.to(tl.int64) * Tk
+    slope = 0.0
+    if ALIBI:
+        slope = tl.load(SLOPES + h) * 1.4426950408889634            # natural units -> base 2
     m_i = tl.full((BO,), float("-inf"), tl.float32)
     l_i = tl.zeros((BO,), tl.float32)
-    acc = tl.zeros((BO, BLOCK_D), tl.float32)
-    acc, l_i, m_i = _fwd_loop(acc, l_i, m_i, q, K, V, kv_base, s_kt, INNER, CODE, e0, e1, PMASK, PAD, pad_base,
-                              qk_scale, head_dim, BO, BI, BLOCK_D, EVEN_D, 0, HAS_PAD, PRECISION, NUM_STAGES)
-    acc, l_i, m_i = _fwd_loop(acc, l_i, m_i, q, K, V, kv_base, s_kt, INNER, CODE, e1, e2, PMASK, PAD, pad_base,
-                              qk_scale, head_dim, BO, BI, BLOCK_D, EVEN_D, 1, HAS_PAD, PRECISION, NUM_STAGES)
-    acc, l_i, m_i = _fwd_loop(acc, l_i, m_i, q, K, V, kv_base, s_kt, INNER, CODE, e2, e3, PMASK, PAD, pad_base,
-                              qk_scale, head_dim, BO, BI, BLOCK_D, EVEN_D, 2, HAS_PAD, PRECISION, NUM_STAGES)
+    acc = tl.zeros((BO, BLOCK_DV), tl.float32)
+    acc, l_i, m_i = _fwd_loop(acc, l_i, m_i, q, K, V, DK, DV, k_base, v_base, s_kt, s_vt, kv_row0, hk * head_dim,
+                              hk * head_dim_v, INNER, CODE, e0, e1, PMASK, PAD, pad_base, start, qk_scale, cap, slope,
+                              head_dim, head_dim_v, BO, BI, BLOCK_D, BLOCK_DV, EVEN_D, EVEN_DV, 0, HAS_PAD, SOFTCAP,
+                              ALIBI, PRECISION, NUM_STAGES, TMA)
+    acc, l_i, m_i = _fwd_loop(acc, l_i, m_i, q, K, V, DK, DV, k_base, v_base, s_kt, s_vt, kv_row0, hk * head_dim,
+                              hk * head_dim_v, INNER, CODE, e1, e2, PMASK, PAD, pad_base, start, qk_scale, cap, slope,
+                              head_dim, head_dim_v, BO, BI, BLOCK_D, BLOCK_DV, EVEN_D, EVEN_DV, 1, HAS_PAD, SOFTCAP,
+                              ALIBI, PRECISION, NUM_STAGES, TMA)
+    acc, l_i, m_i = _fwd_loop(acc, l_i, m_i, q, K, V, DK, DV, k_base, v_base, s_kt, s_vt, kv_row0, hk * head_dim,
+                              hk * head_dim_v, INNER, CODE, e2, e3, PMASK, PAD, pad_base, start, qk_scale, cap, slope,
+                              head_dim, head_dim_v, BO, BI, BLOCK_D, BLOCK_DV, EVEN_D, EVEN_DV, 2, HAS_PAD, SOFTCAP,
+                              ALIBI, PRECISION, NUM_STAGES, TMA)
     live = l_i > 0
     l_safe = tl.where(live, l_i, 1.0)
-    _store_rows(O, acc / l_safe[:, None], b.to(tl.int64) * s_ob + h * head_dim, s_ot, start, BO, BLOCK_D,
-                head_dim, EVEN_D)
+    _store_rows(O, acc / l_safe[:, None], b.to(tl.int64) * s_ob + h * head_dim_v, s_ot, start, BO, BLOCK_DV,
+                head_dim_v, EVEN_DV)
     lse = tl.where(live, m_i + tl.log2(l_safe), float("inf"))
     tl.store(LSE + (b.to(tl.int64) * H + h) * Tq + start + tl.arange(0, BO), lse)     # (B, H, Tq)
 
 
 @triton.jit
-def _dq_loop(dq, q, do, lse, delta, K, V, kv_base, s_kt, INNER, CODE, e0, e1, PMASK, PAD, pad_base, qk_scale,
-             head_dim, BO: tl.constexpr, BI: tl.constexpr, BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr,
-             MODE: tl.constexpr, HAS_PAD: tl.constexpr, PRECISION: tl.constexpr, NUM_STAGES: tl.constexpr):
+def _dq_loop(dq, q, do, lse, delta, K, V, DK, DV, k_base, v_base, s_kt, s_vt, kv_row0, k_col0, v_col0, INNER, CODE,
+             e0, e1, PMASK, PAD, pad_base, start, qk_scale, cap, slope, head_dim, head_dim_v,
+             BO: tl.constexpr, BI: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+             EVEN_D: tl.constexpr, EVEN_DV: tl.constexpr, MODE: tl.constexpr, HAS_PAD: tl.constexpr,
+             SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, PRECISION: tl.constexpr, NUM_STAGES: tl.constexpr,
+             TMA: tl.constexpr):
     for e in tl.range(e0, e1, num_stages=NUM_STAGES):
         n = tl.load(INNER + e)
-        k = _rows(K, kv_base, s_kt, n * BI, BI, BLOCK_D, head_dim, EVEN_D)
-        v = _rows(V, kv_base, s_kt, n * BI, BI, BLOCK_D, head_dim, EVEN_D)
+        k = _inner(K, DK, k_base, s_kt, kv_row0, k_col0, n * BI, BI, BLOCK_D, head_dim, EVEN_D, TMA)
+        v = _inner(V, DV, v_base, s_vt, kv_row0, v_col0, n * BI, BI, BLOCK_DV, head_dim_v, EVEN_DV, TMA)
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION)
+        x, t = _logits(s, qk_scale, cap, slope, start, n * BI, BO, BI, False, SOFTCAP, ALIBI)
         if MODE > 0:
-            s = tl.where(_keep(tl.load(CODE + e), PMASK, BO, BI, MODE, False), s, float("-inf"))
+            x = tl.where(_keep(tl.load(CODE + e), PMASK, BO, BI, MODE, False), x, float("-inf"))
         if HAS_PAD:
             pad = tl.load(PAD + pad_base + n * BI + tl.arange(0, BI))
-            s = tl.where(pad[None, :] == 0, s, float("-inf"))
-        p = tl.exp2(s * qk_scale - lse[:, None])
+            x = tl.where(pad[None, :] == 0, x, float("-inf"))
+        p = tl.exp2(x - lse[:, None])
         dp = tl.dot(do, tl.trans(v), input_precision=PRECISION)
         ds = p * (dp - delta[:, None])
+        if SOFTCAP:
+            ds = ds * (1.0 - t * t)
         dq = tl.dot(ds.to(k.dtype), k, dq, input_precision=PRECISION)
     return dq
 
 
 @triton.jit
-def _attn_bwd_dq(Q, K, V, O, DO, LSE, DELTA, DQ, ORDER, PTR, MID, TAB, INNER, CODE, PMASK, PAD,
-                 s_qb, s_qt, s_kb, s_kt, s_ob, s_ot, B, H, G, n_outer, Tq, Tk, head_dim, qk_scale, scale,
-                 BO: tl.constexpr, BI: tl.constexpr, BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr,
-                 HAS_PAD: tl.constexpr, PRECISION: tl.constexpr, NUM_STAGES: tl.constexpr):
-    """Also writes Δ = rowsum(dO ∘ O) for :func:`_attn_bwd_dkdv` (o, do and dq share strides)."""
+def _attn_bwd_dq(Q, K, V, O, DO, LSE, DELTA, DQ, SLOPES, DLSE, DK, DV, ORDER, PTR, MID, TAB, INNER, CODE, PMASK, PAD,
+                 s_qb, s_qt, s_kb, s_kt, s_vb, s_vt, s_ob, s_ot, B, H, G, n_outer, Tq, Tk, head_dim, head_dim_v,
+                 qk_scale, cap, scale,
+                 BO: tl.constexpr, BI: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+                 EVEN_D: tl.constexpr, EVEN_DV: tl.constexpr, HAS_PAD: tl.constexpr, SOFTCAP: tl.constexpr,
+                 ALIBI: tl.constexpr, HAS_DLSE: tl.constexpr, PRECISION: tl.constexpr, NUM_STAGES: tl.constexpr,
+                 TMA: tl.constexpr):
+    """Also writes Δ = rowsum(dO ∘ O) − dLSE for :func:`_attn_bwd_dkdv` (o and do share strides,
+    dq is contiguous)."""
     b, h, start, e0, e1, e2, e3 = _program_row(ORDER, PTR, MID, TAB, B, n_outer, BO)
-    q_base = b.to(tl.int64) * s_qb + h * head_dim
-    o_base = b.to(tl.int64) * s_ob + h * head_dim
-    q = _rows(Q, q_base, s_qt, start, BO, BLOCK_D, head_dim, EVEN_D)
-    do = _rows(DO, o_base, s_ot, start, BO, BLOCK_D, head_dim, EVEN_D)
-    o = _rows(O, o_base, s_ot, start, BO, BLOCK_D, head_dim, EVEN_D)
+    o_base = b.to(tl.int64) * s_ob + h * head_dim_v
+    q = _rows(Q, b.to(tl.int64) * s_qb + h * head_dim, s_qt, start, BO, BLOCK_D, head_dim, EVEN_D)
+    do = _rows(DO, o_base, s_ot, start, BO, BLOCK_DV, head_dim_v, EVEN_DV)
+    o = _rows(O, o_base, s_ot, start, BO, BLOCK_DV, head_dim_v, EVEN_DV)
     delta = tl.sum(do.to(tl.float32) * o.to(tl.float32), 1)
     stat = (b.to(tl.int64) * H + h) * Tq + start + tl.arange(0, BO)
+    if HAS_DLSE:                                  # ∂lse/∂s = P: a gradient of the LSE shifts Δ
+        delta -= tl.load(DLSE + stat)
     tl.store(DELTA + stat, delta)
     lse = tl.load(LSE + stat)
-    kv_base = b.to(tl.int64) * s_kb + (h // G) * head_dim
+    hk = h // G
+    k_base = b.to(tl.int64) * s_kb + hk * head_dim
+    v_base = b.to(tl.int64) * s_vb + hk * head_dim_v
+    kv_row0 = b * Tk
     pad_base = b.to(tl.int64) * Tk
+    slope = 0.0
+    if ALIBI:
+        slope = tl.load(SLOPES + h) * 1.4426950408889634            # natural units -> base 2
     dq = tl.zeros((BO, BLOCK_D), tl.float32)
-    dq = _dq_loop(dq, q, do, lse, delta, K, V, kv_base, s_kt, INNER, CODE, e0, e1, PMASK, PAD, pad_base, qk_scale,
-                  head_dim, BO, BI, BLOCK_D, EVEN_D, 0, HAS_PAD, PRECISION, NUM_STAGES)
-    dq = _dq_loop(dq, q, do, lse, delta, K, V, kv_base, s_kt, INNER, CODE, e1, e2, PMASK, PAD, pad_base, qk_scale,
-                  head_dim, BO, BI, BLOCK_D, EVEN_D, 1, HAS_PAD, PRECISION, NUM_STAGES)
-    dq = _dq_loop(dq, q, do, lse, delta, K, V, kv_base, s_kt, INNER, CODE, e2, e3, PMASK, PAD, pad_base, qk_scale,
-                  head_dim, BO, BI, BLOCK_D, EVEN_D, 2, HAS_PAD, PRECISION, NUM_STAGES)
-    _store_rows(DQ, dq * scale, o_base, s_ot, start, BO, BLOCK_D, head_dim, EVEN_D)
+    dq = _dq_loop(dq, q, do, lse, delta, K, V, DK, DV, k_base, v_base, s_kt, s_vt, kv_row0, hk * head_dim,
+                  hk * head_dim_v, INNER, CODE, e0, e1, PMASK, PAD, pad_base, start, qk_scale, cap, slope, head_dim,
+                  head_dim_v, BO, BI, BLOCK_D, BLOCK_DV, EVEN_D, EVEN_DV, 0, HAS_PAD, SOFTCAP, ALIBI, PRECISION,
+                  NUM_STAGES, TMA)
+    dq = _dq_loop(dq, q, do, lse, delta, K, V, DK, DV, k_base, v_base, s_kt, s_vt, kv_row0, hk * head_dim,
+                  hk * head_dim_v, INNER, CODE, e1, e2, PMASK, PAD, pad_base, start, qk_scale, cap, slope, head_dim,
+                  head_dim_v, BO, BI, BLOCK_D, BLOCK_DV, EVEN_D, EVEN_DV, 1, HAS_PAD, SOFTCAP, ALIBI, PRECISION,
+                  NUM_STAGES, TMA)
+    dq = _dq_loop(dq, q, do, lse, delta, K, V, DK, DV, k_base, v_base, s_kt, s_vt, kv_row0, hk * head_dim,
+                  hk * head_dim_v, INNER, CODE, e2, e3, PMASK, PAD, pad_base, start, qk_scale, cap, slope, head_dim,
+                  head_dim_v, BO, BI, BLOCK_D, BLOCK_DV, EVEN_D, EVEN_DV, 2, HAS_PAD, SOFTCAP, ALIBI, PRECISION,
+                  NUM_STAGES, TMA)
+    _store_rows(DQ, dq * scale, b.to(tl.int64) * Tq * H * head_dim + h * head_dim, H * head_dim, start, BO, BLOCK_D,
+                head_dim, EVEN_D)
 
 
 @triton.jit
-def _dkdv_loop(dk, dv, k, v, Q, DO, LSE, DELTA, q_base, s_qt, o_base, s_ot, stat_base, INNER, CODE, e0, e1, PMASK,
-               qk_scale, head_dim, BO: tl.constexpr, BI: tl.constexpr, BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr,
-               MODE: tl.constexpr, PRECISION: tl.constexpr, NUM_STAGES: tl.constexpr):
+def _dkdv_loop(dk, dv, k, v, kept, Q, DO, DQ, DQD, DOD, DQA, LSE, DELTA, q_base, s_qt, o_base, s_ot, dq_base, q_row0,
+               q_col0, o_col0, stat_base, INNER, CODE, e0, e1, PMASK, start, qk_scale, cap, slope, scale, head_dim,
+               head_dim_v, H, BO: tl.constexpr, BI: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+               EVEN_D: tl.constexpr, EVEN_DV: tl.constexpr, MODE: tl.constexpr, HAS_PAD: tl.constexpr,
+               SOFTCAP: tl.constexpr,
+               ALIBI: tl.constexpr, DQ_ATOMIC: tl.constexpr, PRECISION: tl.constexpr, NUM_STAGES: tl.constexpr,
+               TMA: tl.constexpr):
     for e in tl.range(e0, e1, num_stages=NUM_STAGES):
         n = tl.load(INNER + e)
-        q = _rows(Q, q_base, s_qt, n * BI, BI, BLOCK_D, head_dim, EVEN_D)
-        do = _rows(DO, o_base, s_ot, n * BI, BI, BLOCK_D, head_dim, EVEN_D)
+        q = _inner(Q, DQD, q_base, s_qt, q_row0, q_col0, n * BI, BI, BLOCK_D, head_dim, EVEN_D, TMA)
+        do = _inner(DO, DOD, o_base, s_ot, q_row0, o_col0, n * BI, BI, BLOCK_DV, head_dim_v, EVEN_DV, TMA)
         stat = stat_base + n * BI + tl.arange(0, BI)
         lse = tl.load(LSE + stat)
         delta = tl.load(DELTA + stat)
         st = tl.dot(k, tl.trans(q), input_precision=PRECISION)                     # (keys, queries)
+        xt, tt = _logits(st, qk_scale, cap, slope, start, n * BI, BO, BI, True, SOFTCAP, ALIBI)
         if MODE > 0:
-            st = tl.where(_keep(tl.load(CODE + e), PMASK, BO, BI, MODE, True), st, float("-inf"))
-        pt = tl.exp2(st * qk_scale - lse[None, :])
+            xt = tl.where(_keep(tl.load(CODE + e), PMASK, BO, BI, MODE, True), xt, float("-inf"))
+        if HAS_PAD and DQ_ATOMIC:           # padded keys add nothing to dQ (their dK, dV are zeroed after)
+            xt = tl.where(kept[:, None], xt, float("-inf"))
+        pt = tl.exp2(xt - lse[None, :])
         dv = tl.dot(pt.to(do.dtype), do, dv, input_precision=PRECISION)
         dpt = tl.dot(v, tl.trans(do), input_precision=PRECISION)
         dst = pt * (dpt - delta[None, :])
-        dk = tl.dot(dst.to(q.dtype), q, dk, input_precision=PRECISION)
+        if SOFTCAP:
+            dst = dst * (1.0 - tt * tt)
+        dst = dst.to(q.dtype)
+        dk = tl.dot(dst, q, dk, input_precision=PRECISION)
+        if DQ_ATOMIC:                  # this key tile's share of dQ, added in fp32 (the fifth product)
+            dq = tl.dot(tl.trans(dst), k, input_precision=PRECISION) * scale       # (queries, D)
+            if TMA:
+                DQA.atomic_add([q_row0 + n * BI, q_col0], dq)
+            else:
+                r = n * BI + tl.arange(0, BI)
+                d = tl.arange(0, BLOCK_D)
+                tl.atomic_add(DQ + dq_base + r[:, None] * (H * head_dim) + d[None, :], dq,
+                              mask=(d < head_dim)[None, :], sem="relaxed")
     return dk, dv
 
 
 @triton.jit
-def _attn_bwd_dkdv(Q, K, V, DO, LSE, DELTA, DK, DV, ORDER, PTR, MID, TAB, INNER, CODE, PMASK, PAD,
-                   s_qb, s_qt, s_kb, s_kt, s_ob, s_ot, s_db, s_dt, B, H, G, n_outer, Tq, Tk, head_dim, qk_scale,
-                   scale, BO: tl.constexpr, BI: tl.constexpr, BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr,
-                   HAS_PAD: tl.constexpr, PRECISION: tl.constexpr, NUM_STAGES: tl.constexpr):
-    """dK, dV of query head h's use of its k/v head h // G, into (B, Tk, H·D) by (s_db, s_dt): the
-    caller sums the G heads of a group (G == 1: dK, dV themselves)."""
+def _attn_bwd_dkdv(Q, K, V, DO, LSE, DELTA, DK, DV, DQ, SLOPES, DQD, DOD, DQA, ORDER, PTR, MID, TAB, INNER, CODE,
+                   PMASK, PAD, s_qb, s_qt, s_kb, s_kt, s_vb, s_vt, s_ob, s_ot, B, H, G, n_outer, Tq, Tk, head_dim,
+                   head_dim_v, qk_scale, cap, scale,
+                   BO: tl.constexpr, BI: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+                   EVEN_D: tl.constexpr, EVEN_DV: tl.constexpr, HAS_PAD: tl.constexpr, SOFTCAP: tl.constexpr,
+                   ALIBI: tl.constexpr, DQ_ATOMIC: tl.constexpr, PRECISION: tl.constexpr, NUM_STAGES: tl.constexpr,
+                   TMA: tl.constexpr):
+    """dK, dV of query head h's use of its k/v head h // G, into (B, Tk, H·D) and (B, Tk, H·Dv),
+    contiguous: the caller sums the G heads of a group (G == 1: dK, dV themselves). DO has O's
+    strides (s_ob, s_ot). DQ_ATOMIC: also adds each tile's dQ into the zeroed fp32 (B, Tq, H·D)
+    DQ (through the descriptor DQA under TMA)."""
     b, h, start, e0, e1, e2, e3 = _program_row(ORDER, PTR, MID, TAB, B, n_outer, BO)
-    kv_base = b.to(tl.int64) * s_kb + (h // G) * head_dim
-    k = _rows(K, kv_base, s_kt, start, BO, BLOCK_D, head_dim, EVEN_D)
-    v = _rows(V, kv_base, s_kt, start, BO, BLOCK_D, head_dim, EVEN_D)
+    hk = h // G
+    k = _rows(K, b.to(tl.int64) * s_kb + hk * head_dim, s_kt, start, BO, BLOCK_D, head_dim, EVEN_D)
+    v = _rows(V, b.to(tl.int64) * s_vb + hk * head_dim_v, s_vt, start, BO, BLOCK_DV, head_dim_v, EVEN_DV)
     q_base = b.to(tl.int64) * s_qb + h * head_dim
-    o_base = b.to(tl.int64) * s_ob + h * head_dim            # dO
+    o_base = b.to(tl.int64) * s_ob + h * head_dim_v            # dO
+    dq_base = b.to(tl.int64) * Tq * H * head_dim + h * head_dim
+    q_row0 = b * Tq
     stat_base = (b.to(tl.int64) * H + h) * Tq
-    dk = tl.zeros((BO, BLOCK_D), tl.float32)
-    dv = tl.zeros((BO, BLOCK_D), tl.float32)
-    dk, dv = _dkdv_loop(dk, dv, k, v, Q, DO, LSE, DELTA, q_base, s_qt, o_base, s_ot, stat_base, INNER, CODE,
-                        e0, e1, PMASK, qk_scale, head_dim, BO, BI, BLOCK_D, EVEN_D, 0, PRECISION, NUM_STAGES)
-    dk, dv = _dkdv_loop(dk, dv, k, v, Q, DO, LSE, DELTA, q_base, s_qt, o_base, s_ot, stat_base, INNER, CODE,
-                        e1, e2, PMASK, qk_scale, head_dim, BO, BI, BLOCK_D, EVEN_D, 1, PRECISION, NUM_STAGES)
-    dk, dv = _dkdv_loop(dk, dv, k, v, Q, DO, LSE, DELTA, q_base, s_qt, o_base, s_ot, stat_base, INNER, CODE,
-                        e2, e3, PMASK, qk_scale, head_dim, BO, BI, BLOCK_D, EVEN_D, 2, PRECISION, NUM_STAGES)
-    if HAS_PAD:                                   # a padded key is in no softmax: zero gradients
+    slope = 0.0
+    if ALIBI:
+        slope = tl.load(SLOPES + h) * 1.4426950408889634            # natural units -> base 2
+    kept = start + tl.arange(0, BO) >= 0
+    if HAS_PAD:
         kept = tl.load(PAD + b.to(tl.int64) * Tk + start + tl.arange(0, BO)) == 0
+    dk = tl.zeros((BO, BLOCK_D), tl.float32)
+    dv = tl.zeros((BO, BLOCK_DV), tl.float32)
+    dk, dv = _dkdv_loop(dk, dv, k, v, kept, Q, DO, DQ, DQD, DOD, DQA, LSE, DELTA, q_base, s_qt, o_base, s_ot, dq_base,
+                        q_row0, h * head_dim, h * head_dim_v, stat_base, INNER, CODE, e0, e1, PMASK, start, qk_scale,
+                        cap, slope, scale, head_dim, head_dim_v, H, BO, BI, BLOCK_D, BLOCK_DV, EVEN_D, EVEN_DV, 0,
+                        HAS_PAD, SOFTCAP, ALIBI, DQ_ATOMIC, PRECISION, NUM_STAGES, TMA)
+    dk, dv = _dkdv_loop(dk, dv, k, v, kept, Q, DO, DQ, DQD, DOD, DQA, LSE, DELTA, q_base, s_qt, o_base, s_ot, dq_base,
+                        q_row0, h * head_dim, h * head_dim_v, stat_base, INNER, CODE, e1, e2, PMASK, start, qk_scale,
+                        cap, slope, scale, head_dim, head_dim_v, H, BO, BI, BLOCK_D, BLOCK_DV, EVEN_D, EVEN_DV, 1,
+                        HAS_PAD, SOFTCAP, ALIBI, DQ_ATOMIC, PRECISION, NUM_STAGES, TMA)
+    dk, dv = _dkdv_loop(dk, dv, k, v, kept, Q, DO, DQ, DQD, DOD, DQA, LSE, DELTA, q_base, s_qt, o_base, s_ot, dq_base,
+                        q_row0, h * head_dim, h * head_dim_v, stat_base, INNER, CODE, e2, e3, PMASK, start, qk_scale,
+                        cap, slope, scale, head_dim, head_dim_v, H, BO, BI, BLOCK_D, BLOCK_DV, EVEN_D, EVEN_DV, 2,
+                        HAS_PAD, SOFTCAP, ALIBI, DQ_ATOMIC, PRECISION, NUM_STAGES, TMA)
+    if HAS_PAD:                                   # a padded key is in no softmax: zero gradients
         dk = tl.where(kept[:, None], dk, 0.0)
         dv = tl.where(kept[:, None], dv, 0.0)
-    d_base = b.to(tl.int64) * s_db + h * head_dim
-    _store_rows(DK, dk * scale, d_base, s_dt, start, BO, BLOCK_D, head_dim, EVEN_D)
-    _store_rows(DV, dv, d_base, s_dt, start, BO, BLOCK_D, head_dim, EVEN_D)
+    _store_rows(DK, dk * scale, b.to(tl.int64) * Tk * H * head_dim + h * head_dim, H * head_dim, start, BO, BLOCK_D,
+                head_dim, EVEN_D)
+    _store_rows(DV, dv, b.to(tl.int64) * Tk * H * head_dim_v + h * head_dim_v, H * head_dim_v, start, BO, BLOCK_DV,
+                head_dim_v, EVEN_DV)
+
+
+@triton.jit
+def _attn_bwd_delta(O, DO, DLSE, DELTA, Tq, H, head_dim_v, BO: tl.constexpr, BLOCK_DV: tl.constexpr,
+                    EVEN_DV: tl.constexpr, HAS_DLSE: tl.constexpr):
+    """Δ = rowsum(dO ∘ O) − dLSE of BO queries of one (batch, head): o, do contiguous (B, Tq, H·Dv),
+    Δ (B, H, Tq); Tq is a multiple of BO."""
+    bh = tl.program_id(1)
+    start = tl.program_id(0) * BO
+    base = (bh // H).to(tl.int64) * Tq * H * head_dim_v + (bh % H) * head_dim_v
+    o = _rows(O, base, H * head_dim_v, start, BO, BLOCK_DV, head_dim_v, EVEN_DV).to(tl.float32)
+    do = _rows(DO, base, H * head_dim_v, start, BO, BLOCK_DV, head_dim_v, EVEN_DV).to(tl.float32)
+    delta = tl.sum(o * do, 1)
+    stat = bh.to(tl.int64) * Tq + start + tl.arange(0, BO)
+    if HAS_DLSE:
+        delta -= tl.load(DLSE + stat)
+    tl.store(DELTA + stat, delta)
 
 
 # ---------------------------------------------------------------------------------------------
-# Tile shapes: (BO, BI, num_warps, num_stages) per kernel. Keys of TILES: (kernel, block size,
-# padded head dim, element size); a hit overrides tiles()'s rule.
+# Tile shapes per kernel. Keys of TILES: (kernel, block size, padded head dim, element size); a hit
+# (a Tile, or a tuple of its fields) overrides tiles()'s rule.
+class Tile(NamedTuple):
+    """One kernel's tiling: BO outer rows against BI inner rows, warps, pipeline stages; ``tma``:
+    the inner tiles through tensor descriptors (Hopper's copy engine) where the inputs allow it
+    (CUDA, head dims of a power of two, 16-byte aligned rows, batches one after another).
+    Warp specialisation (``tl.range(..., warp_specialize=True)``) is not offered: Triton 3.6 fails
+    to compile these loops with it on the H200 (an assertion in its WSLowerToken pass)."""
+    bo: int
+    bi: int
+    warps: int
+    stages: int
+    tma: bool = False
+
+
 class _TileTable(dict):
     """A dict whose every change bumps ``version``: launch plans are keyed by it, so a plan made
     before a change of tile shapes is not reused after it."""
@@ -294,20 +440,24 @@ class _TileTable(dict):
         return self._changed(super().setdefault(key, default))
 
 
-TILES: dict[tuple[str, int, int, int], tuple[int, int, int, int]] = _TileTable()
+TILES: dict[tuple[str, int, int, int], Tile] = _TileTable()
 
 
-def tiles(kernel: str, bs: int, block_d: int, itemsize: int) -> tuple[int, int, int, int]:
-    """(BO, BI, num_warps, num_stages) of ``kernel`` in {"fwd", "dq", "dkdv"}."""
+def tiles(kernel: str, bs: int, block_d: int, itemsize: int) -> Tile:
+    """The :class:`Tile` of ``kernel`` in {"fwd", "dq", "dkdv"} for blocks of ``bs``, padded head
+    dim ``block_d`` (the larger of q's and v's) and operands of ``itemsize`` bytes."""
     hit = TILES.get((kernel, bs, block_d, itemsize))
     if hit is not None:
-        return hit
+        return Tile(*hit)
     if itemsize == 4:                                   # fp32 operands: small tiles (shared memory)
-        return min(bs, 64), min(bs, 32), 4, 2
-    # swept on the H200 (benchmarks/attention_tune.json): 64-row tiles and 4 warps won for every
-    # kernel and head dim, over 128-row tiles with 8 warps
-    bi = {"fwd": 64, "dq": 64 if block_d <= 64 else 32, "dkdv": 32}[kernel]
-    return min(bs, 64), min(bs, bi), 4, 3
+        return Tile(min(bs, 64), min(bs, 32), 4, 2)
+    # swept on the H200 (benchmarks/attention_tune.json): 64x64 tiles and 4 warps won for every
+    # kernel and head dim over 128-row tiles with 8 warps (sparse layouts lose most with those);
+    # descriptors let the dK/dV kernel take 64-row inner tiles at D=128 without spilling (-21%)
+    b = min(bs, 64)
+    if kernel == "fwd":
+        return Tile(b, b, 4, 3)
+    return Tile(b, b, 4, 4 if kernel == "dq" and block_d > 64 else 3, tma=True)
 
 
 def _bits(m: np.ndarray) -> np.ndarray:
@@ -435,70 +585,126 @@ def make_luts(h_idx: np.ndarray, q_idx: np.ndarray, k_idx: np.ndarray, partial_i
                     np.asarray(partial_masks, dtype=bool), torch.device(device))
 
 
-_KERNELS = {"fwd": (_attn_fwd, False), "dq": (_attn_bwd_dq, False), "dkdv": (_attn_bwd_dkdv, True)}
+_KERNELS = {"fwd": (_attn_fwd, False), "dq": (_attn_bwd_dq, False), "dkdv": (_attn_bwd_dkdv, True),
+            "bwd": (_attn_bwd_dkdv, True)}          # bwd: the dK/dV kernel adding dQ too
+# the tensor arguments the inner loop streams (index, "d" for q/k's head dim or "dv" for v's):
+# tensor descriptors replace them under TMA
+_DESCS = {"fwd": ((1, "d"), (2, "dv")), "dq": ((1, "d"), (2, "dv")), "dkdv": ((0, "d"), (3, "dv")),
+          "bwd": ((0, "d"), (3, "dv"), (8, "d"))}
+BACKWARD = "fused"
+"""The backward's form: "fused" (one kernel over key tiles adds dQ into an fp32 buffer: five
+products per tile pair, the order of the fp32 additions varies from run to run) or "split" (a dQ
+kernel over query tiles and a dK/dV kernel: seven products, bitwise reproducible). Under
+``torch.use_deterministic_algorithms(True)`` the backward is "split"."""
 
 
 def kernel_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple:
-    """q, k, v as the kernels take them: unit last stride, v laid out as k. Views such as the
-    chunks of a fused qkv projection are taken as they are; anything else is copied."""
-    if q.stride(2) != 1:
-        q = q.contiguous()
-    if k.stride(2) != 1 or v.stride() != k.stride():
-        k, v = k.contiguous(), v.contiguous()
-    return q, k, v
+    """q, k, v as the kernels take them: unit last stride. Views such as the chunks of a fused
+    qkv projection are taken as they are; anything else is copied."""
+    return tuple(t if t.stride(2) == 1 else t.contiguous() for t in (q, k, v))
 
 
-def _pass_key(q: torch.Tensor, k: torch.Tensor, pad: torch.Tensor | None, *inputs: torch.Tensor) -> tuple:
+def _pass_key(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pad: torch.Tensor | None, mods: tuple,
+              *inputs: torch.Tensor) -> tuple:
     """What the plans of one pass are keyed by, besides the kernel: everything the JIT specialises
-    on. The shapes and strides of q (B, Tq, H·D) and k, v (B, Tk, Hk·D) (:func:`kernel_inputs`;
-    outputs are contiguous), which fix every integer argument; the dtype; the padding mask's
-    presence; the 16-byte alignment of the inputs (outputs are fresh allocations, always
-    aligned); the tile table's version; TF32 for fp32."""
+    on. The shapes and strides of q (B, Tq, H·D), k (B, Tk, Hk·D) and v (B, Tk, Hk·Dv)
+    (:func:`kernel_inputs`; outputs are contiguous), which fix every integer argument; the dtype;
+    the padding mask's presence; ``mods`` (softcap, ALiBi, an LSE gradient: on or off); the
+    16-byte alignment of the inputs (outputs are fresh allocations, always aligned); the tile
+    table's version; TF32 for fp32."""
     B, Tq, HD = q.shape
-    Tk, HDk = k.shape[1], k.shape[2]
-    s_q, s_k = q.stride(), k.stride()
     dtype = q.dtype
-    return (B, Tq, Tk, HD, HDk, s_q[0], s_q[1], s_k[0], s_k[1], dtype, pad is not None,
-            aligned(*inputs) if pad is None else aligned(pad, *inputs), TILES.version,
+    return (B, Tq, k.shape[1], HD, k.shape[2], v.shape[2], *q.stride()[:2], *k.stride()[:2], *v.stride()[:2],
+            dtype, pad is not None, mods, aligned(*inputs) if pad is None else aligned(pad, *inputs), TILES.version,
             dtype is torch.float32 and torch.backends.cuda.matmul.allow_tf32)
 
 
-def _plan(kind: str, luts: AttnLuts, key: tuple):
-    """(Launch, tile tables, integer arguments) of ``kind`` for a :func:`_pass_key`, or None for
-    an empty grid."""
+def _desc_ok(t: torch.Tensor, rows: int, width: int) -> bool:
+    """t (B, T, width) read as a 2-D (B·T, width) tensor descriptor: its batches follow each
+    other and its base and rows are 16-byte aligned."""
+    B, T, _ = t.shape
+    return (B == 1 or t.stride(0) == T * t.stride(1)) and _tma_ok(t.as_strided((rows, width), (t.stride(1), 1)))
+
+
+def _plan(kind: str, luts: AttnLuts, key: tuple, tensors: tuple):
+    """(Launch, tile tables, integer arguments, descriptor templates or None) of ``kind`` for a
+    :func:`_pass_key`, or None for an empty grid."""
     fn, by_key = _KERNELS[kind]
-    B, Tq, Tk, HD, HDk, s_qb, s_qt, s_kb, s_kt, dtype, has_pad = key[:11]
+    B, Tq, Tk, HD, HDk, HDv, s_qb, s_qt, s_kb, s_kt, s_vb, s_vt, dtype, has_pad, mods = key[:15]
+    softcap, alibi, dlse = mods
     H = luts.heads
     D = HD // H
-    block_d = max(16, triton.next_power_of_2(D))
-    bo, bi, warps, stages = tiles(kind, luts.block_size, block_d, dtype.itemsize)
-    t = luts.tiles(by_key, bo, bi)
+    Hk = HDk // D
+    Dv = HDv // Hk
+    block_d, block_dv = (max(16, triton.next_power_of_2(x)) for x in (D, Dv))
+    tile = tiles(kind, luts.block_size, max(block_d, block_dv), dtype.itemsize)
+    t = luts.tiles(by_key, tile.bo, tile.bi)
     if not B * H * t.n_outer:
         return None
-    launch = Launch(fn, (H * t.n_outer * B,), luts.device, dict(
-        BO=bo, BI=bi, BLOCK_D=block_d, EVEN_D=block_d == D, HAS_PAD=has_pad, PRECISION=_precision(dtype),
-        NUM_STAGES=stages), num_warps=warps, num_stages=stages)
-    strides = (s_qb, s_qt, s_kb, s_kt, Tq * HD, HD)            # q; k and v; o, do, dq (contiguous)
-    if kind == "dkdv":
-        strides += (Tk * HD, HD)                                # dK, dV of every query head: (B, Tk, H·D)
-    ints = strides + (B, H, HD // HDk, t.n_outer, Tq, Tk, D)
-    return launch, (t.order, t.ptr, t.mid, t.tab, t.inner, t.code, t.pmask), ints
+    templates = None
+    if tile.tma and luts.device.type == "cuda" and block_d == D and block_dv == Dv:
+        rows = B * (Tq if by_key else Tk)
+        srcs = [(tensors[i], block_d if w == "d" else block_dv) for i, w in _DESCS[kind]]
+        if all(_desc_ok(x, rows, x.shape[2]) for x, _ in srcs):
+            templates = tuple(_template(x.as_strided((rows, x.shape[2]), (x.stride(1), 1)), [tile.bi, w])
+                              for x, w in srcs)
+    consts = dict(BO=tile.bo, BI=tile.bi, BLOCK_D=block_d, BLOCK_DV=block_dv, EVEN_D=block_d == D,
+                  EVEN_DV=block_dv == Dv, HAS_PAD=has_pad, SOFTCAP=softcap, ALIBI=alibi)
+    if kind == "dq":
+        consts["HAS_DLSE"] = dlse
+    if by_key:
+        consts["DQ_ATOMIC"] = kind == "bwd"
+    consts.update(PRECISION=_precision(dtype), NUM_STAGES=tile.stages, TMA=templates is not None)
+    launch = Launch(fn, (H * t.n_outer * B,), luts.device, consts, num_warps=tile.warps, num_stages=tile.stages)
+    ints = (s_qb, s_qt, s_kb, s_kt, s_vb, s_vt, Tq * H * Dv, H * Dv,    # q; k; v; o and do (contiguous)
+            B, H, H // Hk, t.n_outer, Tq, Tk, D, Dv)
+    return launch, (t.order, t.ptr, t.mid, t.tab, t.inner, t.code, t.pmask), ints, templates
 
 
 def launch(kind: str, luts: AttnLuts, tensors: tuple, pad: torch.Tensor | None, scales: tuple,
-           key: tuple | None = None) -> None:
-    """One kernel, ``kind`` in {"fwd", "dq", "dkdv"}, over ``luts`` cut to its tiles
-    (:func:`tiles`): ``tensors`` are its tensor arguments in signature order (q and k first, as
-    :func:`kernel_inputs` makes them; the others contiguous), ``pad`` None or the int8 (B, Tk)
-    padding mask (:func:`_pad_i8`), ``scales`` its float arguments; ``key`` the pass's
-    :func:`_pass_key` (made from the tensors if None). Launches through a plan cached on ``luts``
-    (:mod:`bstrain.kernels.launch`)."""
+           key: tuple | None = None, slopes: torch.Tensor | None = None, dlse: torch.Tensor | None = None,
+           softcap: float = 0.0) -> None:
+    """One kernel, ``kind`` in {"fwd", "dq", "dkdv", "bwd"}, over ``luts`` cut to its tiles
+    (:func:`tiles`): ``tensors`` are its leading tensor arguments in signature order (q and k
+    first, as :func:`kernel_inputs` makes them; the others contiguous), ``pad`` None or the int8
+    (B, Tk) padding mask (:func:`_pad_i8`), ``scales`` (scale·log2 e, softcap·log2 e) and for the
+    backward the scale (dkdv: a ninth tensor stands for bwd's dQ, unread); ``slopes`` the (H,) fp32
+    ALiBi slopes or None, ``dlse`` (dq only) the
+    gradient of the natural-log LSE or None; ``key`` the pass's :func:`_pass_key` (made from the
+    tensors if None). Launches through a plan cached on ``luts`` (:mod:`bstrain.kernels.launch`)."""
+    v = tensors[2]
     if key is None:
-        key = _pass_key(tensors[0], tensors[1], pad, *tensors)
-    p = plan(luts.plans, (kind, key), lambda: _plan(kind, luts, key))
-    if p is not None:
-        run, tabs, ints = p
-        run(*tensors, *tabs, tensors[0] if pad is None else pad, *ints, *scales)   # PAD unread without HAS_PAD
+        key = _pass_key(tensors[0], tensors[1], v, pad, (softcap > 0, slopes is not None, dlse is not None),
+                        *tensors)
+    p = plan(luts.plans, (kind, key), lambda: _plan(kind, luts, key, tensors))
+    if p is None:
+        return
+    run, tabs, ints, templates = p
+    extra = (tensors[0] if slopes is None else slopes,)
+    if kind == "dq":
+        extra += (tensors[5] if dlse is None else dlse,)                  # LSE stands in, unread
+    inner = tuple(tensors[i] for i, _ in _DESCS[kind])
+    if templates is not None:
+        inner = tuple(_desc_like(tm, x) for tm, x in zip(templates, inner))
+    if kind == "dkdv":
+        inner += (tensors[8],)                                            # DQA of the fused form, unread
+    run(*tensors, *extra, *inner, *tabs, tensors[0] if pad is None else pad, *ints, *scales)  # PAD unread without HAS_PAD
+
+
+def _delta(luts: AttnLuts, key: tuple, o: torch.Tensor, do: torch.Tensor, dlse: torch.Tensor | None,
+           delta: torch.Tensor) -> None:
+    """Δ = rowsum(dO ∘ O) − dLSE into ``delta`` (B, H·Tq), for the fused backward."""
+    B, Tq = o.shape[:2]
+    H = luts.heads
+    Dv = o.shape[2] // H
+
+    def make():
+        bo = min(64, luts.block_size)                            # divides Tq, a multiple of the block size
+        block_dv = max(16, triton.next_power_of_2(Dv))
+        return Launch(_attn_bwd_delta, (Tq // bo, B * H), luts.device,
+                      dict(BO=bo, BLOCK_DV=block_dv, EVEN_DV=block_dv == Dv, HAS_DLSE=dlse is not None), num_warps=4)
+    if B * Tq:
+        plan(luts.plans, ("delta", key), make)(o, do, o if dlse is None else dlse, delta, Tq, H, Dv)
 
 
 def _pad_i8(pad: torch.Tensor | None) -> torch.Tensor | None:
@@ -507,37 +713,61 @@ def _pad_i8(pad: torch.Tensor | None) -> torch.Tensor | None:
     return None if pad is None else pad.contiguous().view(torch.int8)
 
 
-def attention_forward(q, k, v, luts: AttnLuts, scale: float, pad=None):
-    """q (B, Tq, H·D), k, v (B, Tk, Hk·D) of one dtype, laid out by :func:`kernel_inputs`; Hk divides H (grouped-query
-    attention: query head h reads k/v head h // (H/Hk)); pad (B, Tk) bool (True = padding) or
-    None. Returns (O like q, LSE (B, H·Tq) fp32, base 2)."""
-    B, Tq, _ = q.shape
+def _mods(softcap: float, alibi: torch.Tensor | None) -> tuple:
+    return softcap * LOG2E, alibi if alibi is None else alibi.float().contiguous()
+
+
+def attention_forward(q, k, v, luts: AttnLuts, scale: float, pad=None, *, alibi=None, softcap: float = 0.0):
+    """q (B, Tq, H·D), k (B, Tk, Hk·D), v (B, Tk, Hk·Dv) of one dtype, laid out by
+    :func:`kernel_inputs`; Hk divides H (grouped-query attention: query head h reads k/v head
+    h // (H/Hk)); pad (B, Tk) bool (True = padding) or None; ``alibi`` None or (H,) slopes: the
+    logit of query i and key j gains slope·(j − i); ``softcap`` > 0: scale·q·k becomes
+    softcap·tanh(scale·q·k / softcap) (before the ALiBi term). Returns (O (B, Tq, H·Dv) in q's
+    dtype, LSE (B, H·Tq) fp32, base 2: +inf for a query with no live key, whose output is 0)."""
+    B, Tq, HD = q.shape
+    H = luts.heads
+    Dv = v.shape[2] * (HD // H) // k.shape[2]
     pad = _pad_i8(pad)
-    key = _pass_key(q, k, pad, q, k, v)
-    o = empty(q.shape, q.dtype, q.device)                       # (B, Tq, H·D)
-    lse = empty((B, luts.heads * Tq), torch.float32, q.device)  # (B, H·Tq)
-    launch("fwd", luts, (q, k, v, o, lse), pad, (scale * LOG2E,), key)
+    cap2, slopes = _mods(softcap, alibi)
+    mods = (softcap > 0, slopes is not None, False)
+    key = _pass_key(q, k, v, pad, mods, q, k, v)
+    o = empty((B, Tq, H * Dv), q.dtype, q.device)
+    lse = empty((B, H * Tq), torch.float32, q.device)           # (B, H·Tq)
+    launch("fwd", luts, (q, k, v, o, lse), pad, (scale * LOG2E, cap2), key, slopes)
     return o, lse
 
 
-def attention_backward(do, q, k, v, o, lse, luts: AttnLuts, scale: float, pad=None):
-    """(dq, dk, dv), contiguous, of :func:`attention_forward` (its q, k, v, o and LSE)."""
+def attention_backward(do, q, k, v, o, lse, luts: AttnLuts, scale: float, pad=None, *, dlse=None, alibi=None,
+                       softcap: float = 0.0):
+    """(dq, dk, dv), contiguous, of :func:`attention_forward` (its q, k, v, o, LSE and options);
+    ``dlse`` None or the (B, H·Tq) gradient of the natural-log LSE."""
     B, Tq, HD = q.shape
-    Tk, HDk = k.shape[1], k.shape[2]
+    Tk, HDk, HDv = k.shape[1], k.shape[2], v.shape[2]
+    H = luts.heads
     do = do.contiguous()
     pad = _pad_i8(pad)
-    key = _pass_key(q, k, pad, q, k, v, o, do, lse)
+    cap2, slopes = _mods(softcap, alibi)
+    if dlse is not None:
+        dlse = dlse.float().contiguous()
+    key = _pass_key(q, k, v, pad, (softcap > 0, slopes is not None, dlse is not None), q, k, v, o, do, lse)
     delta = empty(lse.shape, torch.float32, q.device)           # (B, H·Tq)
     if HDk == HD:
-        dq, dk, dv = empty(q.shape, q.dtype, q.device), empty(k.shape, k.dtype, k.device), \
-            empty(v.shape, v.dtype, v.device)
+        dk, dv = empty(k.shape, k.dtype, k.device), empty(v.shape, v.dtype, v.device)
     else:                                                       # per query head, summed per group below
+        dk = empty((B, Tk, HD), torch.float32, k.device)
+        dv = empty((B, Tk, HDv * HD // HDk), torch.float32, k.device)
+    scales = (scale * LOG2E, cap2, scale)
+    if BACKWARD == "fused" and not torch.are_deterministic_algorithms_enabled():
+        _delta(luts, key, o, do, dlse, delta)
+        dq = empty(q.shape, torch.float32, q.device).zero_()
+        launch("bwd", luts, (q, k, v, do, lse, delta, dk, dv, dq), pad, scales, key, slopes)
+        dq = dq.to(q.dtype)
+    else:
         dq = empty(q.shape, q.dtype, q.device)
-        dk, dv = empty((2, B, Tk, HD), torch.float32, k.device).unbind(0)
-    scales = (scale * LOG2E, scale)
-    launch("dq", luts, (q, k, v, o, do, lse, delta, dq), pad, scales, key)
-    launch("dkdv", luts, (q, k, v, do, lse, delta, dk, dv), pad, scales, key)
+        launch("dq", luts, (q, k, v, o, do, lse, delta, dq), pad, scales, key, slopes, dlse)
+        launch("dkdv", luts, (q, k, v, do, lse, delta, dk, dv, q), pad, scales, key, slopes)
     if HDk != HD:
-        D = HD // luts.heads
-        dk, dv = (t.view(B, Tk, HDk // D, HD // HDk, D).sum(3).view(B, Tk, HDk).to(k.dtype) for t in (dk, dv))
+        G = HD // HDk
+        dk, dv = (t.view(B, Tk, HDk_ // (t.shape[2] // H), G, t.shape[2] // H).sum(3).view(B, Tk, HDk_).to(k.dtype)
+                  for t, HDk_ in ((dk, HDk), (dv, HDv)))
     return dq, dk, dv

@@ -274,3 +274,107 @@ def test_fused_qkv_views_are_read_in_place(dtype):
     got, = torch.autograd.grad(out, x, g.to(out.device, dtype))
     want, = torch.autograd.grad(ref, x64, g)
     assert_close(got, want, None, dtype, "dx")
+
+
+# --- the kernels' options: v's own head dim, ALiBi, soft-capping, an LSE gradient, TMA and warp specialisation
+def _reference(q, k, v, mask, scale, slopes, softcap):
+    """Float64 (O, natural-log LSE) of dense attention with the kernels' options: logits
+    scale·q·k, soft-capped (softcap > 0), plus slope·(key − query); mask (H, Tq, Tk) bool."""
+    B, Tq, HD = q.shape
+    H = mask.shape[0]
+    D = HD // H
+    Hk = k.shape[2] // D
+    Dv = v.shape[2] // Hk
+    qh = q.view(B, Tq, H, D).transpose(1, 2)
+    kh = k.view(B, -1, Hk, D).transpose(1, 2).repeat_interleave(H // Hk, 1)
+    vh = v.view(B, -1, Hk, Dv).transpose(1, 2).repeat_interleave(H // Hk, 1)
+    s = (qh @ kh.transpose(-1, -2)) * scale
+    if softcap:
+        s = softcap * torch.tanh(s / softcap)
+    if slopes is not None:
+        pos = torch.arange(s.shape[-1], dtype=s.dtype) - torch.arange(Tq, dtype=s.dtype)[:, None]
+        s = s + slopes.to(s.dtype)[:, None, None] * pos
+    s = s.masked_fill(~mask, float("-inf"))
+    lse = torch.logsumexp(s, -1)                                         # -inf: no live key
+    live = mask.any(-1)
+    p = torch.where(live[..., None], torch.exp(s - torch.where(live, lse, 0.0)[..., None]), 0.0)
+    return (p @ vh).transpose(1, 2).reshape(B, Tq, H * Dv), lse
+
+
+def _check_options(op, B, H, Hk, D, Dv, dtype, slopes, softcap, dlse_on, scale=0.4):
+    dev = kernel_device()
+    T = op.q_ctx
+    q = torch.randn(B, T, H * D, dtype=torch.float64)
+    k = torch.randn(B, T, Hk * D, dtype=torch.float64)
+    v = torch.randn(B, T, Hk * Dv, dtype=torch.float64)
+    do = torch.randn(B, T, H * Dv, dtype=torch.float64)
+    dlse = torch.randn(B, H, T, dtype=torch.float64) if dlse_on else None
+    x = [t.to(dev, dtype) for t in (q, k, v, do)]
+    luts = op.luts(dev)
+    sl = None if slopes is None else slopes.to(dev)
+    o, lse2 = K.attention_forward(*K.kernel_inputs(*x[:3]), luts, scale, alibi=sl, softcap=softcap)
+    dq, dk, dv = K.attention_backward(x[3], *K.kernel_inputs(*x[:3]), o, lse2, luts, scale, alibi=sl,
+                                      softcap=softcap, dlse=None if dlse is None else dlse.view(B, -1).to(dev))
+    q64, k64, v64 = (t.to(dtype).double().requires_grad_() for t in (q, k, v))
+    ref, lse = _reference(q64, k64, v64, op.dense_mask(), scale, slopes, softcap)
+    loss = (ref * do).sum() + (0 if dlse is None else (torch.where(torch.isfinite(lse), lse, 0.0) * dlse).sum())
+    want = torch.autograd.grad(loss, (q64, k64, v64))
+    assert_close(o, ref, None, dtype, "out")
+    got_lse = lse2.view(B, H, T).double().cpu() / K.LOG2E
+    live = torch.isfinite(lse)
+    assert (got_lse[~live] == float("inf")).all(), "an empty row's LSE is not +inf"
+    assert_close(got_lse[live], lse[live].detach(), None, dtype, "lse")
+    for name, a, r in zip(("dq", "dk", "dv"), (dq, dk, dv), want):
+        assert_close(a, r, None, dtype, name)
+
+
+@pytest.mark.parametrize("dtype,D,Dv,Hk,alibi,softcap,dlse", cases(
+    (torch.float32, 32, 16, 2, True, 0.0, False),          # MLA-style: v narrower, grouped-query
+    (torch.float16, 16, 48, 1, False, 3.0, True),          # v wider and not a power of two; softcap; LSE grad
+    (torch.float32, 16, 16, 2, True, 2.0, True)), ids=_id)
+@pytest.mark.parametrize("backward", ["fused", "split"])
+def test_value_head_dim_alibi_softcap_and_lse_gradient(dtype, D, Dv, Hk, alibi, softcap, dlse, backward, monkeypatch):
+    monkeypatch.setattr(K, "BACKWARD", backward)
+    lay = random_layout(2, 3, 3, fresh_seed())
+    op = BlocksparseTransformer(lay, block_size=16, mask_callback=_mixed_callback(fresh_seed()), backend="triton")
+    slopes = torch.rand(2, dtype=torch.float32) if alibi else None
+    _check_options(op, 2, 2, Hk, D, Dv, dtype, slopes, softcap, dlse)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tma", [True, False])
+@pytest.mark.parametrize("D,Dv", [(64, 64), (128, 128), (128, 64), (96, 96)])
+def test_gpu_tma_and_pointer_tiles(tma, D, Dv):
+    """Inner tiles through tensor descriptors or pointers, 64- and 128-row tiles, against float64
+    (causal 128-blocks, grouped-query, with the options on; a head dim of 96 reads by pointers)."""
+    saved = dict(K.TILES)
+    try:
+        block = max(16, 1 << (max(D, Dv) - 1).bit_length())
+        for kern, (bo, bi, w) in {"fwd": (128, 64, 8), "dq": (64, 64, 4), "dkdv": (128, 32, 8)}.items():
+            K.TILES[(kern, 128, block, 2)] = K.Tile(bo, bi, w, 3, tma)
+        lay, cb = L.attention_layout(L.causal_mask, 512, 512, 128)
+        op = BlocksparseTransformer(lay, block_size=128, heads=2, mask_callback=cb, backend="triton")
+        _check_options(op, 2, 2, 1, D, Dv, torch.bfloat16, torch.rand(2), 20.0, True)
+    finally:
+        K.TILES.clear()
+        K.TILES.update(saved)
+
+
+def test_deterministic_algorithms_take_the_split_backward(monkeypatch):
+    """Under torch.use_deterministic_algorithms the backward launches no fp32 atomics: dQ of the
+    same inputs is bitwise equal from call to call, and the kernels launched are dq and dkdv."""
+    lay, cb = L.attention_layout(L.causal_mask, 64, 64, 16)
+    op = BlocksparseTransformer(lay, block_size=16, heads=2, mask_callback=cb, backend="triton")
+    launched = []
+    real = K.launch
+    monkeypatch.setattr(K, "launch", lambda kind, *a, **kw: launched.append(kind) or real(kind, *a, **kw))
+    dev = kernel_device()
+    q, k, v = _on(dev, *qkv(1, 64, 64, 2, 16, torch.float32))
+    was = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True)
+    try:
+        grads = [torch.autograd.grad(op.attention(q, k, v), (q,), torch.ones_like(q))[0] for _ in range(2)]
+    finally:
+        torch.use_deterministic_algorithms(was)
+    assert torch.equal(grads[0], grads[1])
+    assert "bwd" not in launched and {"dq", "dkdv"} <= set(launched), launched
