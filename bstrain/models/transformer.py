@@ -5,10 +5,16 @@ is a :class:`bstrain.nn.BlockSparseAttention` on a causal pattern from :mod:`bst
 (causal, local, Sparse Transformer strided or fixed), chosen per layer and, optionally, per head;
 the FFN weights may be block-sparse (:class:`BlockSparseLinear`). Positions are learned or
 rotary. A stateless model in the trainer's sense: ``forward(x (B, T) int64) -> (B, T, 256)``.
+
+``checkpoint=True`` checkpoints each block's activations (:func:`torch.utils.checkpoint.checkpoint`,
+non-reentrant) while autograd records: a block keeps only its inputs, and the backward runs its
+forward once more. Dropout inside a block draws the same masks again (the RNG state is saved
+and restored around the recompute).
 """
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from dataclasses import dataclass, field
 from enum import Enum
@@ -17,6 +23,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from bstrain import layout as layouts
 from bstrain.nn import BlockSparseAttention, BlockSparseLinear, block_sparse_layouts
@@ -63,6 +70,13 @@ class TransformerConfig:
     fused: bool = field(default=True, metadata={
         "help": "fused glue: the stream in the autocast dtype, residual add + layer norm in one op, rotary on "
                 "q and k in one op from cached tables (kernels on CUDA); false: plain PyTorch modules"})
+    dropout: float = field(default=0.0, metadata={
+        "help": "residual dropout while training, in [0, 1): on the embeddings and on each sublayer's output before "
+                "it joins the stream (none on the attention probabilities)"})
+    checkpoint: bool = field(default=False, metadata={
+        "help": "activation checkpointing while training: each block keeps only its inputs and runs its forward "
+                "again in the backward (one more forward per block, about a third more compute, for a fraction "
+                "of the activation memory)"})
 
 
 def pattern_mask(name: str, window: int, summary: int):
@@ -88,6 +102,14 @@ def _one_pattern(name: str, window: int, summary: int):
     if name == "strided":
         return layouts.strided_mask(window)
     return layouts.fixed_mask(window, summary)
+
+
+@functools.lru_cache(maxsize=16)
+def _pattern_layout(pattern: str, window: int, summary: int, context: int, block_size: int, heads: int | None):
+    """(layout, mask_callback) of a pattern at the full context (:func:`bstrain.layout.attention_layout`).
+    The mask is evaluated element by element, seconds per layer at a 32k context, so the layers
+    (and models) that share a pattern evaluate it once; each module takes a copy of the layout."""
+    return layouts.attention_layout(pattern_mask(pattern, window, summary), context, context, block_size, heads=heads)
 
 
 def rotary(x: torch.Tensor, heads: int) -> torch.Tensor:
@@ -120,9 +142,11 @@ class SparseSelfAttention(nn.Module):
             return
         if "dense" in pattern.split("+"):
             raise ValueError(f"model.attention: 'dense' takes a whole layer, got {pattern!r}")
-        self.attention = BlockSparseAttention.from_mask(
-            pattern_mask(pattern, cfg.window, cfg.summary), cfg.context, cfg.block_size, cfg.n_head,
-            per_head="+" in pattern, backend=_value(cfg.backend))
+        per_head = "+" in pattern
+        lay, mask_callback = _pattern_layout(pattern, cfg.window, cfg.summary, cfg.context, cfg.block_size,
+                                             cfg.n_head if per_head else None)
+        self.attention = BlockSparseAttention(lay.copy(), cfg.block_size, heads=None if per_head else cfg.n_head,
+                                              mask_callback=mask_callback, backend=_value(cfg.backend))
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
         return self.proj(self.attend(h))
@@ -157,7 +181,7 @@ class Block(nn.Module):
     def __init__(self, cfg: TransformerConfig, pattern: str, index: int):
         super().__init__()
         d, f = cfg.d_model, cfg.ffn_mult * cfg.d_model
-        self.fused, self.backend = cfg.fused, _value(cfg.backend)
+        self.fused, self.backend, self.dropout = cfg.fused, _value(cfg.backend), cfg.dropout
         self.ln1, self.ln2 = nn.LayerNorm(d), nn.LayerNorm(d)
         self.attn = SparseSelfAttention(cfg, pattern)
         if cfg.ffn_density < 1:
@@ -170,20 +194,28 @@ class Block(nn.Module):
     def forward(self, h: torch.Tensor, r: torch.Tensor | None = None, c: torch.Tensor | None = None):
         if not self.fused:
             h = h if r is None else h + r
-            h = h + self.attn(self.ln1(h))
-            return h, self.fc2(F.gelu(self.fc1(self.ln2(h)))), None
+            h = h + self.drop(self.attn(self.ln1(h)), None)[0]
+            return h, self.drop(self.fc2(F.gelu(self.fc1(self.ln2(h)))), None)[0], None
         y, h = add_layer_norm(h, r, self.ln1.weight, self.ln1.bias, self.ln1.eps, residual_bias=c,
                               backend=self.backend)
         proj = self.attn.proj
-        y, h = add_layer_norm(h, F.linear(self.attn.attend(y), proj.weight), self.ln2.weight, self.ln2.bias,
-                              self.ln2.eps, residual_bias=proj.bias, backend=self.backend)
+        a, a_bias = self.drop(F.linear(self.attn.attend(y), proj.weight), proj.bias)      # (B, T, d)
+        y, h = add_layer_norm(h, a, self.ln2.weight, self.ln2.bias, self.ln2.eps, residual_bias=a_bias,
+                              backend=self.backend)
         if isinstance(self.fc1, BlockSparseLinear):
             f = F.gelu(self.fc1(y))
         else:                                                      # the bias rides into the GELU
             f = bias_gelu(F.linear(y, self.fc1.weight), self.fc1.bias, backend=self.backend)
         if isinstance(self.fc2, BlockSparseLinear):
-            return h, self.fc2(f), None
-        return h, F.linear(f, self.fc2.weight), self.fc2.bias
+            return h, *self.drop(self.fc2(f), None)
+        return h, *self.drop(F.linear(f, self.fc2.weight), self.fc2.bias)
+
+    def drop(self, r: torch.Tensor, c: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Residual dropout of a sublayer's output r (B, T, d) while training; its bias c, not yet
+        added, joins it first. Returns (r', c'), as they enter the stream."""
+        if not (self.dropout and self.training):
+            return r, c
+        return F.dropout(r if c is None else r + c.to(r.dtype), self.dropout, training=True), None
 
 
 def _value(v):
@@ -268,6 +300,10 @@ class SparseTransformer(nn.Module):
                              f"{cfg.block_size}")
         if not 0 < cfg.ffn_density <= 1:
             raise ValueError(f"model.ffn_density: expected a fraction in (0, 1], got {cfg.ffn_density}")
+        if isinstance(cfg.dropout, bool) or not isinstance(cfg.dropout, (int, float)) or not 0 <= cfg.dropout < 1:
+            raise ValueError(f"model.dropout: expected a probability in [0, 1), got {cfg.dropout!r}")
+        if not isinstance(cfg.checkpoint, bool):
+            raise ValueError(f"model.checkpoint: expected true or false, got {cfg.checkpoint!r}")
         return cfg
 
     def block_sparse_layouts(self) -> dict[str, np.ndarray]:
@@ -287,19 +323,37 @@ class SparseTransformer(nn.Module):
         h = self.embed(x)
         if self.pos is not None:
             h = h + self.pos[:T]
-        r = c = None
+        if self.cfg.dropout and self.training:
+            h = F.dropout(h, self.cfg.dropout, training=True)
         if not self.cfg.fused:
-            for blk in self.blocks:
-                h, r, c = blk(h, r, c)
+            h, r, _ = self.run_blocks(h)
             return self.head(self.norm(h + r))
         dev = h.device.type
         if torch.is_autocast_enabled(dev):      # the stream in the compute dtype: no fp32 round trips
             h = h.to(torch.get_autocast_dtype(dev))
-        for blk in self.blocks:
-            h, r, c = blk(h, r, c)
+        h, r, c = self.run_blocks(h)
         y, _ = add_layer_norm(h, r, self.norm.weight, self.norm.bias, self.norm.eps, residual_bias=c,
                               backend=_value(self.cfg.backend))
         return self.head(y)
+
+    def run_blocks(self, h: torch.Tensor):
+        """The blocks on the stream h (B, T, d); returns the last block's (h, r, c).
+
+        With ``cfg.checkpoint``, while autograd records, each block module is called inside a
+        non-reentrant checkpoint: the unit of recomputation is the whole block, hooks included, so
+        a block wrapped on its own (FSDP's ``fully_shard``) gathers its weights again for the
+        recompute. The RNG state is saved for the replay only when the block draws random numbers
+        (dropout while training); without them nothing touches the generators, so the step stays
+        capturable in a CUDA graph on any torch."""
+        r = c = None
+        if not (self.cfg.checkpoint and torch.is_grad_enabled()):
+            for blk in self.blocks:
+                h, r, c = blk(h, r, c)
+            return h, r, c
+        draws = bool(self.cfg.dropout) and self.training
+        for blk in self.blocks:
+            h, r, c = checkpoint(blk, h, r, c, use_reentrant=False, preserve_rng_state=draws)
+        return h, r, c
 
     def num_params(self) -> int:
         return sum(p.numel() for p in self.parameters())

@@ -55,13 +55,14 @@ def test_config_errors(kwargs, match):
         SparseTransformer(**SMALL)(torch.zeros(1, 65, dtype=torch.long))
 
 
-def _cfg(tmp_path, run, **over):
+def _cfg(tmp_path, run, model=None, **over):
     from bstrain.configs.schema import register
     register()
     with initialize_config_module(config_module="bstrain.configs", version_base="1.3"):
         cfg = compose(config_name="train", overrides=["config=transformer_tiny"])
     with open_dict(cfg):
         cfg.model.update(SMALL)
+        cfg.model.update(model or {})
         cfg.data.seq_len, cfg.data.batch_size = 64, 4
         cfg.trainer.update(max_steps=8, eval_every=4, ckpt_every=4, eval_batches=2, log_every=2, progress=False,
                            run_dir=str(tmp_path / run), device="cpu")
@@ -137,12 +138,13 @@ def test_fused_glue_matches_the_plain_modules(backend):
         torch.testing.assert_close(q, p, rtol=1e-3, atol=1e-5, msg=lambda m: f"{name}: {m}")
 
 
-def test_fused_glue_keeps_the_stream_in_the_autocast_dtype(monkeypatch):
-    """Under bf16 autocast the residual stream, the norms' outputs and the logits are bf16, and
-    the loss is close to fp32's."""
+@pytest.mark.parametrize("dropout", [0.0, 0.1], ids=["no-dropout", "dropout"])
+def test_fused_glue_keeps_the_stream_in_the_autocast_dtype(monkeypatch, dropout):
+    """Under bf16 autocast the residual stream, the norms' outputs and the logits are bf16 (residual
+    dropout too), and the loss is close to fp32's."""
     import bstrain.models.transformer as tm
     torch.manual_seed(0)
-    m = SparseTransformer(**SMALL, attention="local", positions="rotary")
+    m = SparseTransformer(**SMALL, attention="local", positions="rotary", dropout=dropout)
     seen = []
 
     def spy(x, r, *args, **kwargs):
@@ -156,6 +158,9 @@ def test_fused_glue_keeps_the_stream_in_the_autocast_dtype(monkeypatch):
         y = m(x)
     bf = torch.bfloat16
     assert y.dtype == bf and seen == [(bf, None, bf, bf)] + [(bf, bf, bf, bf)] * 4
+    m.eval()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y = m(x)
     torch.testing.assert_close(y.float(), m(x), rtol=0.1, atol=0.1)
 
 
@@ -188,3 +193,100 @@ def test_inference_mode_first_then_training_and_export():
     y = fresh(x)
     assert type(y) is torch.Tensor
     torch.testing.assert_close(ep.module()(x), y)
+
+
+# --- activation checkpointing (model.checkpoint) -----------------------------------------------------------
+def _loss_and_grads(m, x, seed=1):
+    torch.manual_seed(seed)                    # the dropout masks' stream
+    loss = m(x).logsumexp(-1).mean()
+    return loss, torch.autograd.grad(loss, list(m.parameters()))
+
+
+def _saved_bytes(m, x) -> int:
+    """Bytes autograd keeps for the backward outside any checkpoint (a checkpoint's own holders
+    are packed by its hooks, not these)."""
+    total = 0
+
+    def pack(t):
+        nonlocal total
+        total += t.numel() * t.element_size()
+        return t
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        m(x).logsumexp(-1).mean()
+    return total
+
+
+@pytest.mark.parametrize("dropout", [0.0, 0.2], ids=["no-dropout", "dropout"])
+@pytest.mark.parametrize("fused", [True, False], ids=["fused", "plain"])
+def test_checkpoint_gives_the_same_loss_and_gradients(fused, dropout):
+    """checkpoint=True: the loss and every parameter's gradient equal checkpoint=False's exactly
+    (fp32, same seeds; with dropout the recompute draws the same masks), autograd keeps less,
+    and without grad (evaluation) the forward is the same."""
+    kw = dict(SMALL, n_layer=3, attention="strided+local,fixed,dense", positions="rotary", fused=fused,
+              dropout=dropout)
+    torch.manual_seed(0)
+    plain = SparseTransformer(**kw)
+    ckpt = SparseTransformer(**kw, checkpoint=True)
+    ckpt.load_state_dict(plain.state_dict())
+    x = torch.randint(0, 256, (2, 50))
+    want, got = _loss_and_grads(plain, x), _loss_and_grads(ckpt, x)
+    assert got[0].item() == want[0].item()
+    for (name, _), p, q in zip(plain.named_parameters(), want[1], got[1]):
+        assert torch.equal(q, p), f"{name}: worst {(q - p).abs().max().item():.3g}"
+    assert _saved_bytes(ckpt, x) < _saved_bytes(plain, x) / 2
+    plain.eval(), ckpt.eval()
+    with torch.no_grad():
+        assert torch.equal(ckpt(x), plain(x))
+
+
+def test_checkpoint_under_torch_compile():
+    """torch.compile(fullgraph=True) traces the checkpointed blocks (dropout on) with no graph
+    break, and gives the eager model's loss and gradients."""
+    kw = dict(SMALL, attention="strided+local,fixed", positions="rotary", dropout=0.2)
+    torch.manual_seed(0)
+    ref = SparseTransformer(**kw)
+    m = SparseTransformer(**kw, checkpoint=True)
+    m.load_state_dict(ref.state_dict())
+    compiled = torch.compile(m, fullgraph=True, backend="aot_eager")
+    x = torch.randint(0, 256, (2, 64))
+    (want, gw), (got, gg) = _loss_and_grads(ref, x), _loss_and_grads(compiled, x)
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+    for (name, _), p, q in zip(ref.named_parameters(), gw, gg):
+        torch.testing.assert_close(q, p, rtol=1e-6, atol=1e-6, msg=lambda msg: f"{name}: {msg}")
+
+
+def test_checkpoint_and_dropout_errors():
+    with pytest.raises(ValueError, match="model.checkpoint: expected true or false, got 'yes'"):
+        SparseTransformer(**SMALL, checkpoint="yes")
+    with pytest.raises(ValueError, match=r"model.dropout: expected a probability in \[0, 1\), got 1.0"):
+        SparseTransformer(**SMALL, dropout=1.0)
+
+
+def test_trainer_with_checkpoint_follows_the_same_trajectory(tmp_path):
+    """transformer_tiny, shrunk, through the trainer on the CPU: model.checkpoint=true (dropout on)
+    trains to the same losses and validation as false."""
+    model = dict(dropout=0.1)
+    common = dict(max_steps=4, eval_every=0, ckpt_every=0, log_every=1)
+    plain = train(_cfg(tmp_path, "plain", model=model, **common))
+    ckpt = train(_cfg(tmp_path, "ckpt", model=dict(model, checkpoint=True), **common))
+    assert ckpt["steps"] == 4 and dict(ckpt["history"]) == dict(plain["history"])
+    assert ckpt["valid_bpb"] == plain["valid_bpb"]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dropout", [0.0, 0.1], ids=["no-dropout", "dropout"])
+def test_checkpoint_in_the_cuda_graph_step(tmp_path, dropout):
+    """On CUDA the checkpointed step is captured as one graph (the default mode), compiled or not,
+    and trains as the uncheckpointed graph does: with dropout, the recompute inside the graph
+    draws the masks of the forward (torch's checkpoint saves and restores the CUDA generator's
+    state inside the capture). Compiled code draws other masks than eager, so the compiled run is
+    compared without dropout only."""
+    common = dict(max_steps=6, eval_every=0, ckpt_every=0, log_every=1, device="cuda")
+    plain = train(_cfg(tmp_path, "plain", model=dict(dropout=dropout), **common))
+    ckpt = train(_cfg(tmp_path, "ckpt", model=dict(dropout=dropout, checkpoint=True), **common))
+    both = train(_cfg(tmp_path, "both", model=dict(dropout=dropout, checkpoint=True), compile=True, **common))
+    assert (plain["step_mode"], ckpt["step_mode"], both["step_mode"]) == ("graph", "graph", "graph (compiled)")
+    for step, want in dict(plain["history"]).items():
+        assert dict(ckpt["history"])[step] == pytest.approx(want, rel=1e-4), f"step {step}"
+        if not dropout:
+            assert dict(both["history"])[step] == pytest.approx(want, rel=2e-4), f"step {step}"
