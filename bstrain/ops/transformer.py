@@ -1,9 +1,12 @@
 """Block-sparse attention: the seed's ``BlocksparseTransformer`` on torch tensors, with autograd.
 
-Activations are the seed's: q (batch, q_ctx, heads·head_dim), k and v (batch, k_ctx,
-kv_heads·head_dim); outputs have q's shape. ``kv_heads`` divides ``heads`` (grouped-query
-attention, as ``F.scaled_dot_product_attention(..., enable_gqa=True)``: query head h reads k/v
-head ``h // (heads / kv_heads)``); usually it equals ``heads``. A layout (q_ctx/bs, k_ctx/bs)
+Activations are the seed's: q (batch, q_ctx, heads·head_dim), k (batch, k_ctx,
+kv_heads·head_dim) and v (batch, k_ctx, kv_heads·v_head_dim); outputs are (batch, q_ctx,
+heads·v_head_dim), q's shape when v's head dim is q's (as usual; SDPA allows another).
+``kv_heads`` divides ``heads`` (grouped-query attention, as
+``F.scaled_dot_product_attention(..., enable_gqa=True)``: query head h reads k/v head
+``h // (heads / kv_heads)``); usually it equals ``heads``. ``attention`` also returns the rows'
+log-sum-exp on request and takes FlexAttention's ALiBi and tanh soft-capping score_mods. A layout (q_ctx/bs, k_ctx/bs)
 is shared by all heads (``heads=`` required), or (heads, q_ctx/bs, k_ctx/bs) gives each head its
 own; heads may have different numbers of live blocks. ``mask_callback`` refines live blocks
 element by element, as in the seed (:func:`bstrain.layout.attention_layout` builds both from one
@@ -29,6 +32,7 @@ reference (:func:`attention_ref` and the PyTorch path), the custom ops
 from __future__ import annotations
 
 import math
+import numbers
 import os
 import warnings
 from dataclasses import dataclass
@@ -39,11 +43,12 @@ from torch import Tensor
 
 from bstrain.ops.tables import eager, family, layout_tables, lookup
 
-__all__ = ["BlocksparseTransformer", "attention_ref", "AttentionTables"]
+__all__ = ["BlocksparseTransformer", "attention_ref", "alibi_slopes", "AttentionTables"]
 
 BLOCK_SIZES = (8, 16, 32, 64, 128)
 KERNEL_BLOCK_SIZES = (16, 32, 64, 128)        # the Triton kernels' (blocks of 8 run the PyTorch path)
 _LOG2E = 1.4426950408889634
+_LN2 = math.log(2.0)
 _FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 _KERNEL_FLOATS = (torch.float16, torch.bfloat16, torch.float32)
 
@@ -118,20 +123,33 @@ def _tables_on(tables, device: torch.device) -> AttentionTables:
 
 
 # --- reference: dense attention (the tests' oracle) and the PyTorch path -----------------------------
-def attention_ref(q, k, v, mask: Tensor, scale: float) -> Tensor:
-    """Dense masked attention, the tests' reference: mask (heads, q_ctx, k_ctx) or (batch, heads,
-    q_ctx, k_ctx) bool; k, v may have fewer heads (grouped-query); rows with no kept key give zeros."""
+def attention_ref(q, k, v, mask: Tensor, scale: float, *, alibi=None, softcap: float | None = None,
+                  return_lse: bool = False):
+    """Dense masked attention, the tests' reference. q (B, Tq, H·D); k (B, Tk, Hk·D) and v
+    (B, Tk, Hk·Dv) with Hk dividing H (grouped-query); mask (H, Tq, Tk) or (B, H, Tq, Tk) bool.
+    Scores s = scale·q·kᵀ, then ``softcap·tanh(s/softcap)``, then ``+ alibi[h]·(k_pos − q_pos)``
+    (alibi: H slopes). Returns O (B, Tq, H·Dv), rows with no kept key giving zeros, and with
+    ``return_lse`` the row log-sum-exp (B, H, Tq), natural log, −inf for such rows."""
     B, Tq, HD = q.shape
-    H = mask.shape[-3]
+    H, Tk = mask.shape[-3], k.shape[1]
     D = HD // H
-    qh = q.view(B, Tq, H, D).transpose(1, 2)
-    kh, vh = (t.view(B, t.shape[1], -1, D).transpose(1, 2).repeat_interleave(H * D // t.shape[2], 1)
-              for t in (k, v))
-    s = (qh @ kh.transpose(-1, -2)) * scale
+    Hk = k.shape[2] // D
+    qh = q.view(B, Tq, H, D).transpose(1, 2)                                         # (B, H, Tq, D)
+    kh, vh = (t.view(B, Tk, Hk, t.shape[2] // Hk).transpose(1, 2).repeat_interleave(H // Hk, 1) for t in (k, v))
+    s = (qh @ kh.transpose(-1, -2)) * scale                                          # (B, H, Tq, Tk)
+    if softcap:
+        s = softcap * torch.tanh(s / softcap)
+    if alibi is not None:
+        distance = torch.arange(Tk, device=s.device) - torch.arange(Tq, device=s.device)[:, None]
+        s = s + torch.as_tensor(alibi, dtype=s.dtype, device=s.device).view(H, 1, 1) * distance
+    live = mask.any(-1, keepdim=True)                                                # a kept key in the row
     s = s.masked_fill(~mask, float("-inf"))
-    p = torch.softmax(s, -1)
-    p = torch.where(mask.any(-1, keepdim=True), p, 0.0)
-    return (p @ vh).transpose(1, 2).reshape(B, Tq, HD)
+    p = torch.where(live, torch.softmax(s, -1), 0.0)
+    out = (p @ vh).transpose(1, 2).reshape(B, Tq, H * vh.shape[-1])
+    if not return_lse:
+        return out
+    lse = torch.logsumexp(s.masked_fill(~live, 0.0), -1)                            # no -inf row: no NaN grad
+    return out, torch.where(live[..., 0], lse, float("-inf"))
 
 
 def _blocks(x: Tensor, t: AttentionTables, head_dim: int, which: str) -> Tensor:
@@ -158,12 +176,41 @@ def _check_dtype(name: str, dtype) -> None:
         raise TypeError(f"{name}: expected a floating torch.dtype or None, got {dtype!r}")
 
 
-def _softmax(w: Tensor, scale: float, keep: Tensor, t: AttentionTables,
-             dtype: torch.dtype | None = None) -> tuple[Tensor, Tensor]:
-    """(P in ``dtype`` (default w's), row LSE (batch, heads·q_ctx) fp32 base 2, +inf for a row with
-    no live key). Math in fp32 (fp64 for fp64 w)."""
+def _distance(t: AttentionTables, dtype: torch.dtype) -> Tensor:
+    """(nnz, bs, bs) k_pos − q_pos of every live block's elements (positions in the layout's context)."""
+    r = torch.arange(t.block_size, device=t.i.device)
+    k_pos, q_pos = t.j[:, None] * t.block_size + r, t.i[:, None] * t.block_size + r             # (nnz, bs)
+    return (k_pos[:, None, :] - q_pos[:, :, None]).to(dtype)
+
+
+def _score_mod(w: Tensor, scale: float, t: AttentionTables, alibi: Tensor | None = None,
+               softcap: float = 0.0) -> Tensor:
+    """(B, nnz, bs, bs) scores in natural units, fp32 (fp64 for fp64 w): scale·w, soft-capped to
+    softcap·tanh(·/softcap) (0: off), plus ALiBi's slope[h]·(k_pos − q_pos) (alibi: (H,) slopes)."""
     x = w.to(torch.promote_types(w.dtype, torch.float32)) * scale
-    x = x.masked_fill(~keep, float("-inf"))
+    if softcap:
+        x = torch.tanh(x / softcap) * softcap
+    if alibi is not None:
+        x = x + alibi.to(x.dtype)[t.h].view(-1, 1, 1) * _distance(t, x.dtype)
+    return x
+
+
+def alibi_slopes(heads: int) -> list[float]:
+    """ALiBi's standard slopes (Press et al., 2022): 2**(-8(h+1)/H) for H a power of two; else
+    those of the power of two n below H, then every other slope of 2n (h = 0, 2, 4, ...) up to H."""
+    if isinstance(heads, bool) or not isinstance(heads, int) or heads < 1:
+        raise ValueError(f"heads: expected a positive int, got {heads!r}")
+    n = 1 << (heads.bit_length() - 1)
+    slopes = [2.0 ** (-8.0 * (h + 1) / n) for h in range(n)]
+    return slopes + [2.0 ** (-8.0 * (h + 1) / (2 * n)) for h in range(0, 2 * n, 2)][:heads - n]
+
+
+def _softmax(w: Tensor, scale: float, keep: Tensor, t: AttentionTables, dtype: torch.dtype | None = None,
+             alibi: Tensor | None = None, softcap: float = 0.0) -> tuple[Tensor, Tensor]:
+    """(P in ``dtype`` (default w's), row LSE (batch, heads·q_ctx) base 2, +inf for a row with no
+    live key) of the scores :func:`_score_mod` makes. Math, and the LSE, in fp32 (fp64 for fp64
+    w); both differentiable (the row maximum cancels out of the LSE's gradient)."""
+    x = _score_mod(w, scale, t, alibi, softcap).masked_fill(~keep, float("-inf"))
     B, bs, row = w.shape[0], t.block_size, t.row
     blk_max = x.detach().amax(-1)                                                  # (B, nnz, bs)
     row_max = blk_max.new_full((B, t.heads * t.q_blocks, bs), float("-inf"))
@@ -171,10 +218,11 @@ def _softmax(w: Tensor, scale: float, keep: Tensor, t: AttentionTables,
     row_max = torch.where(torch.isfinite(row_max), row_max, 0.0)
     e = torch.exp(x - row_max[:, row].unsqueeze(-1))                               # masked: exp(-inf) = 0
     den = e.new_zeros(B, t.heads * t.q_blocks, bs).index_add(1, row, e.sum(-1))
-    lse = torch.where(den > 0, (row_max + torch.log(den)) * _LOG2E, float("inf"))
+    live = den > 0
+    den = torch.where(live, den, 1.0)                                              # log(0)'s gradient: NaN
+    lse = torch.where(live, (row_max + torch.log(den)) * _LOG2E, float("inf"))
     lse = lse.reshape(B, t.heads * t.q_blocks * bs)                                # not -1: B may be 0
-    den = torch.where(den > 0, den, 1.0)
-    return (e / den[:, row].unsqueeze(-1)).to(dtype or w.dtype), lse.float()
+    return (e / den[:, row].unsqueeze(-1)).to(dtype or w.dtype), lse
 
 
 def _scatter_rows(part: Tensor, t: AttentionTables, heads: int, n_blocks: int, index: Tensor) -> Tensor:
@@ -184,30 +232,45 @@ def _scatter_rows(part: Tensor, t: AttentionTables, heads: int, n_blocks: int, i
     return out.view(B, heads, n_blocks, bs, D).permute(0, 2, 3, 1, 4).reshape(B, n_blocks * bs, heads * D)
 
 
-def attention_torch(q: Tensor, k: Tensor, v: Tensor, t: AttentionTables, scale: float,
-                    pad: Tensor | None = None) -> tuple[Tensor, Tensor]:
-    """(O like q, LSE (B, H·q_ctx) fp32 base 2) on the PyTorch path, differentiable."""
-    D = q.shape[2] // t.heads
+def _head_dims(q: Tensor, k: Tensor, v: Tensor, heads: int) -> tuple[int, int, int]:
+    """(D, kv_heads, Dv) of q (B, Tq, H·D), k (B, Tk, Hk·D), v (B, Tk, Hk·Dv)."""
+    D = q.shape[2] // heads
+    Hk = k.shape[2] // D
+    return D, Hk, v.shape[2] // Hk
+
+
+def attention_torch(q: Tensor, k: Tensor, v: Tensor, t: AttentionTables, scale: float, pad: Tensor | None = None,
+                    alibi: Tensor | None = None, softcap: float = 0.0) -> tuple[Tensor, Tensor]:
+    """(O (B, Tq, H·Dv) in q's dtype, LSE (B, H·q_ctx) base 2, fp32 (fp64 for fp64 q)) on the
+    PyTorch path, differentiable (through the LSE too)."""
+    D, _, Dv = _head_dims(q, k, v, t.heads)
     w = torch.einsum("bnid,bnjd->bnij", _blocks(q, t, D, "q"), _blocks(k, t, D, "k"))   # (B, nnz, bs, bs)
-    p, lse = _softmax(w, scale, _keep(t, pad), t)
-    part = torch.einsum("bnij,bnjd->bnid", p.to(v.dtype), _blocks(v, t, D, "k"))       # (B, nnz, bs, D)
+    p, lse = _softmax(w, scale, _keep(t, pad), t, alibi=alibi, softcap=softcap)
+    part = torch.einsum("bnij,bnjd->bnid", p.to(v.dtype), _blocks(v, t, Dv, "k"))      # (B, nnz, bs, Dv)
     return _scatter_rows(part, t, t.heads, t.q_blocks, t.row), lse
 
 
 def attention_torch_backward(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, t: AttentionTables,
-                             scale: float, pad: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
+                             scale: float, pad: Tensor | None = None, alibi: Tensor | None = None,
+                             softcap: float = 0.0, dlse: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
     """(dq, dk, dv) on the PyTorch path, by the formulas (no autograd: the custom op's CPU backward
-    runs below the autograd dispatch key)."""
+    runs below the autograd dispatch key). dlse: None or the (B, H·q_ctx) gradient of the
+    natural-log LSE, which adds dlse_i·P_ij to dS_ij (Δ_i = rowsum(dO∘O) − dlse_i)."""
     work = torch.promote_types(q.dtype, torch.float32)
     dtypes = (q.dtype, k.dtype, v.dtype)
     q, k, v, do, o = (x.to(work) for x in (q, k, v, do, o))
-    B, Tq, HD = q.shape
+    B, Tq, _ = q.shape
     H, bs = t.heads, t.block_size
-    D, Hk = HD // H, k.shape[2] // (HD // H)
-    qb, kb, vb, dob = _blocks(q, t, D, "q"), _blocks(k, t, D, "k"), _blocks(v, t, D, "k"), _blocks(do, t, D, "q")
-    p, _ = _softmax(torch.einsum("bnid,bnjd->bnij", qb, kb), scale, _keep(t, pad), t)        # (B, nnz, bs, bs)
-    delta = (do * o).view(B, Tq // bs, bs, H, D).sum(-1).permute(0, 3, 1, 2)               # (B, H, nq, bs)
+    D, Hk, Dv = _head_dims(q, k, v, H)
+    qb, kb, vb, dob = _blocks(q, t, D, "q"), _blocks(k, t, D, "k"), _blocks(v, t, Dv, "k"), _blocks(do, t, Dv, "q")
+    w = torch.einsum("bnid,bnjd->bnij", qb, kb)                                            # (B, nnz, bs, bs)
+    p, _ = _softmax(w, scale, _keep(t, pad), t, alibi=alibi, softcap=softcap)
+    delta = (do * o).view(B, Tq // bs, bs, H, Dv).sum(-1).permute(0, 3, 1, 2)              # (B, H, nq, bs)
+    if dlse is not None:
+        delta = delta - dlse.to(work).view(B, H, Tq // bs, bs)
     ds = p * (torch.einsum("bnid,bnjd->bnij", dob, vb) - delta[:, t.h, t.i].unsqueeze(-1))
+    if softcap:                                                 # d(c·tanh(x/c))/dx = 1 − tanh²(x/c)
+        ds = ds * (1 - torch.tanh(w * (scale / softcap)).square())
     kv_row = torch.div(t.h, H // Hk, rounding_mode="floor") * t.k_blocks + t.j
     dq = _scatter_rows(torch.einsum("bnij,bnjd->bnid", ds, kb) * scale, t, H, t.q_blocks, t.row)
     dk = _scatter_rows(torch.einsum("bnij,bnid->bnjd", ds, qb) * scale, t, Hk, t.k_blocks, kv_row)
@@ -217,52 +280,70 @@ def attention_torch_backward(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Ten
 
 # --- torch.ops.bstrain.bst_attention: the fused kernels as a custom op (traced calls) --------------
 @torch.library.custom_op("bstrain::bst_attention", mutates_args=())
-def bst_attention(q: Tensor, k: Tensor, v: Tensor, key_padding_mask: Tensor | None, layout: str,
-                  scale: float) -> tuple[Tensor, Tensor]:
-    """(O like q, row LSE (batch, heads·q_ctx) fp32, base 2). CUDA: the fused kernels; CPU: PyTorch.
-    ``layout`` is the key of the op's layout tables (:func:`bstrain.ops.tables.lookup`)."""
+def bst_attention(q: Tensor, k: Tensor, v: Tensor, key_padding_mask: Tensor | None, layout: str, scale: float,
+                  alibi: Tensor | None = None, softcap: float = 0.0) -> tuple[Tensor, Tensor]:
+    """(O (B, Tq, H·Dv) in q's dtype, row LSE (B, H·Tq) base 2 of the modified scores, +inf for a
+    row with no live key; fp32, fp64 for fp64 q). CUDA: the fused kernels; CPU: PyTorch.
+    ``layout`` is the key of the op's layout tables (:func:`bstrain.ops.tables.lookup`); alibi
+    None or (H,) slopes on q's device (fp32 for the kernels); softcap 0.0 = off."""
     t = lookup(layout).on(q.device)
     if q.is_cuda:
         K = _kernels()
-        return K.attention_forward(*K.kernel_inputs(q, k, v), t.kernel_luts(), scale, key_padding_mask)
-    o, lse = attention_torch(q, k, v, t, scale, key_padding_mask)
+        return K.attention_forward(*K.kernel_inputs(q, k, v), t.kernel_luts(), scale, key_padding_mask,
+                                   alibi=alibi, softcap=softcap)
+    o, lse = attention_torch(q, k, v, t, scale, key_padding_mask, alibi, softcap)
     return o.contiguous(), lse
 
 
 @bst_attention.register_fake
-def _(q, k, v, key_padding_mask, layout, scale):
+def _(q, k, v, key_padding_mask, layout, scale, alibi=None, softcap=0.0):
     heads = lookup(layout).host.heads
-    return torch.empty_like(q, memory_format=torch.contiguous_format), \
-        q.new_empty((q.shape[0], heads * q.shape[1]), dtype=torch.float32)
+    B, Tq, _ = q.shape
+    _, _, Dv = _head_dims(q, k, v, heads)
+    return q.new_empty((B, Tq, heads * Dv)), \
+        q.new_empty((B, heads * Tq), dtype=torch.promote_types(q.dtype, torch.float32))
 
 
 @torch.library.custom_op("bstrain::bst_attention_bwd", mutates_args=())
 def bst_attention_bwd(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor,
-                      key_padding_mask: Tensor | None, layout: str, scale: float) -> tuple[Tensor, Tensor, Tensor]:
-    """(dq, dk, dv) of bst_attention."""
+                      key_padding_mask: Tensor | None, layout: str, scale: float, alibi: Tensor | None = None,
+                      softcap: float = 0.0, dlse: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
+    """(dq, dk, dv) of bst_attention; dlse None or the (B, H·Tq) gradient of the natural-log LSE."""
     t = lookup(layout).on(q.device)
     if q.is_cuda:
         K = _kernels()
-        return K.attention_backward(do, *K.kernel_inputs(q, k, v), o, lse, t.kernel_luts(), scale, key_padding_mask)
-    return attention_torch_backward(do, q, k, v, o, t, scale, key_padding_mask)
+        return K.attention_backward(do, *K.kernel_inputs(q, k, v), o, lse, t.kernel_luts(), scale, key_padding_mask,
+                                    dlse=dlse, alibi=alibi, softcap=softcap)
+    return attention_torch_backward(do, q, k, v, o, t, scale, key_padding_mask, alibi, softcap, dlse)
 
 
 @bst_attention_bwd.register_fake
-def _(do, q, k, v, o, lse, key_padding_mask, layout, scale):
+def _(do, q, k, v, o, lse, key_padding_mask, layout, scale, alibi=None, softcap=0.0, dlse=None):
     return tuple(torch.empty_like(x, memory_format=torch.contiguous_format) for x in (q, k, v))
 
 
+def _output_grads(do: Tensor | None, dlse2: Tensor | None, o: Tensor, lse: Tensor) -> tuple[Tensor, Tensor | None]:
+    """(dO, the natural-log LSE's gradient or None) from the gradients of O and of the base-2 LSE
+    (either None when unused: grads are not materialised). An empty row's (+inf) gets 0, never NaN."""
+    if do is None:
+        do = torch.zeros_like(o)
+    if dlse2 is None:
+        return do, None
+    return do, torch.where(torch.isinf(lse), 0.0, dlse2 * _LOG2E)             # lse2 = lse·log2(e)
+
+
 def _attn_setup(ctx, inputs, output):
-    q, k, v, pad, layout, scale = inputs
-    ctx.save_for_backward(q, k, v, output[0], output[1], pad)
-    ctx.layout, ctx.scale = layout, scale
-    ctx.mark_non_differentiable(output[1])
+    q, k, v, pad, layout, scale, alibi, softcap = inputs
+    ctx.save_for_backward(q, k, v, output[0], output[1], pad, alibi)
+    ctx.layout, ctx.scale, ctx.softcap = layout, scale, softcap
+    ctx.set_materialize_grads(False)                   # an unused LSE's gradient stays None: no dlse pass
 
 
-def _attn_backward(ctx, do, _dlse):
-    q, k, v, o, lse, pad = ctx.saved_tensors
-    dq, dk, dv = bst_attention_bwd(do, q, k, v, o, lse, pad, ctx.layout, ctx.scale)
-    return dq, dk, dv, None, None, None
+def _attn_backward(ctx, do, dlse2):
+    q, k, v, o, lse, pad, alibi = ctx.saved_tensors
+    do, dlse = _output_grads(do, dlse2, o, lse)
+    dq, dk, dv = bst_attention_bwd(do, q, k, v, o, lse, pad, ctx.layout, ctx.scale, alibi, ctx.softcap, dlse)
+    return dq, dk, dv, None, None, None, None, None
 
 
 bst_attention.register_autograd(_attn_backward, setup_context=_attn_setup)
@@ -280,22 +361,26 @@ def _kernels():
 
 # --- eager calls: the launchers without the dispatcher's round trip ------------------------------------
 class _AttentionFn(torch.autograd.Function):
-    """The fused kernels: O and the row statistics forward; dQ, dK, dV backward."""
+    """The fused kernels: O and the row LSE (base 2) forward; dQ, dK, dV backward, through the
+    LSE too."""
 
     @staticmethod
-    def forward(ctx, q, k, v, pad, luts, scale):
+    def forward(ctx, q, k, v, pad, luts, scale, alibi, softcap):
         K = _kernels()
         q, k, v = K.kernel_inputs(q, k, v)                  # views of a fused qkv projection stay views
-        o, lse = K.attention_forward(q, k, v, luts, scale, pad)
+        o, lse = K.attention_forward(q, k, v, luts, scale, pad, alibi=alibi, softcap=softcap)
         ctx.save_for_backward(q, k, v, o, lse)
-        ctx.pad, ctx.luts, ctx.scale = pad, luts, scale
-        return o
+        ctx.pad, ctx.luts, ctx.scale, ctx.alibi, ctx.softcap = pad, luts, scale, alibi, softcap
+        ctx.set_materialize_grads(False)
+        return o, lse
 
     @staticmethod
-    def backward(ctx, do):
+    def backward(ctx, do, dlse2):
         q, k, v, o, lse = ctx.saved_tensors
-        dq, dk, dv = _kernels().attention_backward(do, q, k, v, o, lse, ctx.luts, ctx.scale, ctx.pad)
-        return dq, dk, dv, None, None, None
+        do, dlse = _output_grads(do, dlse2, o, lse)
+        dq, dk, dv = _kernels().attention_backward(do, q, k, v, o, lse, ctx.luts, ctx.scale, ctx.pad, dlse=dlse,
+                                                   alibi=ctx.alibi, softcap=ctx.softcap)
+        return dq, dk, dv, None, None, None, None, None
 
 
 # --- the seed's API ------------------------------------------------------------------------------------
@@ -364,18 +449,20 @@ class BlocksparseTransformer:
         """The kernels' row and column lists on ``device``."""
         return self._tables.on(device).kernel_luts()
 
-    def _use_kernels(self, q: Tensor, head_dim: int) -> bool:
+    def _use_kernels(self, q: Tensor, D: int, Dv: int) -> bool:
         if self.backend == "torch":
             return False
         if self.backend == "auto":
-            return q.is_cuda and q.dtype in _KERNEL_FLOATS and head_dim <= 128 and self.block_size in KERNEL_BLOCK_SIZES
+            return q.is_cuda and q.dtype in _KERNEL_FLOATS and max(D, Dv) <= 128 \
+                and self.block_size in KERNEL_BLOCK_SIZES
         if self.block_size not in KERNEL_BLOCK_SIZES:
             raise ValueError(f"block_size: the Triton backend takes blocks of {KERNEL_BLOCK_SIZES}, got "
                              f"{self.block_size} (backend='auto' runs it on the PyTorch path)")
         if q.dtype not in _KERNEL_FLOATS:
             raise TypeError(f"q: the Triton backend takes float16, bfloat16 or float32, got {q.dtype}")
-        if head_dim > 128:
-            raise ValueError(f"q: the Triton backend takes head dims up to 128, got {head_dim}")
+        for name, d in (("q", D), ("v", Dv)):
+            if d > 128:
+                raise ValueError(f"{name}: the Triton backend takes head dims up to 128, got {d}")
         if not q.is_cuda and os.environ.get("TRITON_INTERPRET") != "1":
             raise ValueError(f"q: backend='triton' needs a CUDA tensor or TRITON_INTERPRET=1, got a tensor on "
                              f"{q.device}")
@@ -401,37 +488,43 @@ class BlocksparseTransformer:
             raise ValueError(f"{name}: expected batch {like.shape[0]}, {like.dtype} on {like.device} (as q), got "
                              f"batch {x.shape[0]}, {x.dtype} on {x.device}")
 
-    def _check_qkv(self, q, k, v) -> int:
-        """q (batch, q_ctx, heads·D); k, v (batch, k_ctx, kv_heads·D), kv_heads dividing heads; one
-        dtype and device. Returns D. Valid arguments cost a few integer comparisons (an eager call's
-        host time is the point); anything else goes through :meth:`_explain_qkv`, which names the
-        argument at fault."""
+    def _check_qkv(self, q, k, v) -> tuple[int, int]:
+        """q (batch, q_ctx, heads·D); k (batch, k_ctx, kv_heads·D), kv_heads dividing heads; v
+        (batch, k_ctx, kv_heads·Dv), any value head dim Dv; one dtype and device. Returns (D, Dv).
+        Valid arguments cost a few integer comparisons (an eager call's host time is the point);
+        anything else goes through :meth:`_explain_qkv`, which names the argument at fault."""
         try:
             B, T, HD = q.shape
             Bk, Tk, HDk = k.shape
             Bv, Tv, HDv = v.shape
             D = HD // self.heads
-            if T == self.q_ctx and Tk == self.k_ctx and B == Bk == Bv and Tv == Tk and HDv == HDk \
-                    and HD == D * self.heads and HDk % D == 0 and self.heads % (HDk // D) == 0 \
+            Hk = HDk // D
+            if T == self.q_ctx and Tk == self.k_ctx and B == Bk == Bv and Tv == Tk and HD == D * self.heads \
+                    and HDk == Hk * D and self.heads % Hk == 0 and HDv % Hk == 0 and HDv > 0 \
                     and q.dtype in _FLOATS and k.dtype is q.dtype and v.dtype is q.dtype \
                     and q.get_device() == k.get_device() == v.get_device():
-                return D
+                return D, HDv // Hk
         except (AttributeError, TypeError, ValueError, ZeroDivisionError):
             pass
         return self._explain_qkv(q, k, v)
 
-    def _explain_qkv(self, q, k, v) -> int:
+    def _explain_qkv(self, q, k, v) -> tuple[int, int]:
         D = self._check_act("q", q, self.q_ctx)
         for name, x in (("k", k), ("v", v)):
             if not isinstance(x, Tensor) or x.dtype not in _FLOATS:
                 got = x.dtype if isinstance(x, Tensor) else type(x).__name__
                 raise TypeError(f"{name}: expected a float16, bfloat16, float32 or float64 tensor, got {got}")
-            if x.dim() != 3 or x.shape[1] != self.k_ctx or x.shape[2] % D or x.shape[2] == 0 \
-                    or self.heads % (x.shape[2] // D) or x.shape[2] != k.shape[2]:
-                raise ValueError(f"{name}: expected (batch, {self.k_ctx}, kv_heads·{D}) with kv_heads dividing "
-                                 f"heads={self.heads} (and k, v alike), got {tuple(x.shape)}")
+        if k.dim() != 3 or k.shape[1] != self.k_ctx or k.shape[2] % D or k.shape[2] == 0 \
+                or self.heads % (k.shape[2] // D):
+            raise ValueError(f"k: expected (batch, {self.k_ctx}, kv_heads·{D}) with kv_heads dividing "
+                             f"heads={self.heads}, got {tuple(k.shape)}")
+        Hk = k.shape[2] // D
+        if v.dim() != 3 or v.shape[1] != self.k_ctx or v.shape[2] % Hk or v.shape[2] == 0:
+            raise ValueError(f"v: expected (batch, {self.k_ctx}, {Hk}·Dv) (k's {Hk} kv heads; any value head "
+                             f"dim Dv), got {tuple(v.shape)}")
+        for name, x in (("k", k), ("v", v)):
             self._check_like(name, x, q)
-        return D
+        return D, v.shape[2] // Hk
 
     def _check_w(self, w, batch: int | None = None) -> None:
         if not isinstance(w, Tensor) or w.dim() != 4 or tuple(w.shape[1:]) != self.w_shape(1)[1:] \
@@ -456,7 +549,7 @@ class BlocksparseTransformer:
     def query_key_op(self, q: Tensor, k: Tensor, name: str | None = None, bench=0) -> Tensor:
         """Scores q·kᵀ of the live blocks: (batch, blocks, bs, bs) (see the module docstring). The
         seed's ``name`` and ``bench`` are accepted and ignored."""
-        D = self._check_qkv(q, k, k)
+        D, _ = self._check_qkv(q, k, k)
         t = _tables_on(self._tables, q.device)
         return torch.einsum("bnid,bnjd->bnij", _blocks(q, t, D, "q"), _blocks(k, t, D, "k"))
 
@@ -504,21 +597,42 @@ class BlocksparseTransformer:
 
     # --- fused ---------------------------------------------------------------------------------------
     def attention(self, q: Tensor, k: Tensor, v: Tensor, scale: float | None = None,
-                  key_padding_mask: Tensor | None = None) -> Tensor:
-        """softmax(q·kᵀ·scale, masked)·v on the live blocks. q: (batch, q_ctx, H·D); k, v:
-        (batch, k_ctx, Hk·D) with Hk dividing H; scale defaults to 1/sqrt(D); key_padding_mask:
-        (batch, k_ctx) bool, True = padding. Returns (batch, q_ctx, H·D) in q's dtype; a query with
-        no live key gives 0."""
-        D = self._check_qkv(q, k, v)
+                  key_padding_mask: Tensor | None = None, *, return_lse: bool = False, alibi=None,
+                  softcap: float | None = None) -> Tensor | tuple[Tensor, Tensor]:
+        """softmax(s, masked)·v on the live blocks, s the scores q·kᵀ·scale, soft-capped to
+        ``softcap·tanh(s/softcap)``, plus ALiBi's ``slope[h]·(k_pos − q_pos)`` (FlexAttention's
+        score_mod examples; positions count from the layout's first).
+
+        Args:
+            q: (batch, q_ctx, H·D); k: (batch, k_ctx, Hk·D), Hk dividing H (grouped-query);
+                v: (batch, k_ctx, Hk·Dv), Dv any value head dim.
+            scale: defaults to 1/sqrt(D).
+            key_padding_mask: (batch, k_ctx) bool, True = padding.
+            return_lse: also return the row log-sum-exp (batch, H, q_ctx), natural log, −inf for a
+                query with no live key; fp32 (fp64 for fp64 q); differentiable.
+            alibi: None, True (the standard slopes of H heads, :func:`alibi_slopes`) or H slopes
+                (a sequence, or an (H,) tensor, best on q's device; one on a GPU is not checked for
+                finiteness: that would sync the host). The slopes get no gradient.
+            softcap: None (off) or a positive number.
+
+        Returns (batch, q_ctx, H·Dv) in q's dtype (a query with no live key gives 0), or (out, lse).
+        """
+        D, Dv = self._check_qkv(q, k, v)
         scale = 1.0 / math.sqrt(D) if scale is None else float(scale)
         if key_padding_mask is not None:
             self._check_pad(key_padding_mask, q.shape[0], q.device)
-        if self._use_kernels(q, D):
-            if eager(q):
-                luts = self._tables.on(q.device).kernel_luts()
-                return _AttentionFn.apply(q, k, v, key_padding_mask, luts, scale)
-            return torch.ops.bstrain.bst_attention(q, k, v, key_padding_mask, self.key, scale)[0]
-        return attention_torch(q, k, v, _tables_on(self._tables, q.device), scale, key_padding_mask)[0]
+        slopes, cap = _check_alibi(alibi, self.heads, q.device, q.dtype), _check_softcap(softcap)
+        o, lse = self._attend(q, k, v, scale, key_padding_mask, slopes, cap, self._use_kernels(q, D, Dv))
+        return (o, _natural_lse(lse, self.heads)) if return_lse else o
+
+    def _attend(self, q, k, v, scale, pad, alibi, softcap, kernels: bool) -> tuple[Tensor, Tensor]:
+        """(O, LSE (B, H·q_ctx) base 2): eager kernels, the custom op (traced) or PyTorch."""
+        if not kernels:
+            return attention_torch(q, k, v, _tables_on(self._tables, q.device), scale, pad, alibi, softcap)
+        if eager(q):
+            luts = self._tables.on(q.device).kernel_luts()
+            return _AttentionFn.apply(q, k, v, pad, luts, scale, alibi, softcap)
+        return torch.ops.bstrain.bst_attention(q, k, v, pad, self.key, scale, alibi, softcap)
 
     def __repr__(self) -> str:
         return (f"BlocksparseTransformer(heads={self.heads}, q_blocks={self.q_blocks}, k_blocks={self.k_blocks}, "
@@ -553,3 +667,48 @@ def _element_masks(layout: np.ndarray, bs: int, mask_callback, shared: bool = Fa
                 partial_idx[n] = seen[key]
             asked[b] = partial_idx[n]
     return partial_idx, (np.stack(partial) if partial else np.zeros((0, bs, bs), dtype=bool))
+
+
+# --- argument checks of the score modifications and the returned LSE ---------------------------------------
+def _check_alibi(alibi, heads: int, device: torch.device, dtype: torch.dtype) -> Tensor | None:
+    """None, or the (H,) slopes on ``device`` in fp32 (fp64 for an fp64 ``dtype``). alibi: None,
+    True (the standard slopes), or H finite numbers as a sequence or a tensor (finiteness is
+    checked unless the tensor is on a GPU or traced: that check would sync the host)."""
+    if alibi is None or alibi is False:
+        return None
+    dtype = torch.promote_types(dtype, torch.float32)
+    if alibi is True:
+        alibi = alibi_slopes(heads)
+    if isinstance(alibi, Tensor):
+        if not alibi.dtype.is_floating_point:
+            raise TypeError(f"alibi: expected a floating tensor of {heads} slopes, got {alibi.dtype}")
+        if tuple(alibi.shape) != (heads,):
+            raise ValueError(f"alibi: expected {heads} slopes (one per head), got shape {tuple(alibi.shape)}")
+        if alibi.device.type == "cpu" and eager(alibi) and not torch.isfinite(alibi).all():
+            raise ValueError(f"alibi: expected finite slopes, got {alibi.tolist()}")
+        return alibi.to(device, dtype).contiguous()
+    if not isinstance(alibi, (list, tuple, np.ndarray)) \
+            or not all(isinstance(a, numbers.Real) and not isinstance(a, bool) for a in alibi):
+        raise TypeError(f"alibi: expected None, True, or {heads} slopes (a sequence of numbers or a tensor), "
+                        f"got {alibi!r}")
+    if len(alibi) != heads or not all(math.isfinite(a) for a in alibi):
+        raise ValueError(f"alibi: expected {heads} finite slopes (one per head), got {list(alibi)}")
+    return torch.tensor([float(a) for a in alibi], dtype=dtype, device=device)
+
+
+def _check_softcap(softcap) -> float:
+    """softcap as a float, 0.0 for None (off)."""
+    if softcap is None:
+        return 0.0
+    if isinstance(softcap, bool) or not isinstance(softcap, numbers.Real):
+        raise TypeError(f"softcap: expected a positive number or None, got {type(softcap).__name__}")
+    if not (math.isfinite(softcap) and softcap > 0):
+        raise ValueError(f"softcap: expected a positive finite number or None, got {softcap!r}")
+    return float(softcap)
+
+
+def _natural_lse(lse2: Tensor, heads: int) -> Tensor:
+    """(B, H·T) base-2 LSE, +inf for an empty row -> (B, H, T) natural log, −inf there (where()'s
+    gradient there is 0, never NaN)."""
+    B, n = lse2.shape
+    return torch.where(torch.isinf(lse2), float("-inf"), lse2 * _LN2).view(B, heads, n // heads)
