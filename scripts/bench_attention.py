@@ -213,22 +213,16 @@ def main() -> None:
     ap.add_argument("--block", type=ints, default=[128], help="layout block sizes, e.g. 64,128")
     ap.add_argument("--layouts", default="causal,local,strided,fixed,bigbird")
     ap.add_argument("--tiles", help="a tune_attention.json whose best tiles to use")
-    ap.add_argument("--backward", choices=["fused", "split"], help="the kernels' backward form (default: theirs)")
     ap.add_argument("--cpu-smoke", action="store_true")
     args = ap.parse_args()
     if args.tiles:
         from tune_attention import apply
         apply(args.tiles)
-    if args.backward:
-        from bstrain.kernels import attention as K
-        K.BACKWARD = args.backward
     if args.cpu_smoke:
         args.seq, args.dims, args.batch, args.heads, args.block = [256], [16], 1, 2, [32]
     os.makedirs(args.out, exist_ok=True)
     import triton
-    from bstrain.kernels import attention as K
     extra = {"device": "cpu (smoke)" if args.cpu_smoke else torch.cuda.get_device_name(), "torch": torch.__version__,
-             "backward": K.BACKWARD,
              "triton": triton.__version__, "date": str(datetime.date.today()),
              "command": "python scripts/bench_attention.py " + " ".join(sys.argv[1:])}
     rows = measure(args, lambda rows: report(rows, extra, args.out, args.name, quiet=True))

@@ -1,9 +1,11 @@
 """Triton kernels for block-sparse attention (flash-style: the scores are never stored).
 
-Notation: q is (B, Tq, H·D), k and v (B, Tk, Hk·D) with Hk dividing H (grouped-query attention:
-query head h reads k/v head h // G, G = H/Hk); bs the layout's block size. A live block is full,
-or partial with a (bs, bs) element mask. Rows of q, k, v may be strided (the chunks of a fused
-qkv projection); features are contiguous (:func:`kernel_inputs`).
+Notation: q is (B, Tq, H·D), k (B, Tk, Hk·D) and v (B, Tk, Hk·Dv) with Hk dividing H
+(grouped-query attention: query head h reads k/v head h // G, G = H/Hk); bs the layout's block
+size. A live block is full, or partial with a (bs, bs) element mask. Rows of q, k, v may be
+strided (the chunks of a fused qkv projection); features are contiguous (:func:`kernel_inputs`).
+Options: ALiBi (the logit of query i and key j gains slope_h·(j − i)), tanh soft-capping of
+scale·q·k, and a gradient of the LSE (it shifts Δ).
 
 **Tiles.** The kernels do not work on layout blocks but on tiles of (BO, BI) elements that divide
 them: BO rows of the *outer* operand a program holds (queries in the forward and dQ kernels,
@@ -13,8 +15,9 @@ mask is dropped, a wholly kept one becomes full, and a partial tile is either *t
 (kept where ``q − k ≥ d`` in tile coordinates, as causal diagonals are; no memory read) or a
 bit mask read from a table. Each outer row lists its full tiles first, then the triangular ones,
 then those with a table, so the kernels run three loops (full, triangular, table) and only the
-last one reads masks. Rows are launched heaviest first (longest-processing-time order) to
-shorten the tail.
+last one reads masks. Rows are launched batch element by batch element and head by head (the
+programs in flight read the same inner rows, from L2), heaviest first within a head to shorten
+the tail; inner tiles are read through tensor descriptors (TMA) where the inputs allow.
 
 * ``_attn_fwd``: one program per (head, query tile) row and batch element walks the row's key
   tiles with an online softmax (base 2), and writes O and the row's log-sum-exp (LSE, base 2;
@@ -132,12 +135,15 @@ def _logits(s, qk_scale, cap, slope, ostart, istart, BO: tl.constexpr, BI: tl.co
 
 
 @triton.jit
-def _program_row(ORDER, PTR, MID, TAB, B, n_outer, BO: tl.constexpr):
+def _program_row(ORDER, PTR, MID, TAB, H, n_outer, BO: tl.constexpr):
     """This program's batch element, head, first outer position and its row's entry bounds: full
-    tiles [e0, e1), triangular [e1, e2), with a mask table [e2, e3)."""
+    tiles [e0, e1), triangular [e1, e2), with a mask table [e2, e3). Programs run batch element by
+    batch element and, within one, in ORDER (head by head): the programs in flight share their
+    heads' inner rows in L2."""
     pid = tl.program_id(0)
-    row = tl.load(ORDER + pid // B)
-    return (pid % B, row // n_outer, (row % n_outer) * BO, tl.load(PTR + row), tl.load(MID + row),
+    rows = H * n_outer
+    row = tl.load(ORDER + pid % rows)
+    return (pid // rows, row // n_outer, (row % n_outer) * BO, tl.load(PTR + row), tl.load(MID + row),
             tl.load(TAB + row), tl.load(PTR + row + 1))
 
 
@@ -179,7 +185,7 @@ def _attn_fwd(Q, K, V, O, LSE, SLOPES, DK, DV, ORDER, PTR, MID, TAB, INNER, CODE
               BO: tl.constexpr, BI: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, EVEN_D: tl.constexpr,
               EVEN_DV: tl.constexpr, HAS_PAD: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr,
               PRECISION: tl.constexpr, NUM_STAGES: tl.constexpr, TMA: tl.constexpr):
-    b, h, start, e0, e1, e2, e3 = _program_row(ORDER, PTR, MID, TAB, B, n_outer, BO)
+    b, h, start, e0, e1, e2, e3 = _program_row(ORDER, PTR, MID, TAB, H, n_outer, BO)
     q = _rows(Q, b.to(tl.int64) * s_qb + h * head_dim, s_qt, start, BO, BLOCK_D, head_dim, EVEN_D)
     hk = h // G                                                     # G query heads share a k/v head
     k_base = b.to(tl.int64) * s_kb + hk * head_dim
@@ -249,7 +255,7 @@ def _attn_bwd_dq(Q, K, V, O, DO, LSE, DELTA, DQ, SLOPES, DLSE, DK, DV, ORDER, PT
                  TMA: tl.constexpr):
     """Also writes Δ = rowsum(dO ∘ O) − dLSE for :func:`_attn_bwd_dkdv` (o and do share strides,
     dq is contiguous)."""
-    b, h, start, e0, e1, e2, e3 = _program_row(ORDER, PTR, MID, TAB, B, n_outer, BO)
+    b, h, start, e0, e1, e2, e3 = _program_row(ORDER, PTR, MID, TAB, H, n_outer, BO)
     o_base = b.to(tl.int64) * s_ob + h * head_dim_v
     q = _rows(Q, b.to(tl.int64) * s_qb + h * head_dim, s_qt, start, BO, BLOCK_D, head_dim, EVEN_D)
     do = _rows(DO, o_base, s_ot, start, BO, BLOCK_DV, head_dim_v, EVEN_DV)
@@ -286,13 +292,11 @@ def _attn_bwd_dq(Q, K, V, O, DO, LSE, DELTA, DQ, SLOPES, DLSE, DK, DV, ORDER, PT
 
 
 @triton.jit
-def _dkdv_loop(dk, dv, k, v, kept, Q, DO, DQ, DQD, DOD, DQA, LSE, DELTA, q_base, s_qt, o_base, s_ot, dq_base, q_row0,
-               q_col0, o_col0, stat_base, INNER, CODE, e0, e1, PMASK, start, qk_scale, cap, slope, scale, head_dim,
-               head_dim_v, H, BO: tl.constexpr, BI: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
-               EVEN_D: tl.constexpr, EVEN_DV: tl.constexpr, MODE: tl.constexpr, HAS_PAD: tl.constexpr,
-               SOFTCAP: tl.constexpr,
-               ALIBI: tl.constexpr, DQ_ATOMIC: tl.constexpr, PRECISION: tl.constexpr, NUM_STAGES: tl.constexpr,
-               TMA: tl.constexpr):
+def _dkdv_loop(dk, dv, k, v, Q, DO, DQD, DOD, LSE, DELTA, q_base, s_qt, o_base, s_ot, q_row0, q_col0, o_col0,
+               stat_base, INNER, CODE, e0, e1, PMASK, start, qk_scale, cap, slope, head_dim, head_dim_v,
+               BO: tl.constexpr, BI: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+               EVEN_D: tl.constexpr, EVEN_DV: tl.constexpr, MODE: tl.constexpr, SOFTCAP: tl.constexpr,
+               ALIBI: tl.constexpr, PRECISION: tl.constexpr, NUM_STAGES: tl.constexpr, TMA: tl.constexpr):
     for e in tl.range(e0, e1, num_stages=NUM_STAGES):
         n = tl.load(INNER + e)
         q = _inner(Q, DQD, q_base, s_qt, q_row0, q_col0, n * BI, BI, BLOCK_D, head_dim, EVEN_D, TMA)
@@ -304,93 +308,60 @@ def _dkdv_loop(dk, dv, k, v, kept, Q, DO, DQ, DQD, DOD, DQA, LSE, DELTA, q_base,
         xt, tt = _logits(st, qk_scale, cap, slope, start, n * BI, BO, BI, True, SOFTCAP, ALIBI)
         if MODE > 0:
             xt = tl.where(_keep(tl.load(CODE + e), PMASK, BO, BI, MODE, True), xt, float("-inf"))
-        if HAS_PAD and DQ_ATOMIC:           # padded keys add nothing to dQ (their dK, dV are zeroed after)
-            xt = tl.where(kept[:, None], xt, float("-inf"))
         pt = tl.exp2(xt - lse[None, :])
         dv = tl.dot(pt.to(do.dtype), do, dv, input_precision=PRECISION)
         dpt = tl.dot(v, tl.trans(do), input_precision=PRECISION)
         dst = pt * (dpt - delta[None, :])
         if SOFTCAP:
             dst = dst * (1.0 - tt * tt)
-        dst = dst.to(q.dtype)
-        dk = tl.dot(dst, q, dk, input_precision=PRECISION)
-        if DQ_ATOMIC:                  # this key tile's share of dQ, added in fp32 (the fifth product)
-            dq = tl.dot(tl.trans(dst), k, input_precision=PRECISION) * scale       # (queries, D)
-            if TMA:
-                DQA.atomic_add([q_row0 + n * BI, q_col0], dq)
-            else:
-                r = n * BI + tl.arange(0, BI)
-                d = tl.arange(0, BLOCK_D)
-                tl.atomic_add(DQ + dq_base + r[:, None] * (H * head_dim) + d[None, :], dq,
-                              mask=(d < head_dim)[None, :], sem="relaxed")
+        dk = tl.dot(dst.to(q.dtype), q, dk, input_precision=PRECISION)
     return dk, dv
 
 
 @triton.jit
-def _attn_bwd_dkdv(Q, K, V, DO, LSE, DELTA, DK, DV, DQ, SLOPES, DQD, DOD, DQA, ORDER, PTR, MID, TAB, INNER, CODE,
-                   PMASK, PAD, s_qb, s_qt, s_kb, s_kt, s_vb, s_vt, s_ob, s_ot, B, H, G, n_outer, Tq, Tk, head_dim,
-                   head_dim_v, qk_scale, cap, scale,
+def _attn_bwd_dkdv(Q, K, V, DO, LSE, DELTA, DK, DV, SLOPES, DQD, DOD, ORDER, PTR, MID, TAB, INNER, CODE, PMASK, PAD,
+                   s_qb, s_qt, s_kb, s_kt, s_vb, s_vt, s_ob, s_ot, B, H, G, n_outer, Tq, Tk, head_dim, head_dim_v,
+                   qk_scale, cap, scale,
                    BO: tl.constexpr, BI: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
                    EVEN_D: tl.constexpr, EVEN_DV: tl.constexpr, HAS_PAD: tl.constexpr, SOFTCAP: tl.constexpr,
-                   ALIBI: tl.constexpr, DQ_ATOMIC: tl.constexpr, PRECISION: tl.constexpr, NUM_STAGES: tl.constexpr,
-                   TMA: tl.constexpr):
+                   ALIBI: tl.constexpr, PRECISION: tl.constexpr, NUM_STAGES: tl.constexpr, TMA: tl.constexpr):
     """dK, dV of query head h's use of its k/v head h // G, into (B, Tk, H·D) and (B, Tk, H·Dv),
     contiguous: the caller sums the G heads of a group (G == 1: dK, dV themselves). DO has O's
-    strides (s_ob, s_ot). DQ_ATOMIC: also adds each tile's dQ into the zeroed fp32 (B, Tq, H·D)
-    DQ (through the descriptor DQA under TMA)."""
-    b, h, start, e0, e1, e2, e3 = _program_row(ORDER, PTR, MID, TAB, B, n_outer, BO)
+    strides (s_ob, s_ot). (dQ through atomic additions here instead of a second kernel was
+    slower on the H200 at every head dim: benchmarks/attention.md.)"""
+    b, h, start, e0, e1, e2, e3 = _program_row(ORDER, PTR, MID, TAB, H, n_outer, BO)
     hk = h // G
     k = _rows(K, b.to(tl.int64) * s_kb + hk * head_dim, s_kt, start, BO, BLOCK_D, head_dim, EVEN_D)
     v = _rows(V, b.to(tl.int64) * s_vb + hk * head_dim_v, s_vt, start, BO, BLOCK_DV, head_dim_v, EVEN_DV)
     q_base = b.to(tl.int64) * s_qb + h * head_dim
     o_base = b.to(tl.int64) * s_ob + h * head_dim_v            # dO
-    dq_base = b.to(tl.int64) * Tq * H * head_dim + h * head_dim
     q_row0 = b * Tq
     stat_base = (b.to(tl.int64) * H + h) * Tq
     slope = 0.0
     if ALIBI:
         slope = tl.load(SLOPES + h) * 1.4426950408889634            # natural units -> base 2
-    kept = start + tl.arange(0, BO) >= 0
-    if HAS_PAD:
-        kept = tl.load(PAD + b.to(tl.int64) * Tk + start + tl.arange(0, BO)) == 0
     dk = tl.zeros((BO, BLOCK_D), tl.float32)
     dv = tl.zeros((BO, BLOCK_DV), tl.float32)
-    dk, dv = _dkdv_loop(dk, dv, k, v, kept, Q, DO, DQ, DQD, DOD, DQA, LSE, DELTA, q_base, s_qt, o_base, s_ot, dq_base,
-                        q_row0, h * head_dim, h * head_dim_v, stat_base, INNER, CODE, e0, e1, PMASK, start, qk_scale,
-                        cap, slope, scale, head_dim, head_dim_v, H, BO, BI, BLOCK_D, BLOCK_DV, EVEN_D, EVEN_DV, 0,
-                        HAS_PAD, SOFTCAP, ALIBI, DQ_ATOMIC, PRECISION, NUM_STAGES, TMA)
-    dk, dv = _dkdv_loop(dk, dv, k, v, kept, Q, DO, DQ, DQD, DOD, DQA, LSE, DELTA, q_base, s_qt, o_base, s_ot, dq_base,
-                        q_row0, h * head_dim, h * head_dim_v, stat_base, INNER, CODE, e1, e2, PMASK, start, qk_scale,
-                        cap, slope, scale, head_dim, head_dim_v, H, BO, BI, BLOCK_D, BLOCK_DV, EVEN_D, EVEN_DV, 1,
-                        HAS_PAD, SOFTCAP, ALIBI, DQ_ATOMIC, PRECISION, NUM_STAGES, TMA)
-    dk, dv = _dkdv_loop(dk, dv, k, v, kept, Q, DO, DQ, DQD, DOD, DQA, LSE, DELTA, q_base, s_qt, o_base, s_ot, dq_base,
-                        q_row0, h * head_dim, h * head_dim_v, stat_base, INNER, CODE, e2, e3, PMASK, start, qk_scale,
-                        cap, slope, scale, head_dim, head_dim_v, H, BO, BI, BLOCK_D, BLOCK_DV, EVEN_D, EVEN_DV, 2,
-                        HAS_PAD, SOFTCAP, ALIBI, DQ_ATOMIC, PRECISION, NUM_STAGES, TMA)
+    dk, dv = _dkdv_loop(dk, dv, k, v, Q, DO, DQD, DOD, LSE, DELTA, q_base, s_qt, o_base, s_ot, q_row0, h * head_dim,
+                        h * head_dim_v, stat_base, INNER, CODE, e0, e1, PMASK, start, qk_scale, cap, slope, head_dim,
+                        head_dim_v, BO, BI, BLOCK_D, BLOCK_DV, EVEN_D, EVEN_DV, 0, SOFTCAP, ALIBI, PRECISION,
+                        NUM_STAGES, TMA)
+    dk, dv = _dkdv_loop(dk, dv, k, v, Q, DO, DQD, DOD, LSE, DELTA, q_base, s_qt, o_base, s_ot, q_row0, h * head_dim,
+                        h * head_dim_v, stat_base, INNER, CODE, e1, e2, PMASK, start, qk_scale, cap, slope, head_dim,
+                        head_dim_v, BO, BI, BLOCK_D, BLOCK_DV, EVEN_D, EVEN_DV, 1, SOFTCAP, ALIBI, PRECISION,
+                        NUM_STAGES, TMA)
+    dk, dv = _dkdv_loop(dk, dv, k, v, Q, DO, DQD, DOD, LSE, DELTA, q_base, s_qt, o_base, s_ot, q_row0, h * head_dim,
+                        h * head_dim_v, stat_base, INNER, CODE, e2, e3, PMASK, start, qk_scale, cap, slope, head_dim,
+                        head_dim_v, BO, BI, BLOCK_D, BLOCK_DV, EVEN_D, EVEN_DV, 2, SOFTCAP, ALIBI, PRECISION,
+                        NUM_STAGES, TMA)
     if HAS_PAD:                                   # a padded key is in no softmax: zero gradients
+        kept = tl.load(PAD + b.to(tl.int64) * Tk + start + tl.arange(0, BO)) == 0
         dk = tl.where(kept[:, None], dk, 0.0)
         dv = tl.where(kept[:, None], dv, 0.0)
     _store_rows(DK, dk * scale, b.to(tl.int64) * Tk * H * head_dim + h * head_dim, H * head_dim, start, BO, BLOCK_D,
                 head_dim, EVEN_D)
     _store_rows(DV, dv, b.to(tl.int64) * Tk * H * head_dim_v + h * head_dim_v, H * head_dim_v, start, BO, BLOCK_DV,
                 head_dim_v, EVEN_DV)
-
-
-@triton.jit
-def _attn_bwd_delta(O, DO, DLSE, DELTA, Tq, H, head_dim_v, BO: tl.constexpr, BLOCK_DV: tl.constexpr,
-                    EVEN_DV: tl.constexpr, HAS_DLSE: tl.constexpr):
-    """Δ = rowsum(dO ∘ O) − dLSE of BO queries of one (batch, head): o, do contiguous (B, Tq, H·Dv),
-    Δ (B, H, Tq); Tq is a multiple of BO."""
-    bh = tl.program_id(1)
-    start = tl.program_id(0) * BO
-    base = (bh // H).to(tl.int64) * Tq * H * head_dim_v + (bh % H) * head_dim_v
-    o = _rows(O, base, H * head_dim_v, start, BO, BLOCK_DV, head_dim_v, EVEN_DV).to(tl.float32)
-    do = _rows(DO, base, H * head_dim_v, start, BO, BLOCK_DV, head_dim_v, EVEN_DV).to(tl.float32)
-    delta = tl.sum(o * do, 1)
-    stat = bh.to(tl.int64) * Tq + start + tl.arange(0, BO)
-    if HAS_DLSE:
-        delta -= tl.load(DLSE + stat)
-    tl.store(DELTA + stat, delta)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -443,21 +414,23 @@ class _TileTable(dict):
 TILES: dict[tuple[str, int, int, int], Tile] = _TileTable()
 
 
-def tiles(kernel: str, bs: int, block_d: int, itemsize: int) -> Tile:
+def tiles(kernel: str, bs: int, block_d: int, itemsize: int, plain: bool = False) -> Tile:
     """The :class:`Tile` of ``kernel`` in {"fwd", "dq", "dkdv"} for blocks of ``bs``, padded head
-    dim ``block_d`` (the larger of q's and v's) and operands of ``itemsize`` bytes."""
+    dim ``block_d`` (the larger of q's and v's) and operands of ``itemsize`` bytes; ``plain``: the
+    layout's blocks are all full or triangular (no mask table)."""
     hit = TILES.get((kernel, bs, block_d, itemsize))
     if hit is not None:
         return Tile(*hit)
     if itemsize == 4:                                   # fp32 operands: small tiles (shared memory)
         return Tile(min(bs, 64), min(bs, 32), 4, 2)
-    # swept on the H200 (benchmarks/attention_tune.json): 64x64 tiles and 4 warps won for every
-    # kernel and head dim over 128-row tiles with 8 warps (sparse layouts lose most with those);
-    # descriptors let the dK/dV kernel take 64-row inner tiles at D=128 without spilling (-21%)
+    # swept on the H200 (benchmarks/attention_tune.json): 64x64 tiles, 4 warps and descriptors for
+    # every kernel and head dim, except the forward of plain 128-blocks at D=128 (causal: -10%),
+    # where 128x128 tiles on 8 warps win; finer tiles drop the dead parts of masked blocks
+    # (strided: 128-row tiles take 1.9x as long)
+    if kernel == "fwd" and plain and bs == 128 and block_d == 128:
+        return Tile(128, 128, 8, 3, True)
     b = min(bs, 64)
-    if kernel == "fwd":
-        return Tile(b, b, 4, 3)
-    return Tile(b, b, 4, 4 if kernel == "dq" and block_d > 64 else 3, tma=True)
+    return Tile(b, b, 4, 3, True)
 
 
 def _bits(m: np.ndarray) -> np.ndarray:
@@ -484,7 +457,7 @@ def _classify(m: np.ndarray) -> tuple[str, int]:
 class TileLuts:
     """One layout cut into (BO, BI) tiles for one kernel direction, on one device."""
     n_outer: int              # outer tiles per head
-    order: torch.Tensor       # (H·n_outer,) int32: outer rows, heaviest first
+    order: torch.Tensor       # (H·n_outer,) int32: outer rows, head by head, heaviest first in a head
     ptr: torch.Tensor         # (H·n_outer + 1,) int32: row r's entries are ptr[r]:ptr[r+1] ...
     mid: torch.Tensor         # (H·n_outer,) int32: ... full ones before mid[r], then triangular ones,
     tab: torch.Tensor         # (H·n_outer,) int32: ... then from tab[r] on those with a mask table
@@ -510,6 +483,12 @@ class AttnLuts:
     device: torch.device
     _cache: dict = field(default_factory=dict, repr=False)
     plans: dict = field(default_factory=dict, repr=False)    # launch plans by argument shapes (launch.plan)
+
+    @property
+    def plain(self) -> bool:
+        """Every partial block is triangular (as causal diagonals are): no mask table."""
+        used = np.unique(self.partial_idx[self.partial_idx >= 0])
+        return all(_classify(self.partial_masks[p])[0] != "table" for p in used)
 
     def tiles(self, by_key: bool, bo: int, bi: int) -> TileLuts:
         """Tile lists with queries (by_key False) or keys (True) as the outer operand."""
@@ -566,7 +545,10 @@ class AttnLuts:
         n_tri = np.bincount(rows[kind == 1], minlength=n_rows)
         ptr = np.concatenate([[0], np.cumsum(count)])
         cost = n_full + 1.1 * n_tri + 1.5 * (count - n_full - n_tri)
-        launch = np.argsort(-cost, kind="stable")
+        # head by head (the rows in flight read the same inner rows: L2 hits, where a global
+        # heaviest-first order streamed every head's keys at once from memory); heaviest first
+        # within a head, to shorten the tail
+        launch = np.lexsort((-cost, np.arange(n_rows) // (n_out_blocks * so)))
 
         def t(x):
             return torch.as_tensor(np.ascontiguousarray(x), dtype=torch.int32, device=self.device)
@@ -585,17 +567,10 @@ def make_luts(h_idx: np.ndarray, q_idx: np.ndarray, k_idx: np.ndarray, partial_i
                     np.asarray(partial_masks, dtype=bool), torch.device(device))
 
 
-_KERNELS = {"fwd": (_attn_fwd, False), "dq": (_attn_bwd_dq, False), "dkdv": (_attn_bwd_dkdv, True),
-            "bwd": (_attn_bwd_dkdv, True)}          # bwd: the dK/dV kernel adding dQ too
+_KERNELS = {"fwd": (_attn_fwd, False), "dq": (_attn_bwd_dq, False), "dkdv": (_attn_bwd_dkdv, True)}
 # the tensor arguments the inner loop streams (index, "d" for q/k's head dim or "dv" for v's):
 # tensor descriptors replace them under TMA
-_DESCS = {"fwd": ((1, "d"), (2, "dv")), "dq": ((1, "d"), (2, "dv")), "dkdv": ((0, "d"), (3, "dv")),
-          "bwd": ((0, "d"), (3, "dv"), (8, "d"))}
-BACKWARD = "fused"
-"""The backward's form: "fused" (one kernel over key tiles adds dQ into an fp32 buffer: five
-products per tile pair, the order of the fp32 additions varies from run to run) or "split" (a dQ
-kernel over query tiles and a dK/dV kernel: seven products, bitwise reproducible). Under
-``torch.use_deterministic_algorithms(True)`` the backward is "split"."""
+_DESCS = {"fwd": ((1, "d"), (2, "dv")), "dq": ((1, "d"), (2, "dv")), "dkdv": ((0, "d"), (3, "dv"))}
 
 
 def kernel_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple:
@@ -637,7 +612,7 @@ def _plan(kind: str, luts: AttnLuts, key: tuple, tensors: tuple):
     Hk = HDk // D
     Dv = HDv // Hk
     block_d, block_dv = (max(16, triton.next_power_of_2(x)) for x in (D, Dv))
-    tile = tiles(kind, luts.block_size, max(block_d, block_dv), dtype.itemsize)
+    tile = tiles(kind, luts.block_size, max(block_d, block_dv), dtype.itemsize, luts.plain)
     t = luts.tiles(by_key, tile.bo, tile.bi)
     if not B * H * t.n_outer:
         return None
@@ -652,8 +627,6 @@ def _plan(kind: str, luts: AttnLuts, key: tuple, tensors: tuple):
                   EVEN_DV=block_dv == Dv, HAS_PAD=has_pad, SOFTCAP=softcap, ALIBI=alibi)
     if kind == "dq":
         consts["HAS_DLSE"] = dlse
-    if by_key:
-        consts["DQ_ATOMIC"] = kind == "bwd"
     consts.update(PRECISION=_precision(dtype), NUM_STAGES=tile.stages, TMA=templates is not None)
     launch = Launch(fn, (H * t.n_outer * B,), luts.device, consts, num_warps=tile.warps, num_stages=tile.stages)
     ints = (s_qb, s_qt, s_kb, s_kt, s_vb, s_vt, Tq * H * Dv, H * Dv,    # q; k; v; o and do (contiguous)
@@ -664,12 +637,11 @@ def _plan(kind: str, luts: AttnLuts, key: tuple, tensors: tuple):
 def launch(kind: str, luts: AttnLuts, tensors: tuple, pad: torch.Tensor | None, scales: tuple,
            key: tuple | None = None, slopes: torch.Tensor | None = None, dlse: torch.Tensor | None = None,
            softcap: float = 0.0) -> None:
-    """One kernel, ``kind`` in {"fwd", "dq", "dkdv", "bwd"}, over ``luts`` cut to its tiles
+    """One kernel, ``kind`` in {"fwd", "dq", "dkdv"}, over ``luts`` cut to its tiles
     (:func:`tiles`): ``tensors`` are its leading tensor arguments in signature order (q and k
     first, as :func:`kernel_inputs` makes them; the others contiguous), ``pad`` None or the int8
     (B, Tk) padding mask (:func:`_pad_i8`), ``scales`` (scale·log2 e, softcap·log2 e) and for the
-    backward the scale (dkdv: a ninth tensor stands for bwd's dQ, unread); ``slopes`` the (H,) fp32
-    ALiBi slopes or None, ``dlse`` (dq only) the
+    backward the scale; ``slopes`` the (H,) fp32 ALiBi slopes or None, ``dlse`` (dq only) the
     gradient of the natural-log LSE or None; ``key`` the pass's :func:`_pass_key` (made from the
     tensors if None). Launches through a plan cached on ``luts`` (:mod:`bstrain.kernels.launch`)."""
     v = tensors[2]
@@ -686,25 +658,7 @@ def launch(kind: str, luts: AttnLuts, tensors: tuple, pad: torch.Tensor | None, 
     inner = tuple(tensors[i] for i, _ in _DESCS[kind])
     if templates is not None:
         inner = tuple(_desc_like(tm, x) for tm, x in zip(templates, inner))
-    if kind == "dkdv":
-        inner += (tensors[8],)                                            # DQA of the fused form, unread
     run(*tensors, *extra, *inner, *tabs, tensors[0] if pad is None else pad, *ints, *scales)  # PAD unread without HAS_PAD
-
-
-def _delta(luts: AttnLuts, key: tuple, o: torch.Tensor, do: torch.Tensor, dlse: torch.Tensor | None,
-           delta: torch.Tensor) -> None:
-    """Δ = rowsum(dO ∘ O) − dLSE into ``delta`` (B, H·Tq), for the fused backward."""
-    B, Tq = o.shape[:2]
-    H = luts.heads
-    Dv = o.shape[2] // H
-
-    def make():
-        bo = min(64, luts.block_size)                            # divides Tq, a multiple of the block size
-        block_dv = max(16, triton.next_power_of_2(Dv))
-        return Launch(_attn_bwd_delta, (Tq // bo, B * H), luts.device,
-                      dict(BO=bo, BLOCK_DV=block_dv, EVEN_DV=block_dv == Dv, HAS_DLSE=dlse is not None), num_warps=4)
-    if B * Tq:
-        plan(luts.plans, ("delta", key), make)(o, do, o if dlse is None else dlse, delta, Tq, H, Dv)
 
 
 def _pad_i8(pad: torch.Tensor | None) -> torch.Tensor | None:
@@ -757,15 +711,9 @@ def attention_backward(do, q, k, v, o, lse, luts: AttnLuts, scale: float, pad=No
         dk = empty((B, Tk, HD), torch.float32, k.device)
         dv = empty((B, Tk, HDv * HD // HDk), torch.float32, k.device)
     scales = (scale * LOG2E, cap2, scale)
-    if BACKWARD == "fused" and not torch.are_deterministic_algorithms_enabled():
-        _delta(luts, key, o, do, dlse, delta)
-        dq = empty(q.shape, torch.float32, q.device).zero_()
-        launch("bwd", luts, (q, k, v, do, lse, delta, dk, dv, dq), pad, scales, key, slopes)
-        dq = dq.to(q.dtype)
-    else:
-        dq = empty(q.shape, q.dtype, q.device)
-        launch("dq", luts, (q, k, v, o, do, lse, delta, dq), pad, scales, key, slopes, dlse)
-        launch("dkdv", luts, (q, k, v, do, lse, delta, dk, dv, q), pad, scales, key, slopes)
+    dq = empty(q.shape, q.dtype, q.device)
+    launch("dq", luts, (q, k, v, o, do, lse, delta, dq), pad, scales, key, slopes, dlse)
+    launch("dkdv", luts, (q, k, v, do, lse, delta, dk, dv), pad, scales, key, slopes)
     if HDk != HD:
         G = HD // HDk
         dk, dv = (t.view(B, Tk, HDk_ // (t.shape[2] // H), G, t.shape[2] // H).sum(3).view(B, Tk, HDk_).to(k.dtype)
