@@ -3,6 +3,8 @@
     bash ../shared/tools/device-wheels.sh          # here, once: hydra's wheels into .whl (carry .whl)
     . scripts/gpu_env.sh && python3 scripts/bench_lm_anchor.py --out $OUT [--shapes D64,D128]
         [--anchor-mask layers,window] [--flex-block 128,64] [--windows 7 --steps 10 --warmup 5]
+    ... --config transformer_long --shapes native      # the 32k config against its dense twin (the anchor
+                                                       # refuses activation checkpointing: its row says so)
     PYTHONPATH=$PWD python scripts/bench_lm_anchor.py --cpu-smoke --out /tmp/x     # CI: tiny, on the CPU
 
 Whole training steps of three models on one random byte batch (transformer_enwik8's, 4 x 8192), bf16
@@ -62,7 +64,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from bench_lstm import config  # noqa: E402
 
 BASE = ["config=transformer_enwik8", "trainer.precision=bf16", "trainer.progress=false", "data.name=bytes"]
-SHAPES = {"D64": ["model.d_model=512", "model.n_head=8"], "D128": ["model.d_model=1024", "model.n_head=8"]}
+SHAPES = {"D64": ["model.d_model=512", "model.n_head=8"], "D128": ["model.d_model=1024", "model.n_head=8"],
+          "native": []}                # the --config as shipped (e.g. --config transformer_long --shapes native)
 SMOKE = ["model.d_model=64", "model.n_head=2", "model.n_layer=2", "model.context=256", "model.block_size=32",
          "model.window=64", "model.summary=16", "data.seq_len=256", "data.batch_size=2", "trainer.device=cpu"]
 TARGET_VS_ANCHOR, TARGET_VS_DENSE, DENSE_TARGET_SHAPE = 1.25, 1.8, "D64"
@@ -433,6 +436,7 @@ def report(rows: list[dict], meta: dict, out: str, cpu: bool) -> str:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", default="benchmarks")
+    ap.add_argument("--config", default="transformer_enwik8", help="the shipped config the shapes override")
     ap.add_argument("--shapes", default="D64,D128", help="comma-separated names of SHAPES")
     ap.add_argument("--anchor-mask", default="layers",
                     help="comma list of: layers (bstrain's element masks, per layer), window (a causal window of "
@@ -446,6 +450,7 @@ def main() -> None:
     ap.add_argument("--override", action="append", default=[], help="a Hydra override for all (repeatable)")
     ap.add_argument("--cpu-smoke", action="store_true", help="tiny sizes on the CPU, uncompiled: checks the script")
     args = ap.parse_args()
+    BASE[0] = f"config={args.config}"
     args.flex_block = [int(b) for b in args.flex_block.split(",") if b]
     if args.cpu_smoke:
         args.compile, args.warmup, args.windows, args.steps, args.flex_block = "", 1, 2, 2, [32]
