@@ -54,12 +54,15 @@ class BlockSparseAttention(nn.Module):
         self.softcap = _check_softcap(softcap) or None
         slopes = _check_alibi(alibi, self.op.heads, torch.device("cpu"), torch.float32)     # (H,) or None
         self._slopes = None if slopes is None else tuple(slopes.tolist())
-        self.register_buffer("alibi_slopes", slopes, persistent=False)
+        self.register_buffer("alibi_slopes", None if slopes is None else slopes.clone(), persistent=False)
 
     def _apply(self, fn, recurse: bool = True):
-        """``.to()``, ``.half()``, ``to_empty()``: the ALiBi slopes are rewritten from their host
-        values on the new device, in fp32 (a cast would round them; to_empty leaves them
-        uninitialised)."""
+        """``.to()``, ``.half()``, ``to_empty()``: the ALiBi slopes keep their current values, in
+        fp32, on the new device (a cast would round them); from meta or after ``to_empty()``, which
+        hold no values, they are the construction's."""
+        slopes = self.alibi_slopes
+        if slopes is not None and slopes.device.type != "meta":
+            self._slopes = tuple(slopes.detach().float().cpu().tolist())      # a user's in-place change stays
         out = super()._apply(fn, recurse)
         if self.alibi_slopes is not None:
             self.alibi_slopes = torch.tensor(self._slopes, dtype=torch.float32, device=self.alibi_slopes.device)

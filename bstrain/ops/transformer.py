@@ -31,6 +31,7 @@ reference (:func:`attention_ref` and the PyTorch path), the custom ops
 """
 from __future__ import annotations
 
+import functools
 import math
 import numbers
 import os
@@ -686,14 +687,25 @@ def _check_alibi(alibi, heads: int, device: torch.device, dtype: torch.dtype) ->
             raise ValueError(f"alibi: expected {heads} slopes (one per head), got shape {tuple(alibi.shape)}")
         if alibi.device.type == "cpu" and eager(alibi) and not torch.isfinite(alibi).all():
             raise ValueError(f"alibi: expected finite slopes, got {alibi.tolist()}")
-        return alibi.to(device, dtype).contiguous()
+        return alibi.detach().to(device, dtype).contiguous()       # constants: no gradient on any backend
     if not isinstance(alibi, (list, tuple, np.ndarray)) \
             or not all(isinstance(a, numbers.Real) and not isinstance(a, bool) for a in alibi):
         raise TypeError(f"alibi: expected None, True, or {heads} slopes (a sequence of numbers or a tensor), "
                         f"got {alibi!r}")
     if len(alibi) != heads or not all(math.isfinite(a) for a in alibi):
         raise ValueError(f"alibi: expected {heads} finite slopes (one per head), got {list(alibi)}")
-    return torch.tensor([float(a) for a in alibi], dtype=dtype, device=device)
+    values = tuple(float(a) for a in alibi)
+    if torch.compiler.is_compiling():
+        return torch.tensor(values, dtype=dtype, device=device)
+    return _slopes_on(values, device, dtype)
+
+
+@functools.lru_cache(maxsize=64)
+def _slopes_on(values: tuple, device: torch.device, dtype: torch.dtype) -> Tensor:
+    """Slopes given as numbers (or ``alibi=True``), on ``device`` once: a copy at every call would
+    wait for the host, and break CUDA-graph capture. A tensor on q's device is taken as it is."""
+    with torch.inference_mode(False):
+        return torch.tensor(values, dtype=dtype, device=device)
 
 
 def _check_softcap(softcap) -> float:

@@ -126,3 +126,15 @@ def test_bad_value_in_sdpa_form():
         m(q, k, torch.randn(1, 32, 16))
     with pytest.raises(ValueError, match=r"^v: expected \(batch, 32, 2·Dv\)"):
         m(q, k, torch.randn(1, 2, 16, 8))                         # 16 positions for k's 32
+
+
+def test_alibi_slopes_changed_in_place_survive_casts_and_moves():
+    attn = BlockSparseAttention.from_mask(L.causal_mask, context=32, block_size=16, heads=2, alibi=True)
+    with torch.no_grad():
+        attn.alibi_slopes.mul_(2)
+    want = attn.alibi_slopes.clone()
+    attn.float().half().to("cpu")
+    assert attn.alibi_slopes.dtype == torch.float32 and torch.equal(attn.alibi_slopes, want)
+    meta = BlockSparseAttention.from_mask(L.causal_mask, context=32, block_size=16, heads=2, alibi=True,
+                                          ).to("meta").to_empty(device="cpu")
+    assert torch.equal(meta.alibi_slopes, torch.tensor(alibi_slopes(2)))

@@ -296,3 +296,20 @@ def test_bad_value_widths():
         op.attention(q, k, torch.randn(1, 32, 5))
     with pytest.raises(ValueError, match=r"^v: the Triton backend takes head dims up to 128, got 160"):
         op.attention(q, k, torch.randn(1, 32, 2 * 160))
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_alibi_slopes_are_constants_on_every_backend(backend):
+    """Slopes that require grad get none on either backend (the kernels give none), and slopes
+    given as numbers are made on the device once, not copied at every call."""
+    lay, cb = L.attention_layout(L.causal_mask, 32, 32, 16)
+    op = BlocksparseTransformer(lay, block_size=16, heads=2, mask_callback=cb, backend=backend)
+    dev = kernel_device()
+    q = torch.randn(1, 32, 2 * 16, device=dev, requires_grad=True)
+    slopes = torch.tensor([0.5, 0.25], device=dev, requires_grad=True)
+    op.attention(q, q, q, alibi=slopes).sum().backward()
+    assert slopes.grad is None and q.grad is not None
+    from bstrain.ops.transformer import _check_alibi
+    a = _check_alibi(True, 2, torch.device(dev), torch.float32)
+    assert a is _check_alibi(True, 2, torch.device(dev), torch.float32)
+    assert a is _check_alibi([float(x) for x in alibi_slopes(2)], 2, torch.device(dev), torch.float32)
