@@ -13,6 +13,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from bstrain._tensors import real_tensors
+
 __all__ = [
     "as_layout", "validate", "from_array", "dense", "random", "balanced", "block_diagonal",
     "barabasi_albert", "watts_strogatz", "density", "z_order_rank",
@@ -340,7 +342,6 @@ def attention_layout(mask, q_len: int, k_len: int, block_size: int, heads: int |
     layout = np.zeros((heads or 1, nq, nk), dtype=bool)
     partial: dict[tuple[int, int, int], np.ndarray] = {}
     rows = max(1, _CHUNK // (bs * k_len))                                  # query blocks per call
-    from bstrain.ops.tables import real_tensors          # here: bstrain.ops imports this module
     with real_tensors(torch.device("cpu")), torch.no_grad():              # also under a meta default device
         b, k_idx = torch.zeros((), dtype=torch.int64), torch.arange(k_len)[None, :]
         for h in range(heads or 1):

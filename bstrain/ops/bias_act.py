@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from bstrain.ops.ew import _check_tensor, check_param, unit_columns, use_kernels
+from bstrain.ops._checks import check_param, check_tensor, unit_columns, use_kernels
 from bstrain.ops.tables import eager
 
 __all__ = ["bias_gelu", "bias_gelu_ref"]
@@ -105,7 +105,7 @@ def bias_gelu(x: Tensor, bias: Tensor, *, backend: str = "auto") -> Tensor:
         backend: "auto" (the kernel on CUDA), "triton" (also on CPU under TRITON_INTERPRET=1) or "torch".
     Returns a contiguous tensor of x's shape and dtype; math in fp32.
     """
-    _check_tensor("x", x)
+    check_tensor("x", x)
     if x.dim() < 1 or x.shape[-1] == 0:
         raise ValueError(f"x: expected (..., C) with C >= 1, got shape {tuple(x.shape)}")
     C = x.shape[-1]

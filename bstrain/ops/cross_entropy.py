@@ -5,19 +5,22 @@ log-softmax, and the same again backward. :func:`cross_entropy` reads bf16/fp16 
 forward and writes their gradient once backward (:mod:`bstrain.kernels.cross_entropy`), with all
 math in fp32 registers. ``bstrain.ops.softmax_cross_entropy`` (the seed's name) runs it on CUDA.
 
-In this file's order: the reference → the custom ops ``torch.ops.bstrain.softmax_xent`` and
-``softmax_xent_bwd`` (fake, autograd) → the eager ``autograd.Function`` → the public function.
+In this file's order: the references → the custom ops ``torch.ops.bstrain.softmax_xent`` and
+``softmax_xent_bwd`` (fake, autograd) → the eager ``autograd.Function`` → the public function → the
+seed's ``softmax_cross_entropy``, which range-checks the labels and takes any label shape.
 """
 from __future__ import annotations
+
+import math
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from bstrain.ops.ew import INDEX_DTYPES, _check_tensor, unit_columns, use_kernels
+from bstrain.ops._checks import INDEX_DTYPES, as_index, check_tensor, unit_columns, use_kernels
 from bstrain.ops.tables import eager
 
-__all__ = ["cross_entropy", "cross_entropy_ref"]
+__all__ = ["cross_entropy", "cross_entropy_ref", "softmax_cross_entropy", "softmax_cross_entropy_ref"]
 
 
 # --- reference --------------------------------------------------------------------------------------
@@ -25,6 +28,11 @@ def cross_entropy_ref(logits: Tensor, labels: Tensor) -> Tensor:
     """Per-row loss (N,) in fp32 (fp64 for fp64 logits) of (N, V) logits: the CPU path and the oracle."""
     work = torch.promote_types(logits.dtype, torch.float32)
     return F.cross_entropy(logits.to(work), labels.long(), reduction="none")
+
+
+def softmax_cross_entropy_ref(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Per-row loss in fp32 (fp64 for fp64 logits): logsumexp(logits) - logits[label]."""
+    return F.cross_entropy(logits.to(torch.promote_types(logits.dtype, torch.float32)), labels, reduction="none")
 
 
 # --- custom ops (traced calls) -------------------------------------------------------------------------
@@ -104,7 +112,7 @@ def cross_entropy(logits: Tensor, labels: Tensor, *, backend: str = "auto") -> T
     [0, V) gives NaN on the kernel path and an error on the PyTorch one. The seed's
     ``softmax_cross_entropy`` checks them first.
     """
-    _check_tensor("logits", logits)
+    check_tensor("logits", logits)
     if logits.dim() < 1 or logits.shape[-1] == 0:
         raise ValueError(f"logits: expected (..., V) with V >= 1, got shape {tuple(logits.shape)}")
     rows = logits.shape[:-1]
@@ -122,3 +130,33 @@ def cross_entropy(logits: Tensor, labels: Tensor, *, backend: str = "auto") -> T
     if eager(logits):
         return _CrossEntropy.apply(flat, ids).reshape(rows)
     return torch.ops.bstrain.softmax_xent(flat, ids)[0].reshape(rows)
+
+
+# --- seed API --------------------------------------------------------------------------------------------
+def softmax_cross_entropy(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Softmax + cross-entropy over the last axis. The seed's signature.
+
+    Args:
+        logits: (..., V) fp32/fp16/bf16, any rank >= 1.
+        labels: integer class ids (int64/32/16, uint16, uint8), one per row of logits: any shape
+            with logits.numel() // V elements.
+    Returns the fp32 loss (fp64 for fp64 logits) of shape logits.shape[:-1]. Works in fp32 internally, so fp16/bf16
+    logits of vocabularies up to 65,536 (and beyond) never overflow; the gradient comes back in
+    the logits' dtype. On CUDA the fused kernel of :func:`bstrain.ops.cross_entropy.cross_entropy`
+    (no fp32 copy of the logits), elsewhere PyTorch's cross_entropy.
+    """
+    check_tensor("logits", logits)
+    if logits.dim() < 1:
+        raise ValueError("logits: expected at least 1 dim (..., V), got a scalar")
+    rows = logits.shape[:-1]
+    if not isinstance(labels, torch.Tensor) or labels.numel() != math.prod(rows):
+        raise ValueError(f"logits, labels: expected labels with one id per row of logits "
+                         f"({math.prod(rows)} for logits {tuple(logits.shape)}), got "
+                         f"{tuple(labels.shape) if isinstance(labels, torch.Tensor) else type(labels).__name__}")
+    if labels.device != logits.device:
+        raise ValueError(f"labels: expected device {logits.device} (as logits), got {labels.device}")
+    labels = as_index("labels", labels, logits.shape[-1])
+    if use_kernels(logits):                      # the fused kernel
+        return cross_entropy(logits, labels.reshape(rows))
+    flat = softmax_cross_entropy_ref(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1))
+    return flat.reshape(rows)

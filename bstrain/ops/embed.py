@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from bstrain.ops.ew import as_index
+from bstrain.ops._checks import as_index
 
 __all__ = ["embedding_lookup"]
 

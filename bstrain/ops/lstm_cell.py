@@ -1,30 +1,231 @@
-"""The fused mLSTM cell: per-gate layer norm of the recurrent pre-activations, the input add and the
-LSTM gates, in one kernel each way on CUDA.
+"""The LSTM cell updates: the seed's fused LSTM gates, and the fused mLSTM cell.
+
+``fused_lstm_gates(c, h)`` (with ``split4`` and ``concat4``) is the seed's cell update on the four
+gate pre-activations, gate order i, u, f, o: ``new_c = σ(f + forget_bias)·c + σ(i)·tanh(u)``,
+``new_h = σ(o)·tanh(new_c)``. Its Triton kernel (:mod:`bstrain.kernels.ew`) measurably beats
+``torch.compile`` of the same math (scripts/bench_ops.py, benchmarks/ops.md), so CUDA tensors run it.
+
+``fused_lstm_cell`` goes one step further: per-gate layer norm of the recurrent pre-activations, the
+input add and the LSTM gates, in one kernel each way on CUDA.
 
     gates        = xg + LN4(z; g, b) + bias        LN4: layer norm of each of the four H-wide gate segments
-    new_c, new_h = fused_lstm_gates(c, gates)      gate order i, u, f, o (bstrain.ops.ew)
+    new_c, new_h = fused_lstm_gates(c, gates)      gate order i, u, f, o
 
 It stands for ``layer_norm(z, g, b, segments=4)``, an add and ``fused_lstm_gates`` (three launches and
 an (N, 4H) tensor each way), and keeps the pre-activations in fp32 rather than rounding them to
 z's dtype in between.
 
-In this file's order: the reference → the custom ops ``torch.ops.bstrain.lstm_cell`` and
-``lstm_cell_bwd`` (fake, autograd) → the eager ``autograd.Function`` → the public function.
+Each of the two, in this file's order: the reference → the custom ops (``torch.ops.bstrain.lstm_gates``
+and ``lstm_gates_bwd``; ``lstm_cell`` and ``lstm_cell_bwd``), fake and autograd → the eager
+``autograd.Function`` → the public function.
 """
 from __future__ import annotations
 
 import torch
 from torch import Tensor
 
-from bstrain.ops.ew import _check_tensor, check_param, fused_lstm_gates_bwd_ref, fused_lstm_gates_ref, use_kernels
+from bstrain.ops._checks import HALF, check_param, check_same, check_tensor, use_kernels
+from bstrain.ops._seed import ignores
 from bstrain.ops.norms import layer_norm_bwd_ref, layer_norm_ref, layer_norm_stats_ref
 from bstrain.ops.tables import eager
 
-__all__ = ["fused_lstm_cell", "fused_lstm_cell_ref"]
+__all__ = ["split4", "concat4", "fused_lstm_gates", "fused_lstm_gates_ref", "fused_lstm_gates_bwd_ref",
+           "fused_lstm_cell", "fused_lstm_cell_ref"]
 
 _KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
+# === the seed's LSTM gates =============================================================================
+# --- gate views ----------------------------------------------------------------------------------------
+def split4(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(N, 4K) -> four (N, K) views, in gate order i, u, f, o."""
+    if x.dim() != 2 or x.shape[1] % 4:
+        raise ValueError(f"x: expected (N, 4K), got {tuple(x.shape)}")
+    return tuple(x.chunk(4, dim=1))
+
+
+def concat4(x0, x1, x2, x3) -> torch.Tensor:
+    """Four (N, K) tensors -> (N, 4K)."""
+    xs = (x0, x1, x2, x3)
+    check_same(("x0", "x1", "x2", "x3"), *xs)
+    for i, x in enumerate(xs):
+        if x.shape != x0.shape or x.dim() != 2:
+            raise ValueError(f"x{i}: expected shape {tuple(x0.shape)} (2-D, as x0), got {tuple(x.shape)}")
+    return torch.cat(xs, dim=1)
+
+
+# --- reference -----------------------------------------------------------------------------------------
+def fused_lstm_gates_ref(c, i, u, f, o, forget_bias: float = 1.0):
+    """PyTorch LSTM cell update on pre-activations: returns (new_c, new_h)."""
+    new_c = c * torch.sigmoid(f + forget_bias) + torch.sigmoid(i) * torch.tanh(u)
+    return new_c, torch.tanh(new_c) * torch.sigmoid(o)
+
+
+def _gates_work(c, i, u, f, o, bias):
+    """c and the four gate pre-activations (bias added) in the math dtype (fp32 for 16-bit)."""
+    work = torch.promote_types(c.dtype, torch.float32)
+    gates = [t.to(work) for t in (i, u, f, o)]
+    if bias is not None:
+        gates = [t + bb.to(work) for t, bb in zip(gates, bias.reshape(4, -1))]
+    return c.to(work), gates
+
+
+def fused_lstm_gates_bwd_ref(c, i, u, f, o, bias, dc_new, dh_new, forget_bias: float):
+    """(dc (N, K), dgates (N, 4K) in the order i, u, f, o) of the cell update, by the formulas, in
+    c's dtype (math in fp32 for 16-bit inputs)."""
+    cw, (gi, gu, gf, go) = _gates_work(c, i, u, f, o, bias)
+    si, tu, sf, so = torch.sigmoid(gi), torch.tanh(gu), torch.sigmoid(gf + forget_bias), torch.sigmoid(go)
+    t = torch.tanh(cw * sf + si * tu)
+    dh = dh_new.to(cw.dtype)
+    dcn = dh * so * (1 - t * t) + (dc_new.to(cw.dtype) if dc_new is not None else 0)
+    dg = torch.cat([dcn * tu * si * (1 - si), dcn * si * (1 - tu * tu), dcn * cw * sf * (1 - sf),
+                    dh * t * so * (1 - so)], dim=1)
+    return (dcn * sf).to(c.dtype), dg.to(c.dtype)
+
+
+# --- custom ops (traced calls) -------------------------------------------------------------------------
+# torch.ops.bstrain.lstm_gates and lstm_gates_bwd: CUDA runs the kernels, CPU the references
+@torch.library.custom_op("bstrain::lstm_gates", mutates_args=())
+def _lstm_gates_op(c: torch.Tensor, i: torch.Tensor, u: torch.Tensor, f: torch.Tensor, o: torch.Tensor,
+                   bias: torch.Tensor | None, forget_bias: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(new_c, new_h), (N, K) each, from c and the gates i, u, f, o ((N, K) views, unit feature
+    stride); bias: (4K,) or None, added to the gates. The math is fp32 for 16-bit inputs."""
+    if c.is_cuda:
+        from bstrain.kernels.ew import lstm_gates_forward
+        return lstm_gates_forward(c, i, u, f, o, bias, forget_bias)
+    cw, gates = _gates_work(c, i, u, f, o, bias)
+    new_c, new_h = fused_lstm_gates_ref(cw, *gates, forget_bias=forget_bias)
+    return new_c.to(c.dtype), new_h.to(c.dtype)
+
+
+@_lstm_gates_op.register_fake
+def _(c, i, u, f, o, bias, forget_bias):
+    return c.new_empty(c.shape), c.new_empty(c.shape)
+
+
+@torch.library.custom_op("bstrain::lstm_gates_bwd", mutates_args=())
+def _lstm_gates_bwd_op(c: torch.Tensor, i: torch.Tensor, u: torch.Tensor, f: torch.Tensor, o: torch.Tensor,
+                       bias: torch.Tensor | None, dc_new: torch.Tensor | None, dh_new: torch.Tensor,
+                       forget_bias: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(dc (N, K), dgates (N, 4K) in the order i, u, f, o), in c's dtype."""
+    if c.is_cuda:
+        from bstrain.kernels.ew import lstm_gates_backward
+        for name, d in (("dc_new", dc_new), ("dh_new", dh_new)):
+            if d is not None and d.shape != c.shape:
+                raise ValueError(f"{name}: expected shape {tuple(c.shape)} (as c), got {tuple(d.shape)}")
+        return lstm_gates_backward(c, i, u, f, o, dc_new, dh_new, bias, forget_bias)
+    return fused_lstm_gates_bwd_ref(c, i, u, f, o, bias, dc_new, dh_new, forget_bias)
+
+
+@_lstm_gates_bwd_op.register_fake
+def _(c, i, u, f, o, bias, dc_new, dh_new, forget_bias):
+    return c.new_empty(c.shape), c.new_empty((c.shape[0], 4 * c.shape[1]))
+
+
+def _gates_setup(ctx, inputs, output):
+    c, i, u, f, o, bias, forget_bias = inputs
+    ctx.save_for_backward(c, i, u, f, o, bias)
+    ctx.forget_bias = forget_bias
+    ctx.set_materialize_grads(False)
+
+
+def _dbias(dg: torch.Tensor, bias: torch.Tensor | None, needed: bool) -> torch.Tensor | None:
+    if bias is None or not needed:
+        return None
+    dbias = dg.sum(0, dtype=torch.float32)
+    return dbias if dbias.dtype == bias.dtype else dbias.to(bias.dtype)
+
+
+def _gates_backward(ctx, dc_new, dh_new):
+    c, i, u, f, o, bias = ctx.saved_tensors
+    if dh_new is None:
+        dh_new = torch.zeros_like(c)
+    dc, dg = _lstm_gates_bwd_op(c, i, u, f, o, bias, dc_new, dh_new, ctx.forget_bias)
+    return (dc,) + tuple(dg.chunk(4, dim=1)) + (_dbias(dg, bias, ctx.needs_input_grad[5]), None)
+
+
+_lstm_gates_op.register_autograd(_gates_backward, setup_context=_gates_setup)
+
+
+# --- eager autograd ------------------------------------------------------------------------------------
+class _LstmGates(torch.autograd.Function):
+    """The custom op's kernels without the dispatcher's round trip (eager calls)."""
+
+    @staticmethod
+    def forward(ctx, c, bias, forget_bias, i, u, f, o):
+        from bstrain.kernels.ew import lstm_gates_forward
+        c, i, u, f, o = (t if t.stride(1) == 1 else t.contiguous() for t in (c, i, u, f, o))
+        bias = bias.contiguous() if bias is not None else None
+        ctx.save_for_backward(c, bias, i, u, f, o)
+        ctx.forget_bias = forget_bias
+        return lstm_gates_forward(c, i, u, f, o, bias, forget_bias, check=False)
+
+    @staticmethod
+    def backward(ctx, dc_new, dh_new):
+        from bstrain.kernels.ew import lstm_gates_backward
+        c, bias, i, u, f, o = ctx.saved_tensors
+        if dh_new is None:
+            dh_new = torch.zeros_like(c)
+        dc, dg = lstm_gates_backward(c, i, u, f, o, dc_new, dh_new, bias, ctx.forget_bias, check=False)
+        return (dc, _dbias(dg, bias, ctx.needs_input_grad[1]), None) + tuple(dg.chunk(4, dim=1))
+
+
+# --- public function -----------------------------------------------------------------------------------
+@ignores("name")                        # the seed's name= (a TensorFlow op name)
+def fused_lstm_gates(c: torch.Tensor, *args: torch.Tensor, bias: torch.Tensor | None = None,
+                     forget_bias: float = 1.0, backend: str = "auto") -> tuple[torch.Tensor, torch.Tensor]:
+    """The seed's fused LSTM cell update.
+
+    Gate order (as in the seed): **i, u, f, o** — input gate, update (candidate), forget gate,
+    output gate. ``new_c = σ(f + forget_bias)·c + σ(i)·tanh(u)``, ``new_h = σ(o)·tanh(new_c)``.
+
+    Args:
+        c: (N, K) cell state.
+        *args: one (N, 4K) tensor holding the four gate pre-activations side by side, or four
+            (N, K) tensors i, u, f, o.
+        bias: 4K elements of any shape ((4K,), (1, 4K), ...), added to the fused gates
+            (one-tensor form only); c's dtype, or float32 with 16-bit gates.
+        backend: "auto" (the kernel on CUDA), "triton" (also on CPU under TRITON_INTERPRET=1) or "torch".
+    Returns (new_c, new_h), each (N, K) in c's dtype. The math is fp32 for 16-bit inputs.
+    """
+    check_tensor("c", c)
+    if len(args) == 1:
+        h = args[0]
+        check_same(("c", "h"), c, h)
+        if c.dim() != 2 or h.dim() != 2 or h.shape != (c.shape[0], 4 * c.shape[1]):
+            raise ValueError(f"h: expected shape (N, 4K) = {(c.shape[0], 4 * c.shape[1])} for c "
+                             f"{tuple(c.shape)}, got {tuple(h.shape)}")
+        if bias is not None:
+            bias = check_param("bias", bias, h, h.shape[1])
+        gates = h.chunk(4, dim=1)
+    elif len(args) == 4:
+        check_same(("c", "i", "u", "f", "o"), c, *args)
+        if c.dim() != 2:
+            raise ValueError(f"c: expected a 2-D (N, K) tensor, got shape {tuple(c.shape)}")
+        for name, g in zip("iufo", args):
+            if g.shape != c.shape:
+                raise ValueError(f"{name}: expected shape {tuple(c.shape)} (as c), got {tuple(g.shape)}")
+        if bias is not None:
+            raise ValueError("bias: only supported with the fused (N, 4K) gate tensor")
+        gates = args
+    else:
+        raise ValueError(f"args: expected one (N, 4K) gate tensor or four (N, K) tensors i, u, f, o, "
+                         f"got {len(args)} tensors")
+    if use_kernels(c, backend):                                              # the kernel adds the bias
+        if eager(c):
+            return _LstmGates.apply(c, bias, float(forget_bias), *gates)
+        c, *gates = (t if t.stride(1) == 1 else t.contiguous() for t in (c, *gates))
+        return torch.ops.bstrain.lstm_gates(c, *gates, bias.contiguous() if bias is not None else None,
+                                            float(forget_bias))
+    if bias is not None:
+        gates = (args[0] + bias).chunk(4, dim=1)                             # fp32 with an fp32 bias
+    elif c.dtype in HALF:
+        gates = tuple(g.float() for g in gates)
+    new_c, new_h = fused_lstm_gates_ref(c.to(gates[0].dtype), *gates, forget_bias=forget_bias)
+    return new_c.to(c.dtype), new_h.to(c.dtype)
+
+
+# === the fused mLSTM cell ==============================================================================
 # --- reference --------------------------------------------------------------------------------------
 def _preact_ref(z, xg, g, b, bias, work, eps, stats=None):
     """xg + LN4(z) + bias in ``work`` (fp32, or fp64 for fp64 inputs), from z's own statistics or
@@ -194,7 +395,7 @@ def fused_lstm_cell(c: Tensor, z: Tensor, xg: Tensor, g: Tensor, b: Tensor, bias
     Returns (new_c, new_h), each (N, H) in c's dtype.
     """
     for name, t in (("c", c), ("z", z), ("xg", xg)):
-        _check_tensor(name, t)
+        check_tensor(name, t)
         if t.dtype != c.dtype:
             raise TypeError(f"{name}: expected dtype {c.dtype} (as c), got {t.dtype}")
         if t.device != c.device:

@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from bstrain.ops.ew import _check_tensor, check_axis, check_param, use_kernels
+from bstrain.ops._checks import check_axis, check_param, check_tensor, use_kernels
 from bstrain.ops.tables import eager
 
 __all__ = ["layer_norm", "layer_norm_ref", "batch_norm", "batch_norm_inference"]
@@ -251,7 +251,7 @@ def layer_norm(x: torch.Tensor, g: torch.Tensor, b: torch.Tensor, axis: int = 1,
             kernel; on CPU under TRITON_INTERPRET=1) or "torch".
     Returns a tensor like x (same shape and dtype). Statistics are computed in fp32.
     """
-    _check_tensor("x", x)
+    check_tensor("x", x)
     if x.dim() < 1:
         raise ValueError("x: expected at least 1 dim, got a scalar")
     axis = check_axis("axis", axis, x.dim())
@@ -283,7 +283,7 @@ def layer_norm(x: torch.Tensor, g: torch.Tensor, b: torch.Tensor, axis: int = 1,
 
 
 def _check_mul(x: torch.Tensor, mul, relu: bool) -> None:
-    _check_tensor("mul", mul)
+    check_tensor("mul", mul)
     if mul.shape != x.shape or mul.device != x.device:
         raise ValueError(f"mul: expected shape {tuple(x.shape)} on {x.device} (as x), got {tuple(mul.shape)} on "
                          f"{mul.device}")
@@ -313,7 +313,7 @@ def _layer_norm_2d(x, g, b, axis: int, epsilon: float, relu: bool, segments: int
 
 def _check_batch_norm(x, **params) -> list[torch.Tensor]:
     """x: (N, C, ...); each param C elements of any shape, x's dtype or fp32 with 16-bit x."""
-    _check_tensor("x", x)
+    check_tensor("x", x)
     if x.dim() < 2:
         raise ValueError(f"x: expected (N, C, ...) like NCHW or NCDHW, got shape {tuple(x.shape)}")
     return [check_param(name, t, x, x.shape[1]) for name, t in params.items()]

@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from bstrain.ops.ew import _check_tensor, check_param, unit_columns, use_kernels
+from bstrain.ops._checks import check_param, check_tensor, unit_columns, use_kernels
 from bstrain.ops.tables import eager
 
 __all__ = ["add_layer_norm", "add_layer_norm_ref"]
@@ -171,12 +171,12 @@ def add_layer_norm(x: Tensor, residual: Tensor | None, weight: Tensor, bias: Ten
     Returns (y, h), both of x's shape and dtype. The add and the statistics are fp32; h is rounded
     to x's dtype before it is normalised, so y is exactly the norm of the stream handed on.
     """
-    _check_tensor("x", x)
+    check_tensor("x", x)
     if x.dim() < 1 or x.shape[-1] == 0:
         raise ValueError(f"x: expected (..., C) with C >= 1, got shape {tuple(x.shape)}")
     C = x.shape[-1]
     if residual is not None:
-        _check_tensor("residual", residual)
+        check_tensor("residual", residual)
         if residual.shape != x.shape or residual.device != x.device:
             raise ValueError(f"residual: expected shape {tuple(x.shape)} on {x.device} (as x), got "
                              f"{tuple(residual.shape)} on {residual.device}")

@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from bstrain.ops.ew import _check_tensor, check_param, use_kernels
+from bstrain.ops._checks import check_param, check_tensor, use_kernels
 from bstrain.ops.tables import eager, real_tensors, tracing
 
 __all__ = ["apply_rotary", "apply_rotary_ref", "rotary_tables"]
@@ -165,7 +165,7 @@ def apply_rotary(x: Tensor, cos: Tensor, sin: Tensor, head_dim: int, rotated: in
         backend: "auto" (the kernel on CUDA), "triton" (also on CPU under TRITON_INTERPRET=1) or "torch".
     Returns a contiguous tensor of x's shape and dtype. Math in fp32.
     """
-    _check_tensor("x", x)
+    check_tensor("x", x)
     if x.dim() != 3:
         raise ValueError(f"x: expected (batch, T, heads·head_dim), got shape {tuple(x.shape)}")
     B, T, C = x.shape

@@ -19,7 +19,6 @@ The rules every family gets from here, once:
 """
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import itertools
 import weakref
@@ -27,6 +26,8 @@ from collections.abc import Callable
 
 import numpy as np
 import torch
+
+from bstrain._tensors import real_tensors
 
 __all__ = ["family", "layout_tables", "private_tables", "lookup", "LayoutTables", "eager", "tracing", "real_tensors"]
 
@@ -49,15 +50,6 @@ def tracing() -> bool:
         return True
     from torch._guards import detect_fake_mode
     return detect_fake_mode() is not None
-
-
-@contextlib.contextmanager
-def real_tensors(device: torch.device):
-    """Tensors made inside are real, ordinary tensors on ``device``: outside any fake mode,
-    inference mode or default-device (meta) context of the caller."""
-    from torch._subclasses.fake_tensor import unset_fake_temporarily
-    with unset_fake_temporarily(), torch.inference_mode(False), torch.device(device):
-        yield
 
 
 _TAKES_PRIVATE: set[str] = set()
