@@ -18,6 +18,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from bstrain import layout as layouts  # noqa: E402
 from bstrain.kernels import matmul as K  # noqa: E402
+from bstrain.kernels.matmul_luts import make_luts  # noqa: E402
 from scripts.bench_matmul import time_calls  # noqa: E402
 
 
@@ -43,7 +44,7 @@ def main():
                                               (4096, 32, 64, 16, 0.1)):
         n = hidden // bs
         lay = layouts.barabasi_albert(n, max(1, round((density * n - 1) / 2)), seed=0)
-        luts = K.make_luts(lay, bs, "cuda")
+        luts = make_luts(lay, bs, "cuda")
         xs = [torch.randn(batch, hidden, device="cuda", dtype=torch.bfloat16) for _ in range(steps)]
         dys = [torch.randn(batch, hidden, device="cuda", dtype=torch.bfloat16) for _ in range(steps)]
         t1 = dw_time(luts, xs, dys, 1)

@@ -22,6 +22,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from bstrain import layout as layouts  # noqa: E402
 from bstrain.kernels import matmul as K  # noqa: E402
+from bstrain.kernels.matmul_luts import make_luts  # noqa: E402
 
 L2_BYTES = 60 << 20
 TARGET_FWD = {128: 0.85, 64: 0.75, 32: 0.60, 16: 0.35}
@@ -98,7 +99,7 @@ def bsr_times(lay, bs, M, dtype, w):
 
 
 def ours_times(lay, bs, M, dtype, axis=1, ops=("fwd", "dx", "dw")):
-    luts = K.make_luts(lay, bs, "cuda")
+    luts = make_luts(lay, bs, "cuda")
     C, Kf = luts.C, luts.K
     shape_x = (M, C) if axis == 1 else (C, M)
     shape_y = (M, Kf) if axis == 1 else (Kf, M)

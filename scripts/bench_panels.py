@@ -24,6 +24,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from bstrain import layout as layouts  # noqa: E402
 from bstrain.kernels import matmul as K  # noqa: E402
+from bstrain.kernels.matmul_luts import make_luts  # noqa: E402
 
 
 def bench(fn, smoke: bool) -> float:
@@ -50,7 +51,7 @@ def measure(args) -> list[dict]:
         # tiled: the gate layout (one pattern 4 times); random: an independent (H/bs, 4H/bs) draw,
         # where output blocks rarely share their input lists and panels do not apply
         lay = np.tile(base, (1, 4)) if kind == "tiled" else layouts.random((H // bs, 4 * H // bs), density, seed=0)
-        luts = K.make_luts(lay, bs, dev)
+        luts = make_luts(lay, bs, dev)
         w = torch.randn(luts.nnz, bs, bs, device=dev, dtype=dt) / bs**0.5
         row = dict(layout=kind, bs=bs, density=float(lay.mean()), M=M, H=H, dense_ms=round(dense_ms, 4))
         outs = {}

@@ -21,6 +21,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from bstrain import layout as layouts  # noqa: E402
 from bstrain.kernels import conv as KC  # noqa: E402
 from bstrain.kernels import matmul as KM  # noqa: E402
+from bstrain.kernels.matmul_luts import make_luts  # noqa: E402
 from bstrain.nn import BlockSparseConv2d  # noqa: E402
 
 
@@ -51,7 +52,7 @@ def main() -> None:
         twice(f"conv dw bs{bs}", lambda: KC.conv_dw(x, dy, luts, 3, 3, (1, 1), (1, 1), (1, 1)))
     H, M, bs = 4096, 8192, 32
     a = torch.randn(M, H, device=dev, dtype=torch.bfloat16)
-    mluts = KM.make_luts(layouts.random((H // bs, H // bs), 0.2, seed=0), bs, dev)
+    mluts = make_luts(layouts.random((H // bs, H // bs), 0.2, seed=0), bs, dev)
     w = torch.randn(mluts.nnz, bs, bs, device=dev, dtype=torch.bfloat16) / bs**0.5
     twice("bsmm fwd bs32 0.2", lambda: KM.bsmm_forward(a, w, mluts))
     dw = torch.randn(H, H, device=dev, dtype=torch.bfloat16)

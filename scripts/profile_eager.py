@@ -15,6 +15,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from bstrain.kernels import matmul as K  # noqa: E402
+from bstrain.kernels.matmul_luts import make_luts  # noqa: E402
 from bstrain.nn import BlockSparseLinear  # noqa: E402
 from scripts.bench_eager import fwd_bwd, gpu_us, per_call_us  # noqa: E402
 
@@ -64,7 +65,7 @@ def main() -> None:
     saved = K.GPU_DS_SMALL_M
     for tma, split in ((True, None), (False, None), (False, 1)):
         K.GPU_DS_SMALL_M = {bs: c._replace(tma=tma) for bs, c in saved.items()}
-        luts = K.make_luts(op.layout, op.block_size, dev)
+        luts = make_luts(op.layout, op.block_size, dev)
         fn = lambda: K.run_forward(x, w, luts, 1, split=split)           # noqa: E731
         print(f"forward tma={tma} split={split}: {per_call_us(fn, dev):.1f} us per call, GPU {gpu_us(fn):.1f} us",
               flush=True)

@@ -46,9 +46,10 @@ import torch
 import triton
 import triton.language as tl
 
+from bstrain.kernels._device import (desc_like as _desc_like, desc_template as _template, precision as _precision,
+                                     tma_ok as _tma_ok)
 from bstrain.kernels.alloc import empty
 from bstrain.kernels.launch import Launch, aligned, plan
-from bstrain.kernels.matmul import _desc_like, _precision, _template, _tma_ok
 
 LOG2E = 1.4426950408889634
 _TRI = -(1 << 20)       # a masked tile's code: >= 0 indexes the mask table; _TRI + d is triangular

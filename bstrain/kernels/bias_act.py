@@ -13,9 +13,9 @@ import torch
 import triton
 import triton.language as tl
 
+from bstrain.kernels._device import sm_count
 from bstrain.kernels.alloc import empty
 from bstrain.kernels.launch import Launch, aligned, plan
-from bstrain.kernels.matmul import _sm_count
 
 BLOCK_N, BLOCK_C = 16, 256
 
@@ -81,7 +81,7 @@ def bias_gelu_backward(dy: torch.Tensor, x: torch.Tensor, b: torch.Tensor) -> tu
     N, C = x.shape
     dx = empty((N, C), x.dtype, x.device)
     col_tiles = triton.cdiv(C, BLOCK_C)
-    programs = max(1, min(triton.cdiv(N, BLOCK_N), (16 * _sm_count(x.device)) // col_tiles + 1 if x.is_cuda else 8))
+    programs = max(1, min(triton.cdiv(N, BLOCK_N), (16 * sm_count(x.device)) // col_tiles + 1 if x.is_cuda else 8))
     part = empty((programs, C), torch.float32, x.device)
     key = ("bwd", N, C, x.stride(0), x.dtype, b.dtype, dy.dtype, aligned(x, b, dy), x.device)
 

@@ -35,9 +35,9 @@ import torch
 import triton
 import triton.language as tl
 
+from bstrain.kernels._device import desc_like, desc_template, precision, tma_ok
 from bstrain.kernels.alloc import empty
 from bstrain.kernels.launch import Launch, aligned, host_bound, plan
-from bstrain.kernels.matmul import _desc_like, _precision, _template, _tma_ok
 
 
 @triton.jit
@@ -305,7 +305,7 @@ def _nhwc(t: torch.Tensor):
     if not USE_TMA or t.dim() != 4 or t.dtype not in (torch.float16, torch.bfloat16):
         return None
     v = t.permute(0, 2, 3, 1)
-    return v if v.is_contiguous() and _tma_ok(v) else None
+    return v if v.is_contiguous() and tma_ok(v) else None
 
 
 def _check_size(*tensors) -> None:
@@ -328,7 +328,7 @@ def _wt_template(wt: torch.Tensor):
     """The filters (nnz, kh, kw, in, out) as a (nnz·kh·kw·in, out) descriptor of (bs, bs) tiles
     (a template: each call sets its base to that call's filters)."""
     bs = wt.shape[-1]
-    return _template(wt.view(-1, bs), [bs, bs])
+    return desc_template(wt.view(-1, bs), [bs, bs])
 
 
 def _tma_launch(a: torch.Tensor, y: torch.Tensor, bs: int, kernel: str, consts: dict, base, step, trans_b: bool):
@@ -336,7 +336,7 @@ def _tma_launch(a: torch.Tensor, y: torch.Tensor, bs: int, kernel: str, consts: 
     N, _, P, Q = y.shape
     BM, warps, stages = config(kernel, bs, a.element_size())
     tn, th, tw, tiles = _tiles(N, P, Q, BM)
-    a_t = _template(a.permute(0, 2, 3, 1), [tn, th, tw, bs])
+    a_t = desc_template(a.permute(0, 2, 3, 1), [tn, th, tw, bs])
     launch = Launch(_conv_tma, (tiles, y.shape[1] // bs), a.device,
                     dict(consts, TN=tn, TH=th, TW=tw, TRANS_B=trans_b), num_warps=warps, num_stages=stages)
     return launch, a_t, (N, P, Q, *y.stride(), base[0], base[1], step[0], step[1])
@@ -369,14 +369,14 @@ def _fwd_plan(x, wt, bias, luts: ConvLuts, K, P, Q, stride, pads, dilation):
     if not (N * P * Q and K):
         return lambda x, wt, bias: alloc()
     w_t = _wt_template(wt)
-    consts = dict(KH=KH, KW=KW, BS=bs, HAS_BIAS=bias is not None, PRECISION=_precision(x.dtype))
+    consts = dict(KH=KH, KW=KW, BS=bs, HAS_BIAS=bias is not None, PRECISION=precision(x.dtype))
     lists = (luts.col_ptr, luts.col_blk, luts.col_in)
     if stride == (1, 1) and _nhwc(x) is not None and _nhwc(y) is not None:
         launch, a_t, ints = _tma_launch(x, y, bs, "fwd_tma", consts, (-pads[0], -pads[1]), dilation, False)
 
         def run_tma(x, wt, bias):
             y = alloc()
-            launch(_desc_like(a_t, x), _desc_like(w_t, wt), y, y if bias is None else bias, *lists, *ints)
+            launch(desc_like(a_t, x), desc_like(w_t, wt), y, y if bias is None else bias, *lists, *ints)
             return y
         return run_tma
     BM, warps, stages = config("fwd", bs, x.element_size())
@@ -387,7 +387,7 @@ def _fwd_plan(x, wt, bias, luts: ConvLuts, K, P, Q, stride, pads, dilation):
 
     def run(x, wt, bias):
         y = alloc()
-        launch(x, _desc_like(w_t, wt), y, y if bias is None else bias, *lists, *ints)
+        launch(x, desc_like(w_t, wt), y, y if bias is None else bias, *lists, *ints)
         return y
     return run
 
@@ -412,7 +412,7 @@ def _dx_plan(dy, wt, luts: ConvLuts, C, H, W, stride, pads, dilation, like):
     if not (M and C):
         return lambda dy, wt: alloc()
     w_t = _wt_template(wt)
-    consts = dict(KH=KH, KW=KW, BS=bs, PRECISION=_precision(dy.dtype))
+    consts = dict(KH=KH, KW=KW, BS=bs, PRECISION=precision(dy.dtype))
     lists = (luts.row_ptr, luts.row_blk, luts.row_out)
     if stride == (1, 1) and _nhwc(dy) is not None and _nhwc(dx) is not None:
         launch, a_t, ints = _tma_launch(dy, dx, bs, "dx_tma", dict(consts, HAS_BIAS=False), pads,
@@ -420,7 +420,7 @@ def _dx_plan(dy, wt, luts: ConvLuts, C, H, W, stride, pads, dilation, like):
 
         def run_tma(dy, wt):
             dx = alloc()
-            launch(_desc_like(a_t, dy), _desc_like(w_t, wt), dx, dx, *lists, *ints)
+            launch(desc_like(a_t, dy), desc_like(w_t, wt), dx, dx, *lists, *ints)
             return dx
         return run_tma
     BM, warps, stages = config("dx", bs, dy.element_size())
@@ -430,7 +430,7 @@ def _dx_plan(dy, wt, luts: ConvLuts, C, H, W, stride, pads, dilation, like):
 
     def run(dy, wt):
         dx = alloc()
-        launch(dy, _desc_like(w_t, wt), dx, *lists, *ints)
+        launch(dy, desc_like(w_t, wt), dx, *lists, *ints)
         return dx
     return run
 
@@ -471,19 +471,19 @@ def _dw_plan(x, dy, luts: ConvLuts, KH, KW, stride, pads, dilation, dtype, split
         return lambda x, dy: torch.zeros(shape, dtype=dtype, device=dev)
     # strides of (split, live block, tap, in, out) in the (nnz, out, in, KH, KW) weight layout
     sw = (nnz * bs * bs * KH * KW, bs * bs * KH * KW, 1, KH * KW, bs * KH * KW)
-    consts = dict(KH=KH, KW=KW, BS=bs, PRECISION=_precision(x.dtype))
+    consts = dict(KH=KH, KW=KW, BS=bs, PRECISION=precision(x.dtype))
     tma = stride == (1, 1) and _nhwc(x) is not None and _nhwc(dy) is not None
     BM, warps, stages = config("dw_tma" if tma else "dw", bs, x.element_size())
     if tma:
         tn, th, tw, tiles = _tiles(N, P, Q, BM)
         splits, per = _dw_split(tiles, 1, nnz * KH * KW, splits)
-        x_t, dy_t = (_template(t.permute(0, 2, 3, 1), [tn, th, tw, bs]) for t in (x, dy))
+        x_t, dy_t = (desc_template(t.permute(0, 2, 3, 1), [tn, th, tw, bs]) for t in (x, dy))
         launch = Launch(_conv_dw_tma, (nnz * KH * KW, splits), dev, dict(consts, TN=tn, TH=th, TW=tw),
                         num_warps=warps, num_stages=stages)
         ints = (P, Q, tiles, per, -pads[0], -pads[1], *dilation, *sw)
 
         def operands(x, dy):
-            return _desc_like(x_t, x), _desc_like(dy_t, dy), luts.blk_in, luts.blk_out
+            return desc_like(x_t, x), desc_like(dy_t, dy), luts.blk_in, luts.blk_out
     else:
         splits, per = _dw_split(M, BM, nnz * KH * KW, splits)
         launch = Launch(_conv_dw, (nnz * KH * KW, splits), dev, dict(consts, BLOCK_M=BM),

@@ -15,52 +15,10 @@ import triton
 import triton.language as tl
 
 from bstrain.kernels.alloc import empty
+from bstrain.kernels.jit_math import load_state_grads, lstm_gates, lstm_gates_grads
 from bstrain.kernels.launch import Launch, aligned, plan
 
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
-
-
-@triton.jit
-def _sigmoid(x):
-    return 1.0 / (1.0 + tl.exp(-x))
-
-
-@triton.jit
-def _tanh(x):
-    return 2.0 * _sigmoid(2.0 * x) - 1.0
-
-
-@triton.jit
-def _cell(c, i, u, f, o, forget_bias):
-    """(new_c, new_h) from c and the gate pre-activations (fp32): new_c = σ(f + fb)·c + σ(i)·tanh(u),
-    new_h = σ(o)·tanh(new_c)."""
-    new_c = _sigmoid(f + forget_bias) * c + _sigmoid(i) * _tanh(u)
-    return new_c, _sigmoid(o) * _tanh(new_c)
-
-
-@triton.jit
-def _cell_grads(c, i, u, f, o, dh, dcn, forget_bias):
-    """(dc, di, du, df, do) of :func:`_cell`, from dh (new_h's gradient) and dcn (new_c's, or 0);
-    the activations are recomputed from the pre-activations."""
-    si = _sigmoid(i)
-    tu = _tanh(u)
-    sf = _sigmoid(f + forget_bias)
-    so = _sigmoid(o)
-    t = _tanh(sf * c + si * tu)
-    dcn = dcn + dh * so * (1.0 - t * t)
-    return dcn * sf, dcn * tu * si * (1.0 - si), dcn * si * (1.0 - tu * tu), dcn * c * sf * (1.0 - sf), \
-        dh * t * so * (1.0 - so)
-
-
-@triton.jit
-def _load_state_grads(DHN, DCN, offs, mask, HAS_DC: tl.constexpr):
-    """(dh, dcn) at offs, fp32: the gradients reaching new_h and new_c (zero without DCN)."""
-    dh = tl.load(DHN + offs, mask=mask, other=0.0).to(tl.float32)
-    if HAS_DC:
-        dcn = tl.load(DCN + offs, mask=mask, other=0.0).to(tl.float32)
-    else:
-        dcn = tl.zeros_like(dh)
-    return dh, dcn
 
 
 @triton.jit
@@ -92,7 +50,7 @@ def _lstm_gates_fwd_kernel(C, I, U, F, O, BIAS, CN, HN, numel, K,
     """new_c = σ(f + fb)·c + σ(i)·tanh(u); new_h = σ(o)·tanh(new_c). Outputs are (N, K) contiguous."""
     offs, mask, row, col, c, i, u, f, o = _load_cell(C, I, U, F, O, BIAS, numel, K, stride_c, stride_i,
                                                       stride_u, stride_f, stride_o, HAS_BIAS, BLOCK)
-    new_c, new_h = _cell(c, i, u, f, o, forget_bias)
+    new_c, new_h = lstm_gates(c, i, u, f, o, forget_bias)
     tl.store(CN + offs, new_c.to(CN.dtype.element_ty), mask=mask)
     tl.store(HN + offs, new_h.to(HN.dtype.element_ty), mask=mask)
 
@@ -104,8 +62,8 @@ def _lstm_gates_bwd_kernel(C, I, U, F, O, BIAS, DCN, DHN, DC, DG, numel, K,
     """dc and the four pre-activation grads, written to DG as (N, 4K) in gate order i, u, f, o."""
     offs, mask, row, col, c, i, u, f, o = _load_cell(C, I, U, F, O, BIAS, numel, K, stride_c, stride_i,
                                                       stride_u, stride_f, stride_o, HAS_BIAS, BLOCK)
-    dh, dcn = _load_state_grads(DHN, DCN, offs, mask, HAS_DC)
-    dc, di, du, df, do = _cell_grads(c, i, u, f, o, dh, dcn, forget_bias)
+    dh, dcn = load_state_grads(DHN, DCN, offs, mask, HAS_DC)
+    dc, di, du, df, do = lstm_gates_grads(c, i, u, f, o, dh, dcn, forget_bias)
     ty = DG.dtype.element_ty
     base = DG + row * (4 * K) + col
     tl.store(base, di.to(ty), mask=mask)

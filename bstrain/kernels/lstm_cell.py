@@ -23,9 +23,9 @@ import triton
 import triton.language as tl
 
 from bstrain.kernels.alloc import empty
-from bstrain.kernels.ew import _cell, _cell_grads, _load_state_grads
+from bstrain.kernels.jit_math import (layer_norm_input_grad, load_state_grads, lstm_gates, lstm_gates_grads,
+                                      store_partial)
 from bstrain.kernels.launch import Launch, aligned, plan
-from bstrain.kernels.norms import _input_grad, _store_partial
 
 TILE = 4096     # fp32 elements of a slice: BLOCK_G rows x 4 segments x FCHUNK columns
 MAX_CHUNK = TILE // 4
@@ -100,7 +100,7 @@ def _lstm_cell_fwd_kernel(C, Z, XG, G, B, BIAS, CN, HN, MEAN, RSTD, n_rows, H, s
         mask = rmask[:, None] & jmask[None, :]
         c, i, _, _, u, _, _, f, _, _, o, _, _ = _load_slice(C, Z, XG, G, B, BIAS, H, r64 * stride_c, zrow, xrow, j,
                                                            jmask, mask, mean, rstd)
-        new_c, new_h = _cell(c, i, u, f, o, forget_bias)
+        new_c, new_h = lstm_gates(c, i, u, f, o, forget_bias)
         out = r64 * H + j[None, :]
         tl.store(CN + out, new_c.to(CN.dtype.element_ty), mask=mask)
         tl.store(HN + out, new_h.to(HN.dtype.element_ty), mask=mask)
@@ -113,8 +113,8 @@ def _gate_grad_out(dpre, xhat, g, DXG, DG_PART, DB_PART, seg, H, orow, prow, j, 
     the dg/db partial sums; returns s1 + dxhat·xhat and s2 + dxhat."""
     feat = seg * H + j
     tl.store(DXG + orow + feat[None, :], dpre.to(DXG.dtype.element_ty), mask=mask)
-    _store_partial(DG_PART + prow + feat, tl.sum(dpre * xhat, axis=0), jmask, ACCUMULATE)
-    _store_partial(DB_PART + prow + feat, tl.sum(dpre, axis=0), jmask, ACCUMULATE)
+    store_partial(DG_PART + prow + feat, tl.sum(dpre * xhat, axis=0), jmask, ACCUMULATE)
+    store_partial(DB_PART + prow + feat, tl.sum(dpre, axis=0), jmask, ACCUMULATE)
     dxhat = dpre * g[None, :]
     return s1 + dxhat * xhat, s2 + dxhat
 
@@ -122,7 +122,7 @@ def _gate_grad_out(dpre, xhat, g, DXG, DG_PART, DB_PART, seg, H, orow, prow, j, 
 @triton.jit
 def _store_dz(dpre, xhat, g, rstd, s1, s2, DZ, seg, H, orow, j, mask):
     """Second backward pass, one segment's slice: dz, the layer norm's input gradient (rstd: (BLOCK_G, 4))."""
-    dz = _input_grad(dpre * g[None, :], xhat, _column(rstd, seg), s1, s2, H)
+    dz = layer_norm_input_grad(dpre * g[None, :], xhat, _column(rstd, seg), s1, s2, H)
     tl.store(DZ + orow + (seg * H + j)[None, :], dz.to(DZ.dtype.element_ty), mask=mask)
 
 
@@ -149,8 +149,8 @@ def _lstm_cell_bwd_kernel(C, Z, XG, G, B, BIAS, MEAN, RSTD, DCN, DHN, DC, DZ, DX
             c, i, xi, gi, u, xu, gu, f, xf, gf, o, xo, go = _load_slice(C, Z, XG, G, B, BIAS, H, r64 * stride_c, zrow,
                                                                         xrow, j, jmask, mask, mean, rstd)
             out = r64 * H + j[None, :]
-            dh, dcn = _load_state_grads(DHN, DCN, out, mask, HAS_DC)
-            dc, di, du, df, do = _cell_grads(c, i, u, f, o, dh, dcn, forget_bias)
+            dh, dcn = load_state_grads(DHN, DCN, out, mask, HAS_DC)
+            dc, di, du, df, do = lstm_gates_grads(c, i, u, f, o, dh, dcn, forget_bias)
             if pass_ == 0:
                 tl.store(DC + out, dc.to(DC.dtype.element_ty), mask=mask)
                 s1i, s2i = _gate_grad_out(di, xi, gi, DXG, DG_PART, DB_PART, 0, H, orow, prow, j, jmask, mask,

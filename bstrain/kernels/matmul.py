@@ -24,20 +24,18 @@ When M is small the reduction is split over a second grid axis into an fp32 work
 """
 from __future__ import annotations
 
-import functools
 import os
-from dataclasses import dataclass, field
 from typing import NamedTuple
 
-import numpy as np
 import torch
 import triton
 import triton.language as tl
-from triton.tools.tensor_descriptor import TensorDescriptor
 
+from bstrain.kernels._device import desc_like, desc_template, precision, sm_count, tma_ok
 from bstrain.kernels.alloc import empty
 from bstrain.kernels.launch import Launch, aligned, host_bound, plan
-from bstrain.layout import growth_limit
+# the tables live in matmul_luts; their names stay importable from here (callers and pickles name them)
+from bstrain.kernels.matmul_luts import BsmmLuts, PanelLut, SegmentLut, make_luts, panel_lut  # noqa: F401
 
 BLOCK_SIZES = (8, 16, 32, 64, 128)
 _INT32_MAX = 2**31 - 1
@@ -270,226 +268,6 @@ def _bsmm_dw_tma_kernel(
 
 
 # ---------------------------------------------------------------------------------------------
-# Lookup tables
-# ---------------------------------------------------------------------------------------------
-@dataclass
-class SegmentLut:
-    """Entries grouped by output block: entries ptr[j]:ptr[j+1] feed output block j.
-
-    blk: input block of each entry; idx: weight block of each entry; order: output blocks,
-    heaviest first; max_count: the longest list; cap: the longest list the launch plans hold in
-    registers (the next power of two, at least 16), which an in-place rewrite must not exceed.
-    """
-    ptr: torch.Tensor    # (n_out + 1,) int32
-    blk: torch.Tensor    # (nnz,) int32
-    idx: torch.Tensor    # (nnz,) int32
-    order: torch.Tensor  # (n_out,) int32
-    max_count: int
-    packed: torch.Tensor  # (nnz,) int32: idx * n_in + blk, one load per entry
-    n_in: int
-    cap: int
-    plans: dict = field(default_factory=dict)    # launch plans by argument shape/layout (launch.plan)
-    panels: object = field(default=False, repr=False)   # PanelLut, None (no shared lists), False (not built)
-
-    @property
-    def n_out(self) -> int:
-        return self.order.numel()
-
-    def take_entries(self, other: "SegmentLut") -> None:
-        """Copies ``other``'s lists into these tensors (the same output and entry counts, no list
-        longer than ``cap``: checked by :meth:`BsmmLuts.check_rewrite`)."""
-        for mine, theirs in ((self.ptr, other.ptr), (self.blk, other.blk), (self.idx, other.idx),
-                             (self.packed, other.packed), (self.order, other.order)):
-            mine.copy_(theirs)
-        self.max_count = other.max_count
-
-
-@dataclass
-class PanelLut:
-    """Output blocks of a SegmentLut whose input-block lists are equal, in groups of up to ``nb``
-    (:func:`_bsmm_panel_kernel`), and the rest (``single``, heaviest first) for the one-block
-    kernels. A tiled layout (the mLSTM's four gates share one pattern) has groups of 4."""
-    nb: int
-    ptr: torch.Tensor     # (n_groups + 1,) int32: entries of each group
-    blk: torch.Tensor     # (entries,) int32: input block of each entry
-    idx: torch.Tensor     # (entries, nb) int32: weight block of each slot, -1 if none
-    col: torch.Tensor     # (n_groups, nb) int32: output block of each slot, -1 if none
-    order: torch.Tensor   # (n_groups,) int32: heaviest groups first
-    single: SegmentLut    # the SegmentLut restricted (by its order) to the ungrouped output blocks
-    share: float          # share of the entries that the groups hold
-    plans: dict = field(default_factory=dict)
-
-    @property
-    def n_groups(self) -> int:
-        return self.order.numel()
-
-
-PANEL_WIDTH = 128        # most output columns a panel program holds (nb * bs)
-
-
-def panel_lut(lut: SegmentLut, bs: int) -> PanelLut | None:
-    """The panels of ``lut`` (None when no two output blocks share an input-block list)."""
-    ptr = lut.ptr.cpu().numpy()
-    blk, idx = lut.blk.cpu().numpy(), lut.idx.cpu().numpy()
-    by_rows: dict[bytes, list[int]] = {}
-    for j in range(len(ptr) - 1):
-        if ptr[j + 1] > ptr[j]:
-            by_rows.setdefault(blk[ptr[j]:ptr[j + 1]].tobytes(), []).append(j)
-    sizes = [len(cols) for cols in by_rows.values() if len(cols) > 1]
-    if not sizes or bs < 16:
-        return None
-    nb = min(PANEL_WIDTH // bs, triton.next_power_of_2(max(sizes)))
-    if nb < 2:
-        return None
-    g_ptr, g_blk, g_idx, g_col, grouped = [0], [], [], [], set()
-    for cols in by_rows.values():
-        for i in range(0, len(cols) - 1, nb):              # a trailing single column stays single
-            part = cols[i:i + nb]
-            if len(part) < 2:
-                continue
-            first = ptr[part[0]]
-            count = ptr[part[0] + 1] - first
-            g_blk.extend(blk[first:first + count])
-            slots = np.full((count, nb), -1, dtype=np.int64)
-            for s, j in enumerate(part):
-                slots[:, s] = idx[ptr[j]:ptr[j + 1]]
-            g_idx.append(slots)
-            g_col.append(part + [-1] * (nb - len(part)))
-            g_ptr.append(g_ptr[-1] + count)
-            grouped.update(part)
-    dev = lut.ptr.device
-    counts = np.diff(g_ptr)
-
-    def as_t(v):
-        return torch.as_tensor(np.ascontiguousarray(v), dtype=torch.int32, device=dev)
-    order = lut.order.cpu().numpy()
-    single = [j for j in order if j not in grouped]
-    rest = SegmentLut(lut.ptr, lut.blk, lut.idx, as_t(np.asarray(single, dtype=np.int64)), lut.max_count, lut.packed,
-                      lut.n_in, lut.cap)
-    grouped_entries = sum(int(ptr[j + 1] - ptr[j]) for j in grouped)
-    return PanelLut(nb, as_t(g_ptr), as_t(g_blk), as_t(np.concatenate(g_idx)), as_t(g_col),
-                    as_t(np.argsort(-counts, kind="stable")), rest, grouped_entries / max(1, int(ptr[-1])))
-
-
-@dataclass
-class BsmmLuts:
-    """All tables of one layout on one device. Built once per (layout, device)."""
-    block_size: int
-    C: int
-    K: int
-    nnz: int
-    fwd: SegmentLut      # per output block-column k: (c, weight idx); also dW's source
-    bwd: SegmentLut      # per input block-row c: (k, weight idx); dX
-    _dw_items: dict = field(default_factory=dict)
-    dw_plans: dict = field(default_factory=dict)
-
-    def has_panels(self) -> bool:
-        """Whether output panels (layout-dependent groupings: see PANELS) were built for these
-        tables: then they are never rewritten in place."""
-        return any(lut.panels not in (False, None) for lut in (self.fwd, self.bwd))
-
-    def no_panels(self) -> None:
-        """Never build output panels on these tables (a layout that changes in place), unless
-        they were built already."""
-        for lut in (self.fwd, self.bwd):
-            if lut.panels is False:
-                lut.panels = None
-
-    def check_rewrite(self, layout: np.ndarray) -> None:
-        """A ValueError unless these tables can take ``layout`` in place: the same shape and
-        live-block count, no block column or row longer than the ``cap`` that launch plans were
-        made for, and no output panels built. Per-row and per-column counts may change."""
-        if self.has_panels():
-            raise ValueError("layout: tables whose output panels are built (kernels.matmul.PANELS) group blocks by "
-                             "layout and are not switched in place")
-        lay = np.asarray(layout, dtype=bool)
-        shape = (self.C // self.block_size, self.K // self.block_size)
-        if lay.shape != shape or int(lay.sum()) != self.nnz:
-            raise ValueError(f"layout: an in-place rewrite needs a {shape} layout with {self.nnz} live blocks, got "
-                             f"{lay.shape} with {int(lay.sum())}")
-        for counts, lut, what in ((lay.sum(0), self.fwd, "column"), (lay.sum(1), self.bwd, "row")):
-            if int(counts.max(initial=0)) > lut.cap:
-                raise ValueError(f"layout: a block {what} with {int(counts.max())} live blocks; these tables hold at "
-                                 f"most {lut.cap} per {what} in place")
-
-    def rewrite(self, layout: np.ndarray) -> None:
-        """Switches these tables to ``layout`` in place (a ValueError first, with nothing changed,
-        where :meth:`check_rewrite` refuses): plans and captured CUDA graphs that read them then run
-        the new layout. Every tensor keeps its length, and every launch its grid."""
-        self.check_rewrite(layout)
-        new = make_luts(layout, self.block_size, "cpu")             # on the host, then one copy per table
-        self.fwd.take_entries(new.fwd)
-        self.bwd.take_entries(new.bwd)
-        ptr = new.fwd.ptr.numpy()
-        for group, tensors in self._dw_items.items():
-            for mine, theirs in zip(tensors, self._dw_runs(ptr, group)):
-                mine.copy_(torch.from_numpy(theirs))
-
-    def dw_items(self, group: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(column, first entry, count) of runs of up to ``group`` entries of one column, padded with
-        empty runs (count 0) to a length that no layout of this shape and live-block count exceeds:
-        the dW grid stays the same when the layout changes in place."""
-        if group not in self._dw_items:
-            self._dw_items[group] = tuple(torch.as_tensor(v, device=self.fwd.ptr.device)
-                                          for v in self._dw_runs(self.fwd.ptr.cpu().numpy(), group))
-        return self._dw_items[group]
-
-    def _dw_runs(self, ptr: np.ndarray, group: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """:meth:`dw_items` on the host, as int32 arrays, from the fwd lists' ``ptr``."""
-        ptr = ptr.astype(np.int64)
-        n_out = len(ptr) - 1
-        runs = -(-np.diff(ptr) // group)                              # runs of each column
-        cols = np.repeat(np.arange(n_out), runs)
-        first = np.concatenate([[0], np.cumsum(runs)])[:-1]           # each column's first run
-        starts = ptr[cols] + (np.arange(cols.size) - first[cols]) * group
-        counts = np.minimum(group, ptr[cols + 1] - starts)
-        length = min(self.nnz, (self.nnz + min(n_out, self.nnz) * (group - 1)) // group)
-        out = np.zeros((3, length), dtype=np.int32)                   # padding runs: column 0, count 0
-        out[:, :cols.size] = cols, starts, counts
-        return out[0], out[1], out[2]
-
-
-def _cap(max_count: int, n_in: int, headroom: bool, n_out: int = 1, nnz: int = 0) -> int:
-    """The longest list a SegmentLut's launch plans hold: the next power of two (at least 16) of
-    the longest; with headroom (tables that change in place), of a quarter more and at least the
-    :func:`bstrain.layout.growth_limit` of its ``n_out`` lists of ``nnz`` entries, up to n_in's."""
-    if not headroom:
-        return max(16, triton.next_power_of_2(max(1, max_count)))
-    want = max(16, triton.next_power_of_2(max_count + max(1, max_count // 4)), growth_limit(n_out, nnz, n_in))
-    return min(want, max(16, triton.next_power_of_2(max(1, n_in))))
-
-
-def _segment_lut(out_of_entry: np.ndarray, in_of_entry: np.ndarray, n_out: int, n_in: int,
-                 device: torch.device, headroom: bool = False) -> SegmentLut:
-    weight_idx = np.arange(out_of_entry.size)
-    perm = np.lexsort((in_of_entry, out_of_entry))            # by output block, then input block
-    counts = np.bincount(out_of_entry, minlength=n_out)
-    ptr = np.concatenate([[0], np.cumsum(counts)])
-    order = np.argsort(-counts, kind="stable")
-
-    def as_t(v):
-        return torch.as_tensor(np.ascontiguousarray(v), dtype=torch.int32, device=device)
-    n_in = max(1, n_in)                                           # the layout's, so a rewrite keeps the decoding
-    packed = weight_idx[perm].astype(np.int64) * n_in + in_of_entry[perm]
-    if packed.size and packed.max() > _INT32_MAX:
-        raise ValueError("layout: too many blocks for 32-bit lookup tables")
-    max_count = int(counts.max(initial=0))
-    return SegmentLut(as_t(ptr), as_t(in_of_entry[perm]), as_t(weight_idx[perm]), as_t(order),
-                      max_count, as_t(packed), n_in, _cap(max_count, n_in, headroom, n_out, int(out_of_entry.size)))
-
-
-def make_luts(layout: np.ndarray, block_size: int, device: torch.device | str, headroom: bool = False) -> BsmmLuts:
-    """Tables for a validated (Cb, Kb) bool layout; live blocks numbered row-major. headroom: the
-    layout will change in place (dynamic sparsity), so the lists' ``cap`` leaves room to grow."""
-    c_idx, k_idx = np.nonzero(layout)
-    cb, kb = layout.shape
-    device = torch.device(device)
-    return BsmmLuts(block_size, cb * block_size, kb * block_size, int(c_idx.size),
-                    fwd=_segment_lut(k_idx, c_idx, kb, cb, device, headroom),
-                    bwd=_segment_lut(c_idx, k_idx, cb, kb, device, headroom))
-
-
-# ---------------------------------------------------------------------------------------------
 # Launch configurations
 # ---------------------------------------------------------------------------------------------
 class DsConfig(NamedTuple):
@@ -556,28 +334,6 @@ def _fit_stages(stages: int, bytes_per_stage: int) -> int:
     return max(1, min(stages, _PIPELINE_SMEM // max(1, bytes_per_stage)))
 
 
-@functools.lru_cache(maxsize=None)
-def _sm_count(device: torch.device) -> int:
-    if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).multi_processor_count
-    return 1
-
-
-def _precision(dtype: torch.dtype) -> str:
-    if dtype == torch.float32 and not torch.backends.cuda.matmul.allow_tf32:
-        return "ieee"
-    return "tf32"  # ignored by tl.dot for 16-bit operands
-
-
-def _tma_ok(*tensors: torch.Tensor) -> bool:
-    """TMA needs a unit last stride and 16-byte aligned base and row strides."""
-    for t in tensors:
-        size = t.element_size()
-        if t.stride(-1) != 1 or t.data_ptr() % 16 or any((st * size) % 16 for st in t.stride()[:-1]):
-            return False
-    return True
-
-
 # ---------------------------------------------------------------------------------------------
 # Launchers
 # ---------------------------------------------------------------------------------------------
@@ -614,22 +370,6 @@ def _rows_view(t: torch.Tensor, feature_axis: int) -> torch.Tensor:
     return t if feature_axis == 1 else t.t()
 
 
-def _template(t: torch.Tensor, block: list[int]) -> TensorDescriptor:
-    """A descriptor of t's shape, strides and block, checked, holding no tensor."""
-    d = TensorDescriptor(t, list(t.shape), list(t.stride()), block)
-    d.base = None
-    return d
-
-
-def _desc_like(template: TensorDescriptor, t: torch.Tensor) -> TensorDescriptor:
-    """``template`` over tensor t, which has its shape, strides and alignment: the checks were
-    made once, when the template was built."""
-    d = object.__new__(TensorDescriptor)
-    d.__dict__.update(template.__dict__)
-    d.base = t
-    return d
-
-
 def _ds_tma_plan(a: torch.Tensor, out: torch.Tensor, a_src: torch.Tensor, y_src: torch.Tensor, trans: bool,
                  w: torch.Tensor, lut: SegmentLut, bs: int, transpose_w: bool, cfg: DsConfig):
     """TMA path: a, out are (rows, features) views; a_src, y_src the tensors read and written
@@ -637,20 +377,20 @@ def _ds_tma_plan(a: torch.Tensor, out: torch.Tensor, a_src: torch.Tensor, y_src:
     M = a.shape[0]
     num_m = triton.cdiv(M, cfg.block_m)
     bn = bs
-    while bn > 32 and num_m * lut.n_out * (bs // bn) < _sm_count(a.device):
+    while bn > 32 and num_m * lut.n_out * (bs // bn) < sm_count(a.device):
         bn //= 2                                                  # small M: split blocks across programs
-    a_t = _template(a_src, [cfg.kc, cfg.block_m] if trans else [cfg.block_m, cfg.kc])
-    y_t = _template(y_src, [bn, cfg.block_m] if trans else [cfg.block_m, bn])
-    w_t = _template(w.view(-1, bs), [bn, cfg.kc] if transpose_w else [cfg.kc, bn])
+    a_t = desc_template(a_src, [cfg.kc, cfg.block_m] if trans else [cfg.block_m, cfg.kc])
+    y_t = desc_template(y_src, [bn, cfg.block_m] if trans else [cfg.block_m, bn])
+    w_t = desc_template(w.view(-1, bs), [bn, cfg.kc] if transpose_w else [cfg.kc, bn])
     launch = Launch(_bsmm_ds_tma_kernel, (num_m * lut.n_out * (bs // bn),), a.device, dict(
         BS=bs, BN=bn, KC=cfg.kc, BLOCK_M=cfg.block_m, MAXC=lut.cap,
-        GROUP_M=GROUP_M, TRANS_A=trans, TRANS_W=transpose_w, PRECISION=_precision(a.dtype)),
+        GROUP_M=GROUP_M, TRANS_A=trans, TRANS_W=transpose_w, PRECISION=precision(a.dtype)),
         num_warps=cfg.warps, num_stages=_fit_stages(cfg.stages, (cfg.block_m + bn) * cfg.kc * a.element_size()))
     ints = (M, lut.n_out, lut.n_in)
 
     def run(a, w, out):
         a_src, y_src = (a.t(), out.t()) if trans else (a, out)
-        launch(_desc_like(a_t, a_src), _desc_like(w_t, w.view(-1, bs)), _desc_like(y_t, y_src),
+        launch(desc_like(a_t, a_src), desc_like(w_t, w.view(-1, bs)), desc_like(y_t, y_src),
                lut.ptr, lut.packed, lut.order, *ints)
     return run
 
@@ -667,7 +407,7 @@ def _ds_plan(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, lut: SegmentLu
     trans = a.stride(0) == 1 and a.stride(1) != 1                # axis-0 activations
     a_src, y_src = (a.t(), out.t()) if trans else (a, out)
     if cfg.tma and cfg.kc <= bs and split in (None, 1) and lut.cap <= MAX_REGISTER_LUT \
-            and a.dtype == w.dtype == out.dtype and _tma_ok(a_src, y_src, w):
+            and a.dtype == w.dtype == out.dtype and tma_ok(a_src, y_src, w):
         return _ds_tma_plan(a, out, a_src, y_src, trans, w, lut, bs, transpose_w, cfg)
     group = max(1, cfg.kc // bs)
     sub = max(1, bs // cfg.kc)
@@ -675,12 +415,12 @@ def _ds_plan(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, lut: SegmentLu
     n_prog = num_m * lut.n_out
     max_iter = lut.max_count * sub if group == 1 else triton.cdiv(lut.max_count, group)
     if split is None:
-        split = max(1, min(triton.cdiv(2 * _sm_count(a.device), n_prog), max_iter)) if max_iter else 1
+        split = max(1, min(triton.cdiv(2 * sm_count(a.device), n_prog), max_iter)) if max_iter else 1
     split = max(split, 1)                                     # 0: host-bound, one launch
     wr, wc = (1, bs) if transpose_w else (bs, 1)
     launch = Launch(_bsmm_ds_kernel, (n_prog, split), a.device, dict(
         BS=bs, BS_PAD=max(bs, 16), G=group, SUB=sub, KC=cfg.kc, BLOCK_M=cfg.block_m, GROUP_M=GROUP_M,
-        PRECISION=_precision(w.dtype)), num_warps=cfg.warps,
+        PRECISION=precision(w.dtype)), num_warps=cfg.warps,
         num_stages=_fit_stages(cfg.stages, (cfg.block_m + max(bs, 16)) * cfg.kc * a.element_size()))
     if split == 1:
         ints = (M, lut.n_out, 1, a.stride(0), a.stride(1), wr, wc, 0, out.stride(0), out.stride(1))
@@ -706,7 +446,7 @@ def _panel_plan(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, pl: PanelLu
     block_m, warps, stages = (128, 8, 3) if a.is_cuda else (32, 4, 1)
     wr, wc = (1, bs) if transpose_w else (bs, 1)
     launch = Launch(_bsmm_panel_kernel, (triton.cdiv(M, block_m) * pl.n_groups,), a.device, dict(
-        BS=bs, NB=pl.nb, BLOCK_M=block_m, GROUP_M=GROUP_M, PRECISION=_precision(a.dtype)), num_warps=warps,
+        BS=bs, NB=pl.nb, BLOCK_M=block_m, GROUP_M=GROUP_M, PRECISION=precision(a.dtype)), num_warps=warps,
         num_stages=_fit_stages(stages, (block_m + pl.nb * bs) * bs * a.element_size()))
     ints = (M, pl.n_groups, a.stride(0), a.stride(1), wr, wc, out.stride(0), out.stride(1))
     rest = _ds_plan(a, w, out, pl.single, bs, transpose_w, 1) if pl.single.n_out else None
@@ -850,11 +590,11 @@ def _dw_plan(x: torch.Tensor, dy: torch.Tensor, xr: torch.Tensor, dyr: torch.Ten
         cfg = cfg._replace(tma=False, warps=max(cfg.warps, 8))
     trans = feature_axis == 0
     x_src, dy_src = (x, dy) if trans else (xr, dyr)
-    use_tma = cfg.tma and cfg.group == 1 and x.dtype == dy.dtype and _tma_ok(x_src, dy_src)
+    use_tma = cfg.tma and cfg.group == 1 and x.dtype == dy.dtype and tma_ok(x_src, dy_src)
     cols, starts, counts = luts.dw_items(1 if use_tma else cfg.group)
     if split is None:
-        split = max(1, min(triton.cdiv(2 * _sm_count(x.device), cols.numel()), triton.cdiv(n, 4 * cfg.block_n)))
-    prec = _precision(dy.dtype)                        # the operands' dtype once x is cast
+        split = max(1, min(triton.cdiv(2 * sm_count(x.device), cols.numel()), triton.cdiv(n, 4 * cfg.block_n)))
+    prec = precision(dy.dtype)                        # the operands' dtype once x is cast
     grid = (cols.numel(), split)
     blk, fwd = luts.fwd.blk, luts.fwd.idx
 
@@ -868,9 +608,9 @@ def _dw_plan(x: torch.Tensor, dy: torch.Tensor, xr: torch.Tensor, dyr: torch.Ten
         return dw if split == 1 else empty((split,) + shape, torch.float32, dev)
     if use_tma:
         blk_shape = [bs, cfg.block_n] if trans else [cfg.block_n, bs]
-        x_t, dy_t = _template(x_src, blk_shape), _template(dy_src, blk_shape)
-        dw_t = _template(empty((split * luts.nnz * bs, bs), dw_dtype if split == 1 else torch.float32, dev),
-                         [bs, bs])
+        x_t, dy_t = desc_template(x_src, blk_shape), desc_template(dy_src, blk_shape)
+        dw_t = desc_template(empty((split * luts.nnz * bs, bs), dw_dtype if split == 1 else torch.float32, dev),
+                             [bs, bs])
         launch = Launch(_bsmm_dw_tma_kernel, grid, dev,
                         dict(BS=bs, BLOCK_N=cfg.block_n, TRANS=trans, PRECISION=prec), num_warps=cfg.warps,
                         num_stages=_fit_stages(cfg.stages, 2 * bs * cfg.block_n * x.element_size()))
@@ -878,7 +618,7 @@ def _dw_plan(x: torch.Tensor, dy: torch.Tensor, xr: torch.Tensor, dyr: torch.Ten
         def run_tma(x, dy, xr, dyr, dw):
             target = workspace(dw)
             x_src, dy_src = (x, dy) if trans else (xr, dyr)
-            launch(_desc_like(x_t, x_src), _desc_like(dy_t, dy_src), _desc_like(dw_t, target.view(-1, bs)),
+            launch(desc_like(x_t, x_src), desc_like(dy_t, dy_src), desc_like(dw_t, target.view(-1, bs)),
                    cols, starts, blk, fwd, n, luts.nnz, split)
             finish(target, dw)
         return run_tma

@@ -14,9 +14,10 @@ import torch
 import triton
 import triton.language as tl
 
+from bstrain.kernels._device import sm_count
 from bstrain.kernels.alloc import empty, empty_like
+from bstrain.kernels.jit_math import layer_norm_input_grad, store_partial
 from bstrain.kernels.launch import Launch, aligned, plan
-from bstrain.kernels.matmul import _sm_count
 
 MAX_SEGMENT = 8192  # features per segment the one-tile kernel handles
 
@@ -55,23 +56,6 @@ def _mul_grad(xhat, g, B, M, DM, feat, fmask, offs, mask, dy, STORE: tl.constexp
         b = tl.load(B + feat, mask=fmask, other=0.0).to(tl.float32)
         tl.store(DM + offs, (dy * (xhat * g[None, :] + b[None, :])).to(DM.dtype.element_ty), mask=mask)
     return dy * m
-
-
-@triton.jit
-def _store_partial(P, val, mask, ACCUMULATE: tl.constexpr):
-    """P[...] = val, or P[...] += val into a caller's workspace (one program owns each element)."""
-    if ACCUMULATE:
-        val += tl.load(P, mask=mask, other=0.0)
-    tl.store(P, val, mask=mask)
-
-
-@triton.jit
-def _input_grad(dxhat, xhat, rstd, s1, s2, n):
-    """dx of a layer norm from dxhat = dy·g: s1 and s2 hold dxhat·xhat and dxhat, summed over the
-    segment along axis 1 (whole-segment tiles, or per-lane sums of a looped pass)."""
-    c1 = tl.sum(s1, axis=1) / n
-    c2 = tl.sum(s2, axis=1) / n
-    return (dxhat - xhat * c1[:, None] - c2[:, None]) * rstd[:, None]
 
 
 @triton.jit
@@ -117,10 +101,10 @@ def _layer_norm_bwd_kernel(X, G, B, M, DY, DX, DM, MEAN, RSTD, DG_PART, DB_PART,
         dy = _relu_grad(xhat, g, B, feat, fmask, dy, DX)
     if HAS_MUL:
         dy = _mul_grad(xhat, g, B, M, DM, feat, fmask, offs, mask, dy, True)
-    _store_partial(DG_PART + pid * C + feat, tl.sum(dy * xhat, axis=0), fmask, ACCUMULATE)
-    _store_partial(DB_PART + pid * C + feat, tl.sum(dy, axis=0), fmask, ACCUMULATE)
+    store_partial(DG_PART + pid * C + feat, tl.sum(dy * xhat, axis=0), fmask, ACCUMULATE)
+    store_partial(DB_PART + pid * C + feat, tl.sum(dy, axis=0), fmask, ACCUMULATE)
     dxhat = dy * g[None, :]
-    dx = _input_grad(dxhat, xhat, rstd, dxhat * xhat, dxhat, seg_size)
+    dx = layer_norm_input_grad(dxhat, xhat, rstd, dxhat * xhat, dxhat, seg_size)
     tl.store(DX + offs, dx.to(DX.dtype.element_ty), mask=mask)
 
 
@@ -193,10 +177,10 @@ def _layer_norm_bwd_loop_kernel(X, G, B, M, DY, DX, DM, MEAN, RSTD, DG_PART, DB_
                 s1 += dxhat * xhat
                 s2 += dxhat
             else:
-                dx = _input_grad(dxhat, xhat, rstd, s1, s2, seg_size)
+                dx = layer_norm_input_grad(dxhat, xhat, rstd, s1, s2, seg_size)
                 tl.store(DX + offs, dx.to(DX.dtype.element_ty), mask=mask)
-                _store_partial(DG_PART + pid * C + feat, tl.sum(dy * xhat, axis=0), fmask, ACCUMULATE)
-                _store_partial(DB_PART + pid * C + feat, tl.sum(dy, axis=0), fmask, ACCUMULATE)
+                store_partial(DG_PART + pid * C + feat, tl.sum(dy * xhat, axis=0), fmask, ACCUMULATE)
+                store_partial(DB_PART + pid * C + feat, tl.sum(dy, axis=0), fmask, ACCUMULATE)
 
 
 TILE = 4096     # fp32 elements a program holds at once
@@ -221,7 +205,7 @@ def _geometry(x: torch.Tensor, axis: int, segments: int):
         return n_groups, seg_size, stride_g, stride_f, max(min_g, min(64, TILE // ks)), ks, False, 4
     # axis 0 needs 32 groups per program to coalesce; axis 1 takes 4 rows per program only when
     # that still leaves enough programs to fill the GPU (few rows: one row per program)
-    block_g = 32 if axis == 0 else (4 if n_groups * segments >= 4 * 2 * _sm_count(x.device) else 1)
+    block_g = 32 if axis == 0 else (4 if n_groups * segments >= 4 * 2 * sm_count(x.device) else 1)
     return n_groups, seg_size, stride_g, stride_f, block_g, max(2, TILE // block_g), True, 8
 
 

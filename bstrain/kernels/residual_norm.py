@@ -17,10 +17,10 @@ import torch
 import triton
 import triton.language as tl
 
+from bstrain.kernels._device import sm_count
 from bstrain.kernels.alloc import empty
+from bstrain.kernels.jit_math import layer_norm_input_grad
 from bstrain.kernels.launch import Launch, aligned, plan
-from bstrain.kernels.matmul import _sm_count
-from bstrain.kernels.norms import _input_grad
 
 TILE = 4096       # fp32 elements a program holds at once
 
@@ -78,7 +78,7 @@ def _add_layer_norm_bwd_kernel(H, W, DY, DH, DX, MEAN, RSTD, DW_PART, DB_PART, D
         dw += tl.sum(dy * xhat, axis=0)
         db += tl.sum(dy, axis=0)
         dxhat = dy * w[None, :]
-        dx = _input_grad(dxhat, xhat, rstd, dxhat * xhat, dxhat, C)
+        dx = layer_norm_input_grad(dxhat, xhat, rstd, dxhat * xhat, dxhat, C)
         if HAS_DH:
             dx += tl.load(DH + r64 * C + cols[None, :], mask=mask, other=0.0).to(tl.float32)
         tl.store(DX + r64 * C + cols[None, :], dx.to(DX.dtype.element_ty), mask=mask)
@@ -101,7 +101,7 @@ def _geometry(N: int, C: int) -> tuple[int, int, int]:
 def _programs(N: int, block_n: int, device: torch.device) -> int:
     """Backward programs: enough row tiles in flight to keep memory busy (a persistent program
     waits on each tile's loads), few enough that the (programs, C) partials stay small."""
-    return max(1, min(triton.cdiv(N, block_n), 16 * _sm_count(device) if device.type == "cuda" else 64))
+    return max(1, min(triton.cdiv(N, block_n), 16 * sm_count(device) if device.type == "cuda" else 64))
 
 
 def add_layer_norm_forward(x: torch.Tensor, r: torch.Tensor | None, w: torch.Tensor, b: torch.Tensor, eps: float,

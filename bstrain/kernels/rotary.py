@@ -16,9 +16,9 @@ import torch
 import triton
 import triton.language as tl
 
+from bstrain.kernels._device import sm_count
 from bstrain.kernels.alloc import empty
 from bstrain.kernels.launch import Launch, aligned, plan
-from bstrain.kernels.matmul import _sm_count
 
 
 @triton.jit
@@ -76,7 +76,7 @@ def rotary_forward(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, head_d
     block_t = max(1, min(64, 2048 // block_h))
     heads = C // head_dim
     programs = max(1, min(triton.cdiv(N, block_t),
-                          (16 * _sm_count(x.device)) // heads + 1 if x.is_cuda else 8))
+                          (16 * sm_count(x.device)) // heads + 1 if x.is_cuda else 8))
     part = empty((programs, C), torch.float32, x.device) if sum_cols else None
     tensors = (x, cos, sin) if bias is None else (x, cos, sin, bias)
     key = (N, T, C, x.stride(1), x.dtype, head_dim, rotated, inverse, None if bias is None else bias.dtype, sum_cols,

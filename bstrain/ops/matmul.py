@@ -145,9 +145,9 @@ class MatmulTables:
 
     @property
     def luts(self):
-        """The kernels' tables (:class:`bstrain.kernels.matmul.BsmmLuts`) on this device."""
+        """The kernels' tables (:class:`bstrain.kernels.matmul_luts.BsmmLuts`) on this device."""
         if self._luts is None:
-            from bstrain.kernels.matmul import make_luts
+            from bstrain.kernels.matmul_luts import make_luts
             with real_tensors(self.device):
                 self._luts = make_luts(self.layout, self.block_size, self.device, headroom=self.private)
             if self.private:

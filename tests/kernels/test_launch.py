@@ -7,6 +7,7 @@ import torch
 from bstrain.kernels import launch
 from bstrain.kernels import matmul as kernels
 from bstrain.kernels.ew import lstm_gates_forward
+from bstrain.kernels.matmul_luts import make_luts
 from bstrain.kernels.norms import layer_norm_forward
 from bstrain.ops.ew import fused_lstm_gates_ref
 from bstrain.ops.norms import layer_norm_ref
@@ -43,7 +44,7 @@ def test_repeated_launches_take_fresh_arguments():
     checked against float64 with fresh inputs, including a misaligned view after aligned calls."""
     dev = kernel_device()
     lay = ragged_layout(6, 5, seed=fresh_seed())
-    luts = kernels.make_luts(lay, 32, dev)
+    luts = make_luts(lay, 32, dev)
     before = launch.stats["direct"]
     for step in range(4):
         base = torch.randn(70, 6 * 32 + 8, device=dev)
@@ -71,7 +72,7 @@ def test_repeated_launches_take_fresh_arguments():
 
 def _small(dev="cpu"):
     lay = ragged_layout(3, 3, seed=fresh_seed())
-    return lay, kernels.make_luts(lay, 16, dev)
+    return lay, make_luts(lay, 16, dev)
 
 
 def test_plans_keep_no_argument_tensor_alive():

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from bstrain.kernels import matmul as kernels
+from bstrain.kernels.matmul_luts import make_luts, panel_lut
 from tests.conftest import (DTYPE_IDS, assert_close, dense_weight, fresh_seed, kernel_device, kernel_dtypes,
                             ragged_layout, torch_mm)
 
@@ -16,7 +17,7 @@ def make_case(bs, axis, dtype, n=37, cb=3, kb=5, seed=None):
     seed = fresh_seed() if seed is None else seed
     lay = ragged_layout(cb, kb, seed)
     dev = kernel_device()
-    luts = kernels.make_luts(lay, bs, dev)
+    luts = make_luts(lay, bs, dev)
     c, k = cb * bs, kb * bs
     x = torch.randn((n, c) if axis == 1 else (c, n), device=dev).to(dtype)
     dy = torch.randn((n, k) if axis == 1 else (k, n), device=dev).to(dtype)
@@ -127,7 +128,7 @@ def test_split_reduction(split, bs, axis):
 @AX
 def test_small_m_splits_blocks_across_programs(bs, axis, monkeypatch):
     """With few row tiles the TMA kernel gives each program a 32-wide slice of an output block."""
-    monkeypatch.setattr(kernels, "_sm_count", lambda device: 10_000)
+    monkeypatch.setattr(kernels, "sm_count", lambda device: 10_000)
     dtype = torch.float16
     lay, luts, x, dy, w = make_case(bs, axis, dtype, n=16)
     wd = dense_weight(lay, w)
@@ -171,7 +172,7 @@ def test_lut_orders_heaviest_first():
     lay = np.zeros((4, 3), dtype=bool)
     lay[:, 1] = True
     lay[0, 0] = True
-    luts = kernels.make_luts(lay, 16, "cpu")
+    luts = make_luts(lay, 16, "cpu")
     assert luts.fwd.order.tolist() == [1, 0, 2]
     assert luts.fwd.ptr.tolist() == [0, 1, 5, 5]
     assert luts.fwd.max_count == 4
@@ -227,8 +228,8 @@ def _tiled_layout(seed: int, cb: int = 4, kb0: int = 3, copies: int = 4) -> np.n
 
 def test_panel_lut_groups_equal_columns():
     lay = _tiled_layout(0)
-    luts = kernels.make_luts(lay, 16, "cpu")
-    pl = kernels.panel_lut(luts.fwd, 16)
+    luts = make_luts(lay, 16, "cpu")
+    pl = panel_lut(luts.fwd, 16)
     assert pl is not None and pl.nb == 4 and pl.n_groups == 3          # 3 pattern columns x 4 copies
     cols = pl.col.numpy()
     assert sorted(cols.ravel().tolist()) == list(range(12))
@@ -238,7 +239,7 @@ def test_panel_lut_groups_equal_columns():
         for e in range(int(pl.ptr[g]), int(pl.ptr[g + 1])):
             for s, j in enumerate(group):
                 assert tuple(np.argwhere(lay)[int(pl.idx[e, s])]) == (int(pl.blk[e]), j), (g, e, s)
-    assert kernels.panel_lut(kernels.make_luts(np.eye(4, dtype=bool), 16, "cpu").fwd, 16) is None
+    assert panel_lut(make_luts(np.eye(4, dtype=bool), 16, "cpu").fwd, 16) is None
 
 
 @DT
@@ -251,7 +252,7 @@ def test_panel_products(dtype, bs, axis, monkeypatch):
     n = kernels.SMALL_M + 11                              # panels serve large M only
     lay = _tiled_layout(fresh_seed())
     for layout, product in ((lay, "fwd"), (lay.T.copy(), "dx")):
-        luts = kernels.make_luts(layout, bs, kernel_device())
+        luts = make_luts(layout, bs, kernel_device())
         dev = kernel_device()
         cb, kb = layout.shape
         w = (torch.randn(luts.nnz, bs, bs, device=dev) / bs**0.5).to(dtype)
@@ -283,7 +284,7 @@ def test_panels_by_default_only_where_most_entries_share_lists(monkeypatch):
     few[:, 8] = few[:, 0]
     few = few[:, rng.permutation(9)]
     for lay, panels in ((tiled, True), (few, False)):
-        luts = kernels.make_luts(lay, 16, dev)
+        luts = make_luts(lay, 16, dev)
         w = torch.randn(luts.nnz, 16, 16, device=dev) / 4
         x = torch.randn(n, lay.shape[0] * 16, device=dev)
         out = torch.full((n, lay.shape[1] * 16), float("nan"), device=dev)
@@ -312,7 +313,7 @@ def test_private_tables_take_no_panels_and_built_panels_are_not_rewritten(monkey
     key = op.key
     assert op.set_layout(new) is True and op.key == key
     torch.testing.assert_close(op(x, w).double(), x.double() @ dense_weight(new, w).double().to(dev), rtol=1e-4, atol=1e-4)
-    shared = kernels.make_luts(lay, 16, dev)                      # tables that are not private: panels built
+    shared = make_luts(lay, 16, dev)                              # tables that are not private: panels built
     kernels.bsmm_forward(x, w, shared)
     assert shared.has_panels()
     with pytest.raises(ValueError, match="panels"):

@@ -63,7 +63,7 @@ def test_layer_norm_loop_kernel(axis, n, block_g, sms, monkeypatch):
     """Segments too large for one tile: the three-pass kernels, with a ragged last slice (and a
     ragged last group of rows: 4 rows per program once the rows fill a GPU of ``sms`` SMs twice)."""
     monkeypatch.setattr(kernels, "TILE", 32)
-    monkeypatch.setattr(kernels, "_sm_count", lambda device: sms)
+    monkeypatch.setattr(kernels, "sm_count", lambda device: sms)
     dev, dtype = kernel_device(), torch.float32
     c = 2 * 45
     x = (torch.randn((n, c) if axis == 1 else (c, n), device=dev) * 2 + 3).to(dtype)
@@ -114,7 +114,7 @@ def test_layer_norm_backward_adds_into_a_workspace(looped, op, monkeypatch):
     """ACCUMULATE: dg/db partial sums added into a workspace that holds data, not written."""
     if looped:
         monkeypatch.setattr(kernels, "TILE", 32)
-        monkeypatch.setattr(kernels, "_sm_count", lambda device: 132)
+        monkeypatch.setattr(kernels, "sm_count", lambda device: 132)
     dev = kernel_device()
     n, c = 5, 2 * 45
     x = torch.randn(n, c, device=dev) * 2 + 3
