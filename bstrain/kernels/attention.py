@@ -46,8 +46,7 @@ import torch
 import triton
 import triton.language as tl
 
-from bstrain.kernels._device import (desc_like as _desc_like, desc_template as _template, precision as _precision,
-                                     tma_ok as _tma_ok)
+from bstrain.kernels._device import desc_like, desc_template, precision, tma_ok
 from bstrain.kernels.alloc import empty
 from bstrain.kernels.launch import Launch, aligned, plan
 
@@ -58,8 +57,9 @@ TRI = tl.constexpr(_TRI)
 
 @triton.jit
 def _rows(X, base, s_t, start, N: tl.constexpr, BLOCK_D: tl.constexpr, head_dim, EVEN_D: tl.constexpr):
-    """Rows start..start+N of one head (columns past head_dim read as 0)."""
-    r = start + tl.arange(0, N)
+    """Rows start..start+N of one head (columns past head_dim read as 0). Offsets in int64: one
+    batch element's T · row stride may pass 2**31 (long contexts, fused qkv views)."""
+    r = (start + tl.arange(0, N)).to(tl.int64)
     d = tl.arange(0, BLOCK_D)
     ptr = X + base + r[:, None] * s_t + d[None, :]
     if EVEN_D:
@@ -81,7 +81,7 @@ def _inner(X, DESC, base, s_t, row0, col0, start, N: tl.constexpr, BLOCK_D: tl.c
 @triton.jit
 def _store_rows(X, val, base, s_t, start, N: tl.constexpr, BLOCK_D: tl.constexpr, head_dim,
                 EVEN_D: tl.constexpr):
-    r = start + tl.arange(0, N)
+    r = (start + tl.arange(0, N)).to(tl.int64)
     d = tl.arange(0, BLOCK_D)
     ptr = X + base + r[:, None] * s_t + d[None, :]
     if EVEN_D:
@@ -599,7 +599,7 @@ def _desc_ok(t: torch.Tensor, rows: int, width: int) -> bool:
     """t (B, T, width) read as a 2-D (B·T, width) tensor descriptor: its batches follow each
     other and its base and rows are 16-byte aligned."""
     B, T, _ = t.shape
-    return (B == 1 or t.stride(0) == T * t.stride(1)) and _tma_ok(t.as_strided((rows, width), (t.stride(1), 1)))
+    return (B == 1 or t.stride(0) == T * t.stride(1)) and tma_ok(t.as_strided((rows, width), (t.stride(1), 1)))
 
 
 def _plan(kind: str, luts: AttnLuts, key: tuple, tensors: tuple):
@@ -622,13 +622,13 @@ def _plan(kind: str, luts: AttnLuts, key: tuple, tensors: tuple):
         rows = B * (Tq if by_key else Tk)
         srcs = [(tensors[i], block_d if w == "d" else block_dv) for i, w in _DESCS[kind]]
         if all(_desc_ok(x, rows, x.shape[2]) for x, _ in srcs):
-            templates = tuple(_template(x.as_strided((rows, x.shape[2]), (x.stride(1), 1)), [tile.bi, w])
+            templates = tuple(desc_template(x.as_strided((rows, x.shape[2]), (x.stride(1), 1)), [tile.bi, w])
                               for x, w in srcs)
     consts = dict(BO=tile.bo, BI=tile.bi, BLOCK_D=block_d, BLOCK_DV=block_dv, EVEN_D=block_d == D,
                   EVEN_DV=block_dv == Dv, HAS_PAD=has_pad, SOFTCAP=softcap, ALIBI=alibi)
     if kind == "dq":
         consts["HAS_DLSE"] = dlse
-    consts.update(PRECISION=_precision(dtype), NUM_STAGES=tile.stages, TMA=templates is not None)
+    consts.update(PRECISION=precision(dtype), NUM_STAGES=tile.stages, TMA=templates is not None)
     launch = Launch(fn, (H * t.n_outer * B,), luts.device, consts, num_warps=tile.warps, num_stages=tile.stages)
     ints = (s_qb, s_qt, s_kb, s_kt, s_vb, s_vt, Tq * H * Dv, H * Dv,    # q; k; v; o and do (contiguous)
             B, H, H // Hk, t.n_outer, Tq, Tk, D, Dv)
@@ -648,7 +648,7 @@ def launch(kind: str, luts: AttnLuts, tensors: tuple, pad: torch.Tensor | None, 
     v = tensors[2]
     if key is None:
         key = _pass_key(tensors[0], tensors[1], v, pad, (softcap > 0, slopes is not None, dlse is not None),
-                        *tensors)
+                        *tensors, *(x for x in (slopes, dlse) if x is not None))
     p = plan(luts.plans, (kind, key), lambda: _plan(kind, luts, key, tensors))
     if p is None:
         return
@@ -658,7 +658,7 @@ def launch(kind: str, luts: AttnLuts, tensors: tuple, pad: torch.Tensor | None, 
         extra += (tensors[5] if dlse is None else dlse,)                  # LSE stands in, unread
     inner = tuple(tensors[i] for i, _ in _DESCS[kind])
     if templates is not None:
-        inner = tuple(_desc_like(tm, x) for tm, x in zip(templates, inner))
+        inner = tuple(desc_like(tm, x) for tm, x in zip(templates, inner))
     run(*tensors, *extra, *inner, *tabs, tensors[0] if pad is None else pad, *ints, *scales)  # PAD unread without HAS_PAD
 
 
@@ -685,7 +685,7 @@ def attention_forward(q, k, v, luts: AttnLuts, scale: float, pad=None, *, alibi=
     pad = _pad_i8(pad)
     cap2, slopes = _mods(softcap, alibi)
     mods = (softcap > 0, slopes is not None, False)
-    key = _pass_key(q, k, v, pad, mods, q, k, v)
+    key = _pass_key(q, k, v, pad, mods, q, k, v, *(() if slopes is None else (slopes,)))
     o = empty((B, Tq, H * Dv), q.dtype, q.device)
     lse = empty((B, H * Tq), torch.float32, q.device)           # (B, H·Tq)
     launch("fwd", luts, (q, k, v, o, lse), pad, (scale * LOG2E, cap2), key, slopes)
@@ -704,7 +704,8 @@ def attention_backward(do, q, k, v, o, lse, luts: AttnLuts, scale: float, pad=No
     cap2, slopes = _mods(softcap, alibi)
     if dlse is not None:
         dlse = dlse.float().contiguous()
-    key = _pass_key(q, k, v, pad, (softcap > 0, slopes is not None, dlse is not None), q, k, v, o, do, lse)
+    key = _pass_key(q, k, v, pad, (softcap > 0, slopes is not None, dlse is not None), q, k, v, o, do, lse,
+                    *(x for x in (slopes, dlse) if x is not None))
     delta = empty(lse.shape, torch.float32, q.device)           # (B, H·Tq)
     if HDk == HD:
         dk, dv = empty(k.shape, k.dtype, k.device), empty(v.shape, v.dtype, v.device)
