@@ -34,11 +34,7 @@ LAYERS = {
 
 # Known edges that break a rule, each with its reason. The tests leave these out and fail on any
 # other, and on an entry that no longer exists, so this list only shrinks.
-ALLOWED: dict[tuple[str, str], str] = {
-    ("bstrain.nn.linear", "bstrain.nn.conv"):
-        "circle nn.conv -> nn.linear (sparsify_candidates) -> nn.conv (in-function, sparsify() converts "
-        "Conv2d layers): predates issue 34's ops/ change, left to the nn/ split",
-}
+ALLOWED: dict[tuple[str, str], str] = {}
 
 
 def module_name(path: Path) -> str:

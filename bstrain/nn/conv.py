@@ -25,8 +25,7 @@ import torch
 from torch import nn
 
 from bstrain import layout as layouts
-from bstrain.nn._sparse import BlockLayoutModule, bias_arg, layout_of, size_arg
-from bstrain.nn.linear import sparsify_candidates
+from bstrain.nn._sparse import BlockLayoutModule, bias_arg, layout_of, size_arg, sparsify_candidates
 from bstrain.ops.conv import bsconv2d_ref, conv_geometry, dense_conv_filter, sparse_conv2d, tables_on
 from bstrain.ops.matmul import compute_dtype
 from bstrain.ops.tables import layout_tables

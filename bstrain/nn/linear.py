@@ -3,7 +3,6 @@ the layers it would replace), ``set_grad_group``."""
 from __future__ import annotations
 
 import contextlib
-import fnmatch
 import warnings
 from collections.abc import Callable, Iterator
 
@@ -12,7 +11,7 @@ import torch
 from torch import nn
 
 from bstrain import layout as layouts
-from bstrain.nn._sparse import BlockLayoutModule, bias_arg, layout_of, size_arg
+from bstrain.nn._sparse import BlockLayoutModule, bias_arg, layout_of, size_arg, sparsify_candidates
 from bstrain.ops.matmul import BlocksparseMatMul, check_block_size, compute_dtype
 
 __all__ = ["BlockSparseLinear", "SparsifyResult", "block_sparse_layouts", "set_grad_group", "sparsify",
@@ -239,63 +238,6 @@ def _check_linear(name: str, linear: nn.Linear, block_size: int) -> None:
     if linear.in_features % block_size or linear.out_features % block_size:
         raise ValueError(f"{name}: expected in/out features that are multiples of block_size={block_size}, "
                          f"got {linear.in_features} and {linear.out_features}")
-
-
-def _check_untied(name: str, layer: nn.Module, layer_names: list[str], owners: dict[int, list[str]]) -> None:
-    """A ValueError naming ``name`` when a parameter of ``layer`` is also registered in another
-    module (tied weights): a block-sparse copy would have a parameter of its own, untying them."""
-    own = set(layer_names)
-    for param_name, p in layer.named_parameters(recurse=False):
-        others = [q for q in owners[id(p)] if q.rpartition(".")[0] not in own]
-        if others:
-            raise ValueError(
-                f"{name}: expected parameters of its own, got {layer_names[0]}.{param_name} tied to "
-                f"{' and '.join(others)}; a block-sparse copy would untie them (one sparse, one dense). Leave it "
-                f"out of include or untie them first; two layers that compute the same can be one module "
-                f"registered under both names, which sparsify replaces everywhere")
-
-
-def sparsify_candidates(model: nn.Module, include: str | Callable[[str, nn.Module], bool], block_size: int,
-                        checks: dict[type, Callable[[str, nn.Module, int], None]]
-                        ) -> tuple[list[tuple[str, nn.Module]], list[tuple[nn.Module, list[str], str]]]:
-    """The layers of ``model`` that :func:`sparsify` replaces, found per module object: a layer
-    registered under several names (two attributes, twice in a ModuleList, under two parents) is
-    chosen when ``include`` chooses any of its names, and then every registration is replaced.
-
-    Args:
-        include: a glob on qualified names or a function ``(name, layer) -> bool``.
-        checks: {layer type: check(name, layer, block_size)}, a check raising a ValueError that
-            starts with ``name`` when the layer cannot be converted; only layers of exactly
-            these types (not subclasses) are candidates.
-    Returns ``(chosen, problems)``: every (name, layer) registration of the convertible chosen
-    layers, in module order; and (layer, names, why) of each chosen layer that cannot be
-    converted: its check failed, or a parameter of it is tied to another module's.
-    """
-    if not (callable(include) or isinstance(include, str)):
-        raise TypeError(f"include: expected a glob (str) or a function (name, layer) -> bool, "
-                        f"got {type(include).__name__}")
-    match = include if callable(include) else (lambda name, _m: fnmatch.fnmatchcase(name, include))
-    registrations = [(name, m) for name, m in model.named_modules(remove_duplicate=False)
-                     if name and type(m) in checks]
-    layers: dict[int, tuple[nn.Module, list[str]]] = {}     # id(layer) -> (layer, every name of it)
-    for name, m in registrations:
-        layers.setdefault(id(m), (m, []))[1].append(name)
-    owners: dict[int, list[str]] = {}                          # id(parameter) -> every qualified name of it
-    for param_name, p in model.named_parameters(remove_duplicate=False):
-        owners.setdefault(id(p), []).append(param_name)
-    ok, problems = set(), []
-    for layer, layer_names in layers.values():
-        if not any(match(name, layer) for name in layer_names):
-            continue
-        label = layer_names[0] + (f" (also {', '.join(layer_names[1:])})" if len(layer_names) > 1 else "")
-        try:
-            checks[type(layer)](label, layer, block_size)
-            _check_untied(label, layer, layer_names, owners)
-        except ValueError as exc:
-            problems.append((layer, layer_names, str(exc)))
-        else:
-            ok.add(id(layer))
-    return [(name, m) for name, m in registrations if id(m) in ok], problems
 
 
 def _sparse_layer(dense: nn.Module, block_size: int, density: float, keep_weights: bool, balanced: bool) -> nn.Module:
