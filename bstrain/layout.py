@@ -19,8 +19,19 @@ __all__ = [
     "as_layout", "validate", "from_array", "dense", "random", "balanced", "block_diagonal",
     "barabasi_albert", "watts_strogatz", "density", "z_order_rank",
     "causal_mask", "local_mask", "strided_mask", "fixed_mask", "longformer_mask", "bigbird_mask",
-    "attention_layout", "layout_image",
-]
+    "attention_layout", "layout_image", "BLOCK_SIZES", "KERNEL_BLOCK_SIZES", "check_block_size"]
+
+
+BLOCK_SIZES = (8, 16, 32, 64, 128)           # every block size a layout of bstrain's ops may use
+KERNEL_BLOCK_SIZES = (16, 32, 64, 128)       # those of the attention and convolution Triton kernels (8: PyTorch)
+
+
+def check_block_size(block_size, allowed: tuple = BLOCK_SIZES, name: str = "block_size") -> int:
+    """``block_size`` as an int if it is one of ``allowed``; a ValueError naming ``name`` otherwise."""
+    if isinstance(block_size, (bool, np.bool_)) or not isinstance(block_size, (int, np.integer)) \
+            or int(block_size) not in allowed:
+        raise ValueError(f"{name}: expected one of {allowed}, got {block_size!r}")
+    return int(block_size)
 
 
 def _rng(seed: int | None) -> np.random.Generator:

@@ -37,7 +37,6 @@ from bstrain.kernels.launch import Launch, aligned, host_bound, plan
 # the tables live in matmul_luts; their names stay importable from here (callers and pickles name them)
 from bstrain.kernels.matmul_luts import BsmmLuts, PanelLut, SegmentLut, make_luts, panel_lut  # noqa: F401
 
-BLOCK_SIZES = (8, 16, 32, 64, 128)
 _INT32_MAX = 2**31 - 1
 
 

@@ -26,6 +26,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from bstrain import layout as layouts
+from bstrain.layout import KERNEL_BLOCK_SIZES
 from bstrain.nn import BlockSparseAttention, BlockSparseLinear, block_sparse_layouts
 from bstrain.ops.bias_act import bias_gelu
 from bstrain.ops.residual_norm import add_layer_norm
@@ -295,7 +296,7 @@ class SparseTransformer(nn.Module):
         if cfg.d_model % cfg.n_head or (cfg.positions == Positions.rotary and (cfg.d_model // cfg.n_head) % 2):
             raise ValueError(f"model.n_head: expected a divisor of d_model={cfg.d_model} giving an even head dim "
                              f"with rotary positions, got {cfg.n_head}")
-        if cfg.block_size not in (16, 32, 64, 128) or cfg.context % cfg.block_size:
+        if cfg.block_size not in KERNEL_BLOCK_SIZES or cfg.context % cfg.block_size:
             raise ValueError(f"model.block_size: expected 16, 32, 64 or 128 dividing context={cfg.context}, got "
                              f"{cfg.block_size}")
         if not 0 < cfg.ffn_density <= 1:

@@ -25,6 +25,7 @@ import torch
 from torch import nn
 
 from bstrain import layout as layouts
+from bstrain.layout import KERNEL_BLOCK_SIZES
 from bstrain.nn._sparse import BlockLayoutModule, bias_arg, layout_of, size_arg, sparsify_candidates
 from bstrain.ops.conv import bsconv2d_ref, conv_geometry, dense_conv_filter, sparse_conv2d, tables_on
 from bstrain.ops.matmul import compute_dtype
@@ -32,7 +33,6 @@ from bstrain.ops.tables import layout_tables
 
 __all__ = ["BlockSparseConv2d", "sparsify_conv2d_candidates"]
 
-KERNEL_BLOCK_SIZES = (16, 32, 64, 128)
 _AUTOCAST_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 _HALF = (torch.float16, torch.bfloat16)
 

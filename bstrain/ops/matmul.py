@@ -23,11 +23,10 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from bstrain.layout import as_layout
+from bstrain.layout import BLOCK_SIZES, as_layout, check_block_size
 from bstrain.ops.proj import SparseProj  # noqa: F401  (the seed exports it from matmul)
 from bstrain.ops.tables import eager, family, layout_tables, lookup, real_tensors, tracing
 
-BLOCK_SIZES = (8, 16, 32, 64, 128)
 _INT32_MAX = 2**31 - 1
 _FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 _BACKENDS = ("auto", "triton", "torch")
@@ -50,13 +49,6 @@ def switching_together():
         yield
     finally:
         _TOGETHER.reset(token)
-
-
-def check_block_size(block_size) -> int:
-    if isinstance(block_size, bool) or not isinstance(block_size, (int, np.integer)) \
-            or int(block_size) not in BLOCK_SIZES:
-        raise ValueError(f"block_size: expected one of {BLOCK_SIZES}, got {block_size!r}")
-    return int(block_size)
 
 
 def _chunk_blocks(n, bs: int) -> int:

@@ -42,22 +42,15 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from bstrain.layout import BLOCK_SIZES, KERNEL_BLOCK_SIZES, check_block_size  # noqa: F401  (BLOCK_SIZES: importable here)
 from bstrain.ops.tables import eager, family, layout_tables, lookup
 
 __all__ = ["BlocksparseTransformer", "attention_ref", "alibi_slopes", "AttentionTables"]
 
-BLOCK_SIZES = (8, 16, 32, 64, 128)
-KERNEL_BLOCK_SIZES = (16, 32, 64, 128)        # the Triton kernels' (blocks of 8 run the PyTorch path)
 _LOG2E = 1.4426950408889634
 _LN2 = math.log(2.0)
 _FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 _KERNEL_FLOATS = (torch.float16, torch.bfloat16, torch.float32)
-
-
-def _check_block_size(bs) -> int:
-    if isinstance(bs, bool) or not isinstance(bs, (int, np.integer)) or int(bs) not in BLOCK_SIZES:
-        raise ValueError(f"block_size: expected one of {BLOCK_SIZES}, got {bs!r}")
-    return int(bs)
 
 
 # --- layout tables --------------------------------------------------------------------------------
@@ -409,7 +402,7 @@ class BlocksparseTransformer:
         if lay.ndim not in (2, 3) or lay.size == 0 or not np.isin(lay, (0, 1)).all():
             raise ValueError(f"layout: expected a non-empty 2-D (q_blocks, k_blocks) or 3-D (heads, q_blocks, "
                              f"k_blocks) 0/1 array, got shape {lay.shape}")
-        self.block_size = bs = _check_block_size(block_size)
+        self.block_size = bs = check_block_size(block_size)
         shared = lay.ndim == 2
         if shared:
             if isinstance(heads, bool) or not isinstance(heads, int) or heads < 1:
