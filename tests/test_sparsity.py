@@ -649,7 +649,7 @@ def test_unbalanced_growth_keeps_rows_and_columns_within_the_tables_and_in_place
     """Growth that would pile into one block column (a gradient concentrated there) stops at the
     growth limit (twice the mean column, to a power of two), which the kernels' private tables
     hold, so they are rewritten in place; without that limit this update took new tables."""
-    from bstrain.sparsity import _grow_within
+    from bstrain.sparsity.growth import _grow_within
 
     class OneColumn(RigL):
         def grow_scores(self, name, layer, old, gen):           # column 0 first, then the rest at random
@@ -706,7 +706,7 @@ def test_balanced_growth_always_closes_the_gaps():
     import math
 
     from bstrain.layout import balanced
-    from bstrain.sparsity import _grow_balanced
+    from bstrain.sparsity.growth import _grow_balanced
     rng = np.random.default_rng(int(torch.randint(1 << 30, ())))
     for shape, density in [((4, 4), 0.5), ((16, 64), 0.25), ((64, 16), 0.25), ((8, 32), 0.5), ((32, 32), 0.1)]:
         for t in range(6):
@@ -755,7 +755,7 @@ def test_balanced_growth_regrows_the_fewest_pruned_blocks():
     import itertools
     import math
 
-    from bstrain.sparsity import _grow_balanced
+    from bstrain.sparsity.growth import _grow_balanced
     rng = np.random.default_rng(int(torch.randint(1 << 30, ())))
     checked = 0
     for t in range(400):
@@ -787,7 +787,7 @@ def test_balanced_growth_greedy_matches_the_cell_by_cell_fill(monkeypatch):
     first, picks (with the random tie-break replaced by a fixed order, so both walk the same order)."""
     import math
 
-    import bstrain.sparsity as sp
+    import bstrain.sparsity.growth as sp
     from bstrain.layout import balanced
 
     def top(score, n, gen):                 # best first, ties by index: the same order for any subset
@@ -825,7 +825,7 @@ def test_rigl_scores_the_dense_gradient_of_the_whole_step(rows):
     calls cancel), though each call's alone is not; RigL sums the gradients, not their norms.
     Calls smaller than the dense gradient are kept for one product at the end (8 rows), larger
     ones summed at once (64 rows)."""
-    from bstrain.sparsity import _block_norms
+    from bstrain.sparsity.scores import _block_norms
     torch.manual_seed(0)
     layer = BlockSparseLinear(64, 64, block_size=16, density=0.5, bias=False)
     policy = RigL(layer, None, every=1, fraction=0.5)
