@@ -46,6 +46,7 @@ from bstrain.train.progress import Board, Progress, Throughput, log, remove_logg
 from bstrain.train.rundir import missing_dirs, remove_failed_start
 from bstrain.train.schedule import LRSchedule, set_lr
 from bstrain.train.step import Forward, is_stateful, train_step, unwrap
+from bstrain.train.stepper import GraphMode, graphs_wanted
 
 PRECISIONS = {"fp32": None, "fp16": torch.float16, "bf16": torch.bfloat16}
 
@@ -139,30 +140,6 @@ _CHECKS = (  # (section, key, test, expectation): ranges the types alone do not 
 )
 
 
-GRAPH_MODES = ("auto", "true", "false")
-
-
-def graph_mode(value) -> str:
-    """trainer.cuda_graph as one of auto, true, false (YAML and the command line may give a bool)."""
-    mode = str(_value(value)).strip().lower()
-    mode = {"1": "true", "0": "false", "yes": "true", "no": "false", "on": "true", "off": "false"}.get(mode, mode)
-    if mode not in GRAPH_MODES:
-        raise UserError(f"trainer.cuda_graph: expected auto, true or false, got {value!r}")
-    return mode
-
-
-def run_graphed(t_cfg, device: torch.device) -> bool:
-    """Whether this run captures its step: trainer.cuda_graph=true (UserError where it cannot), or
-    auto on a CUDA device. Whether the model can be captured is found at the first step."""
-    mode = graph_mode(t_cfg.cuda_graph)
-    if mode == "false":
-        return False
-    reason = check_graph_config(device)
-    if reason is not None and mode == "true":
-        raise UserError(f"trainer.cuda_graph=true: {reason} (auto graphs where it can, false never)")
-    return reason is None
-
-
 def check_config(cfg) -> None:
     """UserError naming the key for an undeclared key, a missing value or a value out of range."""
     from bstrain.configs.schema import check_config as check_schema
@@ -173,7 +150,7 @@ def check_config(cfg) -> None:
             raise UserError(f"{section}.{key}: expected {want}, got {value!r}")
     if _value(cfg.trainer.precision) not in PRECISIONS:
         raise UserError(f"trainer.precision: expected fp32, fp16 or bf16, got {cfg.trainer.precision!r}")
-    graph_mode(cfg.trainer.cuda_graph)
+    GraphMode.parse(cfg.trainer.cuda_graph)
     if _value(cfg.optim.schedule) not in ("cosine", "linear", "constant"):
         raise UserError(f"optim.schedule: expected cosine, linear or constant, got {cfg.optim.schedule!r}")
 
@@ -258,6 +235,7 @@ class Run:
     captured_armed: CapturedStep | None = None    # RigL's gradient step, hooks armed (captured when first run)
     armed_eager: bool = False             # that step could not be captured: it runs eagerly
     step_mode: str = "eager"              # how steps run: "graph" or "eager", "(compiled)" when compiled
+    graph_mode: GraphMode = GraphMode.auto   # trainer.cuda_graph, parsed
     eval_forwards: dict = field(default_factory=dict)   # graphed evaluation forwards, per model
     throughput: list = field(default_factory=list)      # units/s of each logged window
     step: int = 0
@@ -292,11 +270,13 @@ def build(cfg: DictConfig, run_dir: Path, device: torch.device, world: World) ->
         raise UserError(f"model ({cfg.model._target_}): expected an nn.Module, got {type(model).__name__}")
     model = model.to(device)
     set_grad_group(model, t_cfg.group_size)
+    graph_mode = GraphMode.parse(t_cfg.cuda_graph)
+    graphed = graphs_wanted(graph_mode, device)
     net = model
     if world.active:
         from torch.nn.parallel import DistributedDataParallel
         check_same_layouts(model, world)
-        side = torch.cuda.Stream(device) if run_graphed(t_cfg, device) else None
+        side = torch.cuda.Stream(device) if graphed else None
         with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
             # a graph that captures DDP's all-reduce needs DDP built on a side stream (torch.cuda.graphs docs)
             net = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
@@ -306,7 +286,6 @@ def build(cfg: DictConfig, run_dir: Path, device: torch.device, world: World) ->
     if compiled := bool(t_cfg.get("compile", False)):
         net = torch.compile(net)        # the model (and DDP around it); checkpoints keep using `model`
     amp_dtype = PRECISIONS[_value(t_cfg.precision)]
-    graphed = run_graphed(t_cfg, device)
     optimizer = make_optimizer(model, cfg.optim, device, capturable=graphed)
     scaler = torch.amp.GradScaler(device.type, init_scale=2.0**16, growth_interval=t_cfg.loss_scale_window,
                                   enabled=_value(t_cfg.precision) == "fp16")
@@ -318,7 +297,7 @@ def build(cfg: DictConfig, run_dir: Path, device: torch.device, world: World) ->
         ema = AveragedModel(model, device=device)       # n_averaged on the device, where graphs count it
     forward = Forward(net, amp_dtype, device)
     run = Run(cfg, world, device, run_dir, task, model, net, forward, optimizer, scaler,
-              LRSchedule(cfg.optim, t_cfg.max_steps), ema, params=list(model.parameters()))
+              LRSchedule(cfg.optim, t_cfg.max_steps), ema, params=list(model.parameters()), graph_mode=graph_mode)
     run.step_mode = "eager" + (" (compiled)" if compiled else "")
     if graphed:
         run.captured = CapturedStep(forward, task.loss, optimizer, cfg.optim.grad_clip, task.batch_metrics,
@@ -475,10 +454,10 @@ def _start_graph(run: Run, x: torch.Tensor, y: torch.Tensor) -> None:
     run.captured_kinds.add("step")
     if reason is None:
         run.step_mode = "graph" + (" (compiled)" if "compiled" in run.step_mode else "")
-        log.info("step: one CUDA graph per step (trainer.cuda_graph=%s)", graph_mode(run.cfg.trainer.cuda_graph))
+        log.info("step: one CUDA graph per step (trainer.cuda_graph=%s)", run.graph_mode.value)
         return
     run.captured = None
-    if graph_mode(run.cfg.trainer.cuda_graph) == "true":
+    if run.graph_mode is GraphMode.true:
         raise UserError(f"trainer.cuda_graph=true: the step cannot be captured: {reason}")
     log.info("step: eager; trainer.cuda_graph=auto could not capture it: %s", reason)
 
