@@ -83,9 +83,7 @@ def after_step(run, board) -> dict | None:
     if info is None:
         return None
     if not info["in_place"]:                       # new tables: the graphs made on the old ones go
-        for captured in (run.captured, getattr(run, "captured_armed", None)):
-            if captured is not None:
-                captured.graph = None              # captured again when next needed, on the new tables
+        run.stepper.drop_graphs()                  # captured again when next needed, on the new tables
         run.eval_forwards.clear()
     log.info("sparsity: step %d, %s, %s, %.0f ms", run.step, describe_update(info),
              "tables rewritten in place" if info["in_place"] else "new tables", 1e3 * info["seconds"])

@@ -41,12 +41,12 @@ from bstrain.train.checkpoint import (checkpoint_path, latest_checkpoint, load_c
                                       save_checkpoint)
 from bstrain.train.distributed import (World, barrier, broadcast, check_same_layouts, device_for, finish, gather,
                                        init_world)
-from bstrain.train.graphs import CapturedStep, CaptureError, GraphedForward, check_graph_config, ema_update
+from bstrain.train.graphs import GraphedForward
 from bstrain.train.progress import Board, Progress, Throughput, log, remove_logging, setup_logging
 from bstrain.train.rundir import missing_dirs, remove_failed_start
 from bstrain.train.schedule import LRSchedule, set_lr
-from bstrain.train.step import Forward, is_stateful, train_step, unwrap
-from bstrain.train.stepper import GraphMode, graphs_wanted
+from bstrain.train.step import Forward, is_stateful, unwrap
+from bstrain.train.stepper import GraphMode, Stepper, graphs_wanted
 
 PRECISIONS = {"fp32": None, "fp16": torch.float16, "bf16": torch.bfloat16}
 
@@ -231,11 +231,7 @@ class Run:
     schedule: LRSchedule
     ema: Any = None
     params: list = field(default_factory=list)    # the model's parameters, listed once for clipping
-    captured: CapturedStep | None = None
-    captured_armed: CapturedStep | None = None    # RigL's gradient step, hooks armed (captured when first run)
-    armed_eager: bool = False             # that step could not be captured: it runs eagerly
-    step_mode: str = "eager"              # how steps run: "graph" or "eager", "(compiled)" when compiled
-    graph_mode: GraphMode = GraphMode.auto   # trainer.cuda_graph, parsed
+    stepper: Stepper | None = None        # how a step runs: graphed, armed for a sparsity update, eager
     eval_forwards: dict = field(default_factory=dict)   # graphed evaluation forwards, per model
     throughput: list = field(default_factory=list)      # units/s of each logged window
     step: int = 0
@@ -249,11 +245,12 @@ class Run:
     stop: str | None = None               # the signal that asked the run to stop
     skipped: Any = 0                      # fp16 steps skipped since the last log (a device tensor)
     sparsity: Any = None                  # the dynamic-sparsity policy (bstrain.sparsity), None if static
-    forward_hooked: Forward | None = None  # compiled runs: the uncompiled model, for RigL's hooked steps
     first_batch: tuple | None = None      # the batch the start's check ran on: the first step trains on it
-    warming_up: bool = False              # this step captured a graph: its time is not throughput
-    captured_kinds: set = field(default_factory=set)   # graphs captured once: a recapture (new layout
-                                          # tables after a sparsity update) is training time, not warm-up
+
+    @property
+    def step_mode(self) -> str:
+        """How steps run: "graph" or "eager", with " (compiled)" when compiled."""
+        return str(self.stepper.mode)
 
 
 def build(cfg: DictConfig, run_dir: Path, device: torch.device, world: World) -> Run:
@@ -297,17 +294,16 @@ def build(cfg: DictConfig, run_dir: Path, device: torch.device, world: World) ->
         ema = AveragedModel(model, device=device)       # n_averaged on the device, where graphs count it
     forward = Forward(net, amp_dtype, device)
     run = Run(cfg, world, device, run_dir, task, model, net, forward, optimizer, scaler,
-              LRSchedule(cfg.optim, t_cfg.max_steps), ema, params=list(model.parameters()), graph_mode=graph_mode)
-    run.step_mode = "eager" + (" (compiled)" if compiled else "")
-    if graphed:
-        run.captured = CapturedStep(forward, task.loss, optimizer, cfg.optim.grad_clip, task.batch_metrics,
-                                    warmup=11 if world.active else 2, scaler=scaler, ema=ema,
-                                    ema_decay=cfg.optim.ema, model=model)
+              LRSchedule(cfg.optim, t_cfg.max_steps), ema, params=list(model.parameters()))
     run.sparsity = sparsity.make_policy(cfg, model, optimizer, ema, t_cfg.max_steps)
+    forward_hooked = None
     if run.sparsity is not None and compiled:
         sparsity.allow_recompiles(run.sparsity)
         # a compiled model ignores hooks added after it was compiled: RigL's step runs uncompiled
-        run.forward_hooked = Forward(uncompiled, amp_dtype, device)
+        forward_hooked = Forward(uncompiled, amp_dtype, device)
+    run.stepper = Stepper(forward, task, optimizer, run.params, cfg.optim.grad_clip, scaler, ema, cfg.optim.ema, model,
+                          world, graph_mode, graphed, compiled=compiled, policy=run.sparsity,
+                          forward_hooked=forward_hooked)
     if resume is not None:
         ckpt_io.restore(run, load_checkpoint(resume))
         _match_graph_mode(optimizer, graphed, device)
@@ -340,8 +336,7 @@ def _place_state(run: Run, x: torch.Tensor) -> None:
     mine = [r[run.world.rank * per_rank:(run.world.rank + 1) * per_rank].to(run.device) for r in rows]
     template = unwrap(run.model).init_state(per_rank, run.device)
     run.state = _like(template, iter(mine))
-    if run.captured is not None:
-        run.captured.load_state(run.state, x)
+    run.stepper.load_state(run.state, x)
 
 
 def _like(template, tensors):
@@ -352,114 +347,17 @@ def _like(template, tensors):
 
 
 def one_step(run: Run, x: torch.Tensor, y: torch.Tensor, fresh: bool):
-    """One optimizer step at this step's learning rate; returns (loss, grad norm, the task's batch
-    metrics), all on the device."""
+    """One optimizer step at this step's learning rate (:class:`bstrain.train.stepper.Stepper`);
+    returns (loss, grad norm, the task's batch metrics), all on the device."""
     set_lr(run.optimizer, run.schedule.lr(run.step))
     if run.pending_state is not None:
         _place_state(run, x)
     if fresh:
         run.state = None                                # the data stream restarts: so does the state
-    cap = _graph_for(run, x, y)
-    if cap is not None:                                 # the whole step in one graph replay
-        armed = cap is not run.captured
-        if armed and run.state is not None:
-            cap.load_state(run.state, x)                # the carried state, from the other graph's buffers
-        loss, grad_norm, metrics, skipped = cap.step(x, y, reset_state=run.state is None)
-        # the graph's outputs are overwritten by the next replay
-        loss, grad_norm, metrics = loss.clone(), grad_norm.clone(), {k: v.clone() for k, v in metrics.items()}
-        if run.scaler.is_enabled():
-            run.skipped = run.skipped + skipped
-        run.state = cap.state
-        if armed:
-            run.sparsity.use_captured()                 # the gradient sums this replay wrote
-            if run.state is not None:
-                run.captured.load_state(run.state, x)
-    else:                                               # eager (or a batch of another shape than the graph's)
-        if run.captured is not None:                    # a replay leaves its gradients in .grad: not added to
-            run.optimizer.zero_grad(set_to_none=True)
-        forward = run.forward
-        if sparsity.wants_eager(run):                   # RigL's hooked step: its sums start over
-            run.sparsity.begin_step()
-            forward = run.forward_hooked or forward
-        scale = run.scaler._scale.clone() if run.scaler.is_enabled() and run.scaler._scale is not None else None
-        loss, grad_norm, run.state, metrics = train_step(forward, run.task.loss, x, y, run.state, run.optimizer,
-                                                         run.params, run.cfg.optim.grad_clip, run.scaler,
-                                                         metrics_fn=run.task.batch_metrics)
-        if scale is not None:                           # fp16: a lowered scale means a skipped step
-            run.skipped = run.skipped + (run.scaler._scale < scale).int()
-        if run.ema is not None:
-            ema_update(run.ema, run.model, run.cfg.optim.ema)
-        if run.captured is not None and run.state is not None and run.captured.matches(x, y):
-            run.captured.load_state(run.state, x)       # the graph's next replay carries this state on
+    loss, grad_norm, metrics, run.state, skipped = run.stepper.step(x, y, run.state, sparsity.wants_eager(run))
+    if skipped is not None:                             # fp16: the steps skipped since the last log
+        run.skipped = run.skipped + skipped
     return loss, grad_norm, metrics
-
-
-def _graph_for(run: Run, x: torch.Tensor, y: torch.Tensor) -> CapturedStep | None:
-    """The captured step this batch replays (captured now if this is its first), or None: eager.
-    The step before a RigL update has a capture of its own, with the gradient hooks armed."""
-    if run.captured is None:
-        return None
-    if sparsity.wants_eager(run):
-        if run.armed_eager:
-            return None
-        if run.captured_armed is None:
-            run.captured_armed = run.captured.twin(before_step=run.sparsity.begin_step, forward=run.forward_hooked)
-        if run.captured_armed.graph is None and not _start_armed_graph(run, x, y):
-            return None
-        cap = run.captured_armed
-    else:
-        if run.captured.graph is None:
-            _start_graph(run, x, y)
-            if run.captured is None:
-                return None
-        cap = run.captured
-    return cap if cap.matches(x, y) else None
-
-
-def _capture(run: Run, captured: CapturedStep, x: torch.Tensor, y: torch.Tensor) -> str | None:
-    """Captures ``captured`` on this batch; None, or why it cannot be (under DDP the first rank's
-    reason on every rank, so that all fall back alike)."""
-    reason = None
-    try:
-        captured.prepare(x, y)
-    except CaptureError as exc:
-        reason = str(exc)
-    if run.world.active:
-        reasons = [r for r in gather(reason, run.world) if r]
-        reason = reasons[0] if reasons else None
-    return reason
-
-
-def _start_armed_graph(run: Run, x: torch.Tensor, y: torch.Tensor) -> bool:
-    """Captures the step with the policy's gradient hooks armed; where it cannot be, that step
-    runs eagerly from now on, with one log line saying why (every rank alike under DDP)."""
-    reason = _capture(run, run.captured_armed, x, y)
-    run.warming_up = "armed" not in run.captured_kinds
-    run.captured_kinds.add("armed")
-    if reason is None:
-        run.sparsity.keep_captured()                    # the gradient sums the captured run writes
-        if not run.step_mode.startswith("graph"):       # (every step may be armed: sparsity.every=1)
-            run.step_mode = "graph" + (" (compiled)" if "compiled" in run.step_mode else "")
-        return True
-    run.captured_armed, run.armed_eager = None, True
-    log.info("sparsity: the step before each update runs eagerly; it could not be captured: %s", reason)
-    return False
-
-
-def _start_graph(run: Run, x: torch.Tensor, y: torch.Tensor) -> None:
-    """Captures the step on the first batch. Where it cannot be (auto), the run trains eagerly
-    and one log line names why; under DDP every rank falls back if any must."""
-    reason = _capture(run, run.captured, x, y)
-    run.warming_up = "step" not in run.captured_kinds
-    run.captured_kinds.add("step")
-    if reason is None:
-        run.step_mode = "graph" + (" (compiled)" if "compiled" in run.step_mode else "")
-        log.info("step: one CUDA graph per step (trainer.cuda_graph=%s)", run.graph_mode.value)
-        return
-    run.captured = None
-    if run.graph_mode is GraphMode.true:
-        raise UserError(f"trainer.cuda_graph=true: the step cannot be captured: {reason}")
-    log.info("step: eager; trainer.cuda_graph=auto could not capture it: %s", reason)
 
 
 # --- logging, validation, checkpoints ----------------------------------------------------------------
@@ -566,7 +464,7 @@ def validate(run: Run, progress: Progress, board: Board, elapsed: float) -> None
         model.eval()
         try:
             forward = Forward(model, run.forward.amp_dtype, run.device)
-            if run.captured is not None:                # static shapes: the evaluation forward is graphed too
+            if run.stepper.graphed:                     # static shapes: the evaluation forward is graphed too
                 forward = run.eval_forwards.setdefault(id(model), GraphedForward(forward))
             with torch.no_grad():
                 valid = run.task.evaluate(forward, "valid", run.cfg.trainer.eval_batches, progress.active)
@@ -687,7 +585,7 @@ def _compilations() -> int:
 
 def _begin_step(run: Run, window: Window, first: bool) -> tuple:
     """Starts timing a step; at a compiled run's first step, says that compilation starts."""
-    compiled = "compiled" in run.step_mode
+    compiled = run.stepper.mode.compiled
     if first and compiled:
         log.info("compiling the model with torch.compile (trainer.compile=true): the first step takes minutes on a "
                  "CPU ...")
@@ -701,9 +599,8 @@ def _end_step(run: Run, window: Window, began: tuple) -> None:
     compiled. A graph captured again (a sparsity update that took new layout tables) counts, as
     the cost of that update."""
     first, compilations, t0 = began
-    compiled = "compiled" in run.step_mode
-    warm_up = first or run.warming_up or (compiled and _compilations() != compilations)
-    run.warming_up = False
+    compiled = run.stepper.mode.compiled
+    warm_up = run.stepper.pop_warm_up() or first or (compiled and _compilations() != compilations)
     if warm_up and run.device.type == "cuda":
         torch.cuda.synchronize(run.device)          # its queued device work inside the left-out time too
     if first and compiled:

@@ -170,14 +170,15 @@ def test_graphs_are_dropped_only_for_new_tables(mode, monkeypatch):
             raise ValueError("layout: refused (test)")
         monkeypatch.setattr(MatmulTables, "check_rewrite", refuse)
     model = mlp()
-    captured = SimpleNamespace(graph="a graph")
+    dropped = []
+    stepper = SimpleNamespace(drop_graphs=lambda: dropped.append("the step's graphs"))
     run = SimpleNamespace(sparsity=SET(model, None, every=1, fraction=0.5, balanced=mode == "balanced", seed=3),
-                          step=1, captured=captured, eval_forwards={"shape": "graph"})
+                          step=1, stepper=stepper, eval_forwards={"shape": "graph"})
     board = SimpleNamespace(scalars=lambda *a: None, layouts=lambda *a: None)
     info = after_step(run, board)
     kept = mode != "new-tables"
     assert info["in_place"] is kept
-    assert (captured.graph is not None) is kept and bool(run.eval_forwards) is kept
+    assert (not dropped) is kept and bool(run.eval_forwards) is kept
 
 
 @pytest.mark.gpu
