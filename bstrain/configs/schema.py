@@ -55,6 +55,15 @@ class Split(str, Enum):
     test = "test"
 
 
+# Value ranges the types alone do not fix, as a field's metadata "check": (test, what the error says
+# is expected); :func:`check_ranges` reads them.
+_POSITIVE = (lambda v: v > 0, "> 0")
+_AT_LEAST_0 = (lambda v: v >= 0, ">= 0")
+_AT_LEAST_1 = (lambda v: v >= 1, ">= 1")
+_IN_0_1 = (lambda v: 0 <= v <= 1, "in [0, 1]")
+_IN_0_1_OPEN = (lambda v: 0 <= v < 1, "in [0, 1)")
+
+
 def _target(path: str):
     """A ``_target_`` field: the class that Hydra's instantiate() builds from the section."""
     return field(default=path, metadata={"help": "the class instantiate() builds"})
@@ -117,45 +126,50 @@ class ClassifyTask:
     label_smoothing: float = field(default=0.0, metadata={"help": "cross-entropy label smoothing"})
 
 
+def _field(default, help: str, check: tuple | None = None):
+    """A schema field with its one-line help and, where the type alone does not fix the range, its
+    check: (test, what the error says is expected)."""
+    return field(default=default, metadata={"help": help} if check is None else {"help": help, "check": check})
+
+
 @dataclass
 class OptimConfig:
-    lr: float = field(default=3e-3, metadata={"help": "peak learning rate (AdamW), > 0"})
-    weight_decay: float = field(default=0.0, metadata={"help": "AdamW weight decay on matrices"})
-    beta1: float = field(default=0.9, metadata={"help": "AdamW's decay of the gradient's running mean, in [0, 1)"})
-    beta2: float = field(default=0.999, metadata={"help": "AdamW's decay of the squared gradient's running mean, "
-                                                          "in [0, 1)"})
-    eps: float = field(default=1e-8, metadata={"help": "AdamW's term added to the denominator, > 0"})
-    warmup_steps: int = field(default=20, metadata={"help": "linear warmup steps"})
+    lr: float = _field(3e-3, "peak learning rate (AdamW), > 0", _POSITIVE)
+    weight_decay: float = _field(0.0, "AdamW weight decay on matrices", _AT_LEAST_0)
+    beta1: float = _field(0.9, "AdamW's decay of the gradient's running mean, in [0, 1)", _IN_0_1_OPEN)
+    beta2: float = _field(0.999, "AdamW's decay of the squared gradient's running mean, in [0, 1)", _IN_0_1_OPEN)
+    eps: float = _field(1e-8, "AdamW's term added to the denominator, > 0", _POSITIVE)
+    warmup_steps: int = _field(20, "linear warmup steps", _AT_LEAST_0)
     schedule: Schedule = field(default=Schedule.cosine, metadata={"help": "cosine | linear | constant decay "
                                                                            "after warmup"})
-    min_lr_ratio: float = field(default=0.1, metadata={"help": "final lr as a fraction of lr"})
-    grad_clip: float = field(default=1.0, metadata={"help": "global-norm clip; 0 disables"})
-    ema: float = field(default=0.0, metadata={"help": "EMA decay of the weights used for eval; 0 disables"})
+    min_lr_ratio: float = _field(0.1, "final lr as a fraction of lr", _IN_0_1)
+    grad_clip: float = _field(1.0, "global-norm clip; 0 disables", _AT_LEAST_0)
+    ema: float = _field(0.0, "EMA decay of the weights used for eval; 0 disables", _IN_0_1_OPEN)
 
 
 @dataclass
 class TrainerConfig:
-    max_steps: int = field(default=300, metadata={"help": "optimizer steps"})
+    max_steps: int = _field(300, "optimizer steps", _AT_LEAST_1)
     device: Device = field(default=Device.auto, metadata={"help": "auto | cpu | cuda"})
     precision: Precision = field(default=Precision.fp32, metadata={"help": "fp32 | fp16 (dynamic loss scaling) | "
                                                                             "bf16"})
-    group_size: int = field(default=8, metadata={"help": "gradient grouping: calls per dW launch of the model's "
-                                                         "block-sparse layers (recurrent weights); 1 disables"})
+    group_size: int = _field(8, "gradient grouping: calls per dW launch of the model's block-sparse layers "
+                                "(recurrent weights); 1 disables", _AT_LEAST_1)
     resume: str = field(default="false", metadata={"help": "false | true (the latest checkpoint of this run dir) | "
                                                            "PATH"})
-    log_every: int = field(default=10, metadata={"help": "steps between logged scalars (the only host syncs)"})
-    eval_every: int = field(default=100, metadata={"help": "steps between validations; 0: only at the end"})
-    eval_batches: int = field(default=8, metadata={"help": "validation batches per evaluation; 0: the whole split"})
-    ckpt_every: int = field(default=100, metadata={"help": "steps between checkpoints; 0: only at the end"})
-    keep_ckpts: int = field(default=3, metadata={"help": "checkpoints kept in the run dir"})
+    log_every: int = _field(10, "steps between logged scalars (the only host syncs)", _AT_LEAST_1)
+    eval_every: int = _field(100, "steps between validations; 0: only at the end", _AT_LEAST_0)
+    eval_batches: int = _field(8, "validation batches per evaluation; 0: the whole split", _AT_LEAST_0)
+    ckpt_every: int = _field(100, "steps between checkpoints; 0: only at the end", _AT_LEAST_0)
+    keep_ckpts: int = _field(3, "checkpoints kept in the run dir", _AT_LEAST_1)
     seed: int = field(default=0, metadata={"help": "torch seed (model init, dropout, data order)"})
-    loss_scale_window: int = field(default=200, metadata={"help": "fp16: clean steps before the scale doubles"})
-    time_limit_s: float = field(default=0.0, metadata={"help": "stop (eval + checkpoint) after this many "
-                                                                "seconds of training; 0: no limit"})
+    loss_scale_window: int = _field(200, "fp16: clean steps before the scale doubles", _AT_LEAST_1)
+    time_limit_s: float = _field(0.0, "stop (eval + checkpoint) after this many seconds of training; 0: no limit",
+                                 _AT_LEAST_0)
     run_dir: Optional[str] = field(default=None, metadata={"help": "the run directory (same as hydra.run.dir); "
                                                                    "null: runs/DATE/TIME"})
     progress: bool = field(default=True, metadata={"help": "tqdm bar when stderr is a terminal"})
-    threads: int = field(default=0, metadata={"help": "CPU threads for torch; 0: half the available cores"})
+    threads: int = _field(0, "CPU threads for torch; 0: half the available cores", _AT_LEAST_0)
     cuda_graph: str = field(default="auto", metadata={
         "help": "auto (default): the whole step as one CUDA graph on a GPU, eager where it cannot be captured (one "
                 "log line says why) | true: a graph or an error | false: eager"})
@@ -294,6 +308,20 @@ def check_config(cfg) -> None:
     missing = sorted(OmegaConf.missing_keys(cfg))
     if missing:
         raise UserError(f"{missing[0]}: a value is required (add {missing[0]}=...)")
+
+
+def check_ranges(cfg, sections=(("optim", OptimConfig), ("trainer", TrainerConfig))) -> None:
+    """UserError naming the key for a value outside the range its schema field declares (the
+    field's metadata "check"), in the order of the fields."""
+    from bstrain.errors import UserError
+    for section, schema in sections:
+        for f in dataclasses.fields(schema):
+            if "check" not in f.metadata:
+                continue
+            ok, want = f.metadata["check"]
+            value = cfg[section][f.name]
+            if not ok(value):
+                raise UserError(f"{section}.{f.name}: expected {want}, got {value!r}")
 
 
 def register() -> None:

@@ -5,8 +5,9 @@ config by their ``_target_``; the task (bstrain/train/tasks) owns batches, loss,
 evaluation; a model is stateless (``forward(x)``) or stateful (``init_state`` and
 ``forward(x, state)``), see bstrain/train/step.py. One step function
 (:func:`bstrain.train.step.train_step`) serves the eager loop, the CUDA-graph replay and the
-benchmarks; one pair of functions (:func:`bstrain.train.checkpoint.capture` / ``restore``) writes
-and reads checkpoints.
+benchmarks, and one object built once (:class:`bstrain.train.stepper.Stepper`) decides how each
+step runs (a graph, a graph armed for a sparsity update, or eager); one pair of functions
+(:func:`bstrain.train.checkpoint.capture` / ``restore``) writes and reads checkpoints.
 
 Precision: fp32 master weights always. fp16 runs the forward under autocast with dynamic loss
 scaling (torch.amp.GradScaler: starts at 2**16, halves and skips the step on inf/NaN, doubles
@@ -126,28 +127,11 @@ def _match_graph_mode(optimizer: torch.optim.Optimizer, capturable: bool, device
                 st["step"] = st["step"].to(device=p.device if on_device else "cpu", dtype=torch.float32)
 
 
-_CHECKS = (  # (section, key, test, expectation): ranges the types alone do not fix
-    ("optim", "lr", lambda v: v > 0, "> 0"), ("optim", "weight_decay", lambda v: v >= 0, ">= 0"),
-    ("optim", "beta1", lambda v: 0 <= v < 1, "in [0, 1)"), ("optim", "beta2", lambda v: 0 <= v < 1, "in [0, 1)"),
-    ("optim", "eps", lambda v: v > 0, "> 0"), ("optim", "warmup_steps", lambda v: v >= 0, ">= 0"),
-    ("optim", "min_lr_ratio", lambda v: 0 <= v <= 1, "in [0, 1]"), ("optim", "grad_clip", lambda v: v >= 0, ">= 0"),
-    ("optim", "ema", lambda v: 0 <= v < 1, "in [0, 1)"), ("trainer", "max_steps", lambda v: v >= 1, ">= 1"),
-    ("trainer", "group_size", lambda v: v >= 1, ">= 1"), ("trainer", "log_every", lambda v: v >= 1, ">= 1"),
-    ("trainer", "eval_every", lambda v: v >= 0, ">= 0"), ("trainer", "eval_batches", lambda v: v >= 0, ">= 0"),
-    ("trainer", "ckpt_every", lambda v: v >= 0, ">= 0"), ("trainer", "keep_ckpts", lambda v: v >= 1, ">= 1"),
-    ("trainer", "loss_scale_window", lambda v: v >= 1, ">= 1"),
-    ("trainer", "time_limit_s", lambda v: v >= 0, ">= 0"), ("trainer", "threads", lambda v: v >= 0, ">= 0"),
-)
-
-
 def check_config(cfg) -> None:
     """UserError naming the key for an undeclared key, a missing value or a value out of range."""
-    from bstrain.configs.schema import check_config as check_schema
+    from bstrain.configs.schema import check_config as check_schema, check_ranges
     check_schema(cfg)
-    for section, key, ok, want in _CHECKS:
-        value = cfg[section][key]
-        if not ok(value):
-            raise UserError(f"{section}.{key}: expected {want}, got {value!r}")
+    check_ranges(cfg)                                   # the ranges declared beside the schema's fields
     if _value(cfg.trainer.precision) not in PRECISIONS:
         raise UserError(f"trainer.precision: expected fp32, fp16 or bf16, got {cfg.trainer.precision!r}")
     GraphMode.parse(cfg.trainer.cuda_graph)
