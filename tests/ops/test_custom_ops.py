@@ -351,8 +351,11 @@ def test_compile_sparse_lstm_training_step(dev):
         x = torch.randint(0, 256, (3, 4), device=dev)
         (a, ga), (b, gb) = loss_check(compiled), loss_check(step)
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
-        for p, q in zip(ga, gb):        # fp32 sums in another order, through 4 steps of 2 layers
-            torch.testing.assert_close(p, q, rtol=1e-4, atol=1e-4 * float(q.abs().max()))
+        for p, q in zip(ga, gb):        # fp32 sums in another order, through 4 steps of 2 layers:
+            # near-cancelling entries differ by more than 1e-4 relative (seen: 2e-4 on 1 of 4096),
+            # so the whole gradient is held to 1e-4 in norm, each entry to 1e-3 of its largest
+            assert float((p - q).norm()) <= 1e-4 * float(q.norm()) + 1e-12, float((p - q).norm() / q.norm())
+            torch.testing.assert_close(p, q, rtol=1e-3, atol=1e-3 * float(q.abs().max()))
     assert counter.frame_count == 1
 
 
