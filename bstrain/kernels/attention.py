@@ -53,6 +53,7 @@ from bstrain.kernels.launch import Launch, aligned, plan
 LOG2E = 1.4426950408889634
 _TRI = -(1 << 20)       # a masked tile's code: >= 0 indexes the mask table; _TRI + d is triangular
 TRI = tl.constexpr(_TRI)
+LOG2E_C = tl.constexpr(LOG2E)            # log2(e) inside the kernels
 
 
 @triton.jit
@@ -120,7 +121,7 @@ def _logits(s, qk_scale, cap, slope, ostart, istart, BO: tl.constexpr, BI: tl.co
     TRANS: the outer index is the key (the dK/dV kernel)."""
     if SOFTCAP:
         # tanh(y) = 1 − 2 / (1 + e^{2y}), y = scale·s / cap: exact at ±inf, no tanh instruction needed
-        t = 1.0 - 2.0 / (1.0 + tl.exp2(s * (2.0 * qk_scale / cap * 1.4426950408889634)))
+        t = 1.0 - 2.0 / (1.0 + tl.exp2(s * (2.0 * qk_scale / cap * LOG2E_C)))
         x = t * cap
     else:
         t = s
@@ -133,6 +134,15 @@ def _logits(s, qk_scale, cap, slope, ostart, istart, BO: tl.constexpr, BI: tl.co
         else:
             x += slope * (i[None, :] - o[:, None]).to(tl.float32)
     return x, t
+
+
+@triton.jit
+def _slope(SLOPES, h, ALIBI: tl.constexpr):
+    """Head h's ALiBi slope in base-2 units (0 without ALiBi)."""
+    slope = 0.0
+    if ALIBI:
+        slope = tl.load(SLOPES + h) * LOG2E_C                       # natural units -> base 2
+    return slope
 
 
 @triton.jit
@@ -193,9 +203,7 @@ def _attn_fwd(Q, K, V, O, LSE, SLOPES, DK, DV, ORDER, PTR, MID, TAB, INNER, CODE
     v_base = b.to(tl.int64) * s_vb + hk * head_dim_v
     kv_row0 = b * Tk
     pad_base = b.to(tl.int64) * Tk
-    slope = 0.0
-    if ALIBI:
-        slope = tl.load(SLOPES + h) * 1.4426950408889634            # natural units -> base 2
+    slope = _slope(SLOPES, h, ALIBI)
     m_i = tl.full((BO,), float("-inf"), tl.float32)
     l_i = tl.zeros((BO,), tl.float32)
     acc = tl.zeros((BO, BLOCK_DV), tl.float32)
@@ -272,9 +280,7 @@ def _attn_bwd_dq(Q, K, V, O, DO, LSE, DELTA, DQ, SLOPES, DLSE, DK, DV, ORDER, PT
     v_base = b.to(tl.int64) * s_vb + hk * head_dim_v
     kv_row0 = b * Tk
     pad_base = b.to(tl.int64) * Tk
-    slope = 0.0
-    if ALIBI:
-        slope = tl.load(SLOPES + h) * 1.4426950408889634            # natural units -> base 2
+    slope = _slope(SLOPES, h, ALIBI)
     dq = tl.zeros((BO, BLOCK_D), tl.float32)
     dq = _dq_loop(dq, q, do, lse, delta, K, V, DK, DV, k_base, v_base, s_kt, s_vt, kv_row0, hk * head_dim,
                   hk * head_dim_v, INNER, CODE, e0, e1, PMASK, PAD, pad_base, start, qk_scale, cap, slope, head_dim,
@@ -338,9 +344,7 @@ def _attn_bwd_dkdv(Q, K, V, DO, LSE, DELTA, DK, DV, SLOPES, DQD, DOD, ORDER, PTR
     o_base = b.to(tl.int64) * s_ob + h * head_dim_v            # dO
     q_row0 = b * Tq
     stat_base = (b.to(tl.int64) * H + h) * Tq
-    slope = 0.0
-    if ALIBI:
-        slope = tl.load(SLOPES + h) * 1.4426950408889634            # natural units -> base 2
+    slope = _slope(SLOPES, h, ALIBI)
     dk = tl.zeros((BO, BLOCK_D), tl.float32)
     dv = tl.zeros((BO, BLOCK_DV), tl.float32)
     dk, dv = _dkdv_loop(dk, dv, k, v, Q, DO, DQD, DOD, LSE, DELTA, q_base, s_qt, o_base, s_ot, q_row0, h * head_dim,

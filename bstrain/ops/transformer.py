@@ -36,7 +36,7 @@ import math
 import numbers
 import os
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -71,6 +71,7 @@ class AttentionTables:
     tile_of: Tensor    # (nnz,) int64
     host: tuple | None  # (h, i, j, partial_idx, partial_masks) numpy: the kernels' tables are cut from them
     _luts: object = None
+    _distance: dict = field(default_factory=dict, repr=False)     # ALiBi's k_pos − q_pos per dtype (PyTorch path)
 
     def kernel_luts(self):
         """The kernels' :class:`~bstrain.kernels.attention.AttnLuts` on this device (made on first
@@ -171,10 +172,17 @@ def _check_dtype(name: str, dtype) -> None:
 
 
 def _distance(t: AttentionTables, dtype: torch.dtype) -> Tensor:
-    """(nnz, bs, bs) k_pos − q_pos of every live block's elements (positions in the layout's context)."""
-    r = torch.arange(t.block_size, device=t.i.device)
-    k_pos, q_pos = t.j[:, None] * t.block_size + r, t.i[:, None] * t.block_size + r             # (nnz, bs)
-    return (k_pos[:, None, :] - q_pos[:, :, None]).to(dtype)
+    """(nnz, bs, bs) k_pos − q_pos of every live block's elements (positions in the layout's
+    context): made once per tables and dtype (a traced call's tables are made per trace)."""
+    hit = t._distance.get(dtype)
+    if hit is None:
+        r = torch.arange(t.block_size, device=t.i.device)
+        k_pos, q_pos = t.j[:, None] * t.block_size + r, t.i[:, None] * t.block_size + r         # (nnz, bs)
+        hit = (k_pos[:, None, :] - q_pos[:, :, None]).to(dtype)
+        if not torch.compiler.is_compiling():
+            with torch.inference_mode(False):
+                hit = t._distance[dtype] = hit.clone()
+    return hit
 
 
 def _score_mod(w: Tensor, scale: float, t: AttentionTables, alibi: Tensor | None = None,
