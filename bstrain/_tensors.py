@@ -1,13 +1,15 @@
 """Making real tensors whatever context the caller is in: used by the layout builders
 (:mod:`bstrain.layout`) and by the ops' shared tables (:mod:`bstrain.ops.tables`), so it sits
-below both."""
+below both; and the largest index an int32 offset holds, which kernels and ops check sizes against."""
 from __future__ import annotations
 
 import contextlib
 
 import torch
 
-__all__ = ["real_tensors"]
+__all__ = ["real_tensors", "INT32_MAX"]
+
+INT32_MAX = 2**31 - 1
 
 
 @contextlib.contextmanager

@@ -31,13 +31,13 @@ import torch
 import triton
 import triton.language as tl
 
+from bstrain._tensors import INT32_MAX as _INT32_MAX
 from bstrain.kernels._device import desc_like, desc_template, precision, sm_count, tma_ok
 from bstrain.kernels.alloc import empty
 from bstrain.kernels.launch import Launch, aligned, host_bound, plan
 # the tables live in matmul_luts; their names stay importable from here (callers and pickles name them)
 from bstrain.kernels.matmul_luts import BsmmLuts, PanelLut, SegmentLut, make_luts, panel_lut  # noqa: F401
 
-_INT32_MAX = 2**31 - 1
 
 
 @triton.jit

@@ -12,9 +12,9 @@ import numpy as np
 import torch
 import triton
 
+from bstrain._tensors import INT32_MAX as _INT32_MAX
 from bstrain.layout import growth_limit
 
-_INT32_MAX = 2**31 - 1
 
 
 @dataclass

@@ -23,11 +23,11 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from bstrain._tensors import INT32_MAX as _INT32_MAX
 from bstrain.layout import BLOCK_SIZES, as_layout, check_block_size
 from bstrain.ops.proj import SparseProj  # noqa: F401  (the seed exports it from matmul)
 from bstrain.ops.tables import eager, family, layout_tables, lookup, real_tensors, tracing
 
-_INT32_MAX = 2**31 - 1
 _FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 _BACKENDS = ("auto", "triton", "torch")
 

@@ -406,6 +406,10 @@ class CapturedStep:
             return once()
         return run
 
+    def drop(self) -> None:
+        """Forgets the captured graph (the layers' tables changed): the next step captures again."""
+        self.graph = None
+
     def matches(self, x: torch.Tensor, y: torch.Tensor) -> bool:
         return (self.x is not None and x.shape == self.x.shape and y.shape == self.y.shape
                 and x.dtype == self.x.dtype and y.dtype == self.y.dtype)

@@ -161,7 +161,7 @@ class Stepper:
         next needed."""
         for captured in (self.captured, self.captured_armed):
             if captured is not None:
-                captured.graph = None
+                captured.drop()
 
     def _graph_for(self, x: torch.Tensor, y: torch.Tensor, armed: bool) -> CapturedStep | None:
         """The captured step this batch replays (captured now if this is its first), or None: eager.
