@@ -141,7 +141,9 @@ def _layouts(args, S, B, D, bs, q, k, v, g, qh, kh, vh, gh, dense, smoke, dev):
         if not smoke:
             try:
                 from torch.nn.attention.flex_attention import create_block_mask, flex_attention
-                bm = create_block_mask(mask, B=None, H=None, Q_LEN=S, KV_LEN=S, BLOCK_SIZE=bs, device=dev)
+                # _compile: the mask is built block by block, not as an S x S tensor (128 GiB at S=128k)
+                bm = create_block_mask(mask, B=None, H=None, Q_LEN=S, KV_LEN=S, BLOCK_SIZE=bs, device=dev,
+                                       _compile=True)
                 flex = torch.compile(flex_attention)
                 opts = FLEX_TILES.get(bs)
                 fl = lambda a, b, c: flex(a, b, c, block_mask=bm, kernel_options=opts)   # noqa: E731
