@@ -11,7 +11,7 @@ REPO = Path(__file__).parents[2]
 
 def test_bench_eager_linear_cpu_smoke(tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(sys, "argv", ["bench_eager_linear.py", "--cpu-smoke", "--out", str(tmp_path)])
-    runpy.run_path(str(REPO / "scripts" / "bench_eager_linear.py"), run_name="__main__")
+    runpy.run_path(str(REPO / "scripts" / "bench" / "bench_eager_linear.py"), run_name="__main__")
     table = (tmp_path / "eager_linear.md").read_text()
     assert "| 32 |" in table and "nn.Linear" in table
     assert "ratio" in capsys.readouterr().out
@@ -20,7 +20,7 @@ def test_bench_eager_linear_cpu_smoke(tmp_path, monkeypatch, capsys):
 def test_bench_lm_anchor_cpu_smoke(tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(sys, "argv", ["bench_lm_anchor.py", "--cpu-smoke", "--anchor-mask", "layers,window",
                                       "--out", str(tmp_path)])
-    runpy.run_path(str(REPO / "scripts" / "bench_lm_anchor.py"), run_name="__main__")
+    runpy.run_path(str(REPO / "scripts" / "bench" / "bench_lm_anchor.py"), run_name="__main__")
     table = (tmp_path / "lm_anchor.md").read_text()
     assert "bstrain sparse / anchor (layers" in table and "bstrain sparse / dense twin" in table
     assert "failed" not in table and "**check" not in table
