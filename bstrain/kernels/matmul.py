@@ -285,7 +285,7 @@ class DwConfig(NamedTuple):
     tma: bool      # TMA loads (needs group == 1)
 
 
-# Chosen per block size from a sweep on an H200 (scripts/bench_matmul.py --sweep).
+# Chosen per block size from a sweep on an H200 (scripts/bench/bench_matmul.py --sweep).
 GPU_DS = {8: DsConfig(256, 64, 8, 3, False), 16: DsConfig(256, 64, 8, 3, False),
           32: DsConfig(256, 32, 8, 3, True), 64: DsConfig(128, 64, 4, 3, True),
           128: DsConfig(128, 64, 4, 3, True)}
