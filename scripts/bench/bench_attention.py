@@ -19,7 +19,6 @@ NAME.json to --out, rewritten after every row (a cut-off run keeps what it measu
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
 import sys
@@ -30,6 +29,7 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 from bstrain import layout as L  # noqa: E402
 from bstrain.ops.transformer import BlocksparseTransformer  # noqa: E402
+from scripts._timing import bench, environment  # noqa: E402
 
 
 def masks(S: int, bs: int):
@@ -41,19 +41,6 @@ def masks(S: int, bs: int):
             "fixed": L.fixed_mask(w, summary=w // 8),
             "bigbird": L.bigbird_mask(bs, 3, 2, 3, n, n, seed=0, causal=True),
             "longglobal": L.longformer_mask(1024, 256, causal=True)}        # a 1024 window + 256 global positions
-
-
-def bench(fn, smoke: bool) -> float:
-    """Median ms of fn (do_bench on CUDA; a few timed calls on CPU)."""
-    if smoke:
-        import time
-        fn()
-        t = time.perf_counter()
-        for _ in range(3):
-            fn()
-        return (time.perf_counter() - t) / 3 * 1e3
-    import triton
-    return triton.testing.do_bench(fn, warmup=25, rep=200, return_mode="median")
 
 
 def inputs(B: int, S: int, H: int, D: int, dev, dt):
@@ -220,9 +207,7 @@ def main() -> None:
     if args.cpu_smoke:
         args.seq, args.dims, args.batch, args.heads, args.block = [256], [16], 1, 2, [32]
     os.makedirs(args.out, exist_ok=True)
-    import triton
-    extra = {"device": "cpu (smoke)" if args.cpu_smoke else torch.cuda.get_device_name(), "torch": torch.__version__,
-             "triton": triton.__version__, "date": str(datetime.date.today()),
+    extra = {**environment(args.cpu_smoke, triton=True),
              "command": "python scripts/bench/bench_attention.py " + " ".join(sys.argv[1:])}
     rows = measure(args, lambda rows: report(rows, extra, args.out, args.name, quiet=True))
     report(rows, extra, args.out, args.name)

@@ -16,7 +16,6 @@ Writes conv.md, conv.json and conv.png (with matplotlib) to --out.
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
 import sys
@@ -26,7 +25,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 from bstrain.nn import BlockSparseConv2d  # noqa: E402
-from scripts.bench.bench_attention import bench  # noqa: E402  (median ms: do_bench on CUDA, timed calls on CPU)
+from scripts._timing import bench, environment  # noqa: E402  (median ms: do_bench on CUDA, timed calls on CPU)
 
 
 def gpu_ms(fn, reps: int = 20) -> float:
@@ -203,8 +202,7 @@ def main() -> None:
     if args.cpu_smoke:
         args.batch, args.channels, args.size, args.block_sizes, args.formats = 2, 64, 8, [16], "nchw"
     os.makedirs(args.out, exist_ok=True)
-    extra = {"device": "cpu (smoke)" if args.cpu_smoke else torch.cuda.get_device_name(), "torch": torch.__version__,
-             "date": str(datetime.date.today()), "dtype": "fp32" if args.cpu_smoke else "bf16"}
+    extra = {**environment(args.cpu_smoke), "dtype": "fp32" if args.cpu_smoke else "bf16"}
     rows = measure(args)
     if args.compiled and not args.cpu_smoke:
         extra["compiled"] = compiled(args)

@@ -25,20 +25,13 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 from scripts.bench.bench_lstm import kernel_times  # noqa: E402
 
 from bstrain.models.convnet import SparseResNet  # noqa: E402
+from scripts._timing import event_times_ms  # noqa: E402
 
 
 def median_ms(step, steps: int) -> float:
     """Median over ``steps`` calls of step(), each timed alone by CUDA events."""
     import statistics
-    times = []
-    for _ in range(steps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        step()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b))
-    return statistics.median(times)
+    return statistics.median(event_times_ms(step, steps))
 
 
 def eager_step(model, compiled: bool = False):

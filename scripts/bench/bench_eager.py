@@ -38,19 +38,13 @@ import copy
 import datetime
 import json
 import os
-import statistics
 import sys
-import time
 
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 from bstrain.nn import BlockSparseLinear  # noqa: E402
-
-
-def sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
+from scripts._timing import environment, wall_per_call  # noqa: E402
 
 
 REPEATS = 5
@@ -58,17 +52,7 @@ REPEATS = 5
 
 def per_call_us(fn, device: torch.device, calls: int = 200, repeats: int | None = None) -> float:
     """Median over ``repeats`` of the mean wall time of ``calls`` back-to-back calls, in µs."""
-    for _ in range(10):
-        fn()
-    sync(device)
-    times = []
-    for _ in range(repeats or REPEATS):
-        t = time.perf_counter()
-        for _ in range(calls):
-            fn()
-        sync(device)
-        times.append((time.perf_counter() - t) / calls * 1e6)
-    return statistics.median(times)
+    return wall_per_call(fn, device, calls, repeats or REPEATS, warmup=10) * 1e6
 
 
 def gpu_us(fn) -> float:
@@ -325,8 +309,7 @@ def main() -> None:
         args.parts = "layer" if args.parts == "layer,lstm" else args.parts
     else:
         device, dtype = torch.device("cuda"), torch.bfloat16
-    extra = {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu (smoke)",
-             "torch": torch.__version__, "date": str(datetime.date.today())}
+    extra = environment(device.type != "cuda")
     if device.type == "cuda":
         import triton
         extra["triton"] = triton.__version__

@@ -32,11 +32,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 from bstrain.nn import BlockSparseLinear  # noqa: E402
-
-
-def sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
+from scripts._timing import sync  # noqa: E402
 
 
 def fwd_bwd(layer, x: torch.Tensor, grad: torch.Tensor, dtype: torch.dtype):

@@ -23,6 +23,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 from bstrain import layout as layouts  # noqa: E402
 from bstrain.kernels import matmul as K  # noqa: E402
 from bstrain.kernels.matmul_luts import make_luts  # noqa: E402
+from scripts._timing import event_times_ms, software as this_software  # noqa: E402
 
 L2_BYTES = 60 << 20
 TARGET_FWD = {128: 0.85, 64: 0.75, 32: 0.60, 16: 0.35}
@@ -47,15 +48,7 @@ def time_calls(calls, reps=25):
                 c()
     run()
     torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record()
-        run()
-        e.record()
-        e.synchronize()
-        times.append(s.elapsed_time(e) / len(calls))
-    return statistics.median(times)
+    return statistics.median(t / len(calls) for t in event_times_ms(run, reps))
 
 
 def copies(make, bytes_each):
@@ -243,11 +236,6 @@ def main():
     write_outputs(rows, args.out, bw)
 
 
-def _triton_version() -> str:
-    import triton
-    return triton.__version__
-
-
 def _number(v: str):
     for cast in (int, float):
         try:
@@ -277,7 +265,7 @@ def write_outputs(rows, out, bw, dev=None, stamp=None, software=None):
     rows = add_roofline(rows)
     dev = dev or torch.cuda.get_device_name()
     stamp = stamp or datetime.date.today().isoformat()
-    software = software or f"torch {torch.__version__}, triton {_triton_version()}"
+    software = software or this_software()
     with open(os.path.join(out, "matmul.csv"), "w", newline="") as f:
         wr = csv.DictWriter(f, fieldnames=list(rows[0]))
         wr.writeheader()

@@ -22,6 +22,7 @@ import triton
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 from bstrain.ops import ew, norms  # noqa: E402
+from scripts._timing import software  # noqa: E402
 
 KEEP_RATIO = 1.2
 
@@ -91,7 +92,7 @@ def write(rows, out):
         w.writerows(rows)
     cols = list(rows[0])
     with open(os.path.join(out, "ops.md"), "w") as f:
-        f.write(f"# bench_ops: {dev}, {stamp}, torch {torch.__version__}, triton {triton.__version__}\n\n"
+        f.write(f"# bench_ops: {dev}, {stamp}, {software()}\n\n"
                 f"Forward+backward, median of triton.testing.do_bench. keep: beats torch.compile by "
                 f">= {KEEP_RATIO}x.\n\n| " + " | ".join(cols) + " |\n|" + "---|" * len(cols) + "\n")
         for r in rows:

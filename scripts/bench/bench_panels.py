@@ -13,7 +13,6 @@ Writes panels.md and panels.json to --out.
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
 import sys
@@ -25,17 +24,12 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 from bstrain import layout as layouts  # noqa: E402
 from bstrain.kernels import matmul as K  # noqa: E402
 from bstrain.kernels.matmul_luts import make_luts  # noqa: E402
+from scripts import _timing  # noqa: E402
 
 
 def bench(fn, smoke: bool) -> float:
-    if smoke:
-        import time
-        fn()
-        t = time.perf_counter()
-        fn()
-        return (time.perf_counter() - t) * 1e3
-    import triton
-    return triton.testing.do_bench(fn, warmup=25, rep=200, return_mode="median")
+    """Median ms of fn (do_bench on CUDA; one timed call on CPU)."""
+    return _timing.bench(fn, smoke, cpu_calls=1)
 
 
 def measure(args) -> list[dict]:
@@ -105,8 +99,7 @@ def main() -> None:
     if args.cpu_smoke:
         args.hidden, args.rows, args.blocks, args.densities = 64, 300, [16], [0.5]
     os.makedirs(args.out, exist_ok=True)
-    extra = {"device": "cpu (smoke)" if args.cpu_smoke else torch.cuda.get_device_name(), "torch": torch.__version__,
-             "date": str(datetime.date.today())}
+    extra = _timing.environment(args.cpu_smoke)
     report(measure(args), extra, args.out)
 
 

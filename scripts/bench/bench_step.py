@@ -35,20 +35,12 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+from scripts._timing import wall_per_call  # noqa: E402
 
 
 def per_call_ms(fn, calls: int = 20, repeats: int = 5) -> float:
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(repeats):
-        t = time.perf_counter()
-        for _ in range(calls):
-            fn()
-        torch.cuda.synchronize()
-        times.append((time.perf_counter() - t) / calls * 1e3)
-    return statistics.median(times)
+    """Median over ``repeats`` of the mean wall time of ``calls`` back-to-back calls, in ms."""
+    return wall_per_call(fn, torch.device("cuda"), calls, repeats, warmup=3) * 1e3
 
 
 def gpu_profile(fn, steps: int = 5) -> tuple[float, float]:

@@ -14,7 +14,6 @@ attention_profile.md and .json to --out.
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
 import sys
@@ -27,6 +26,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 from scripts.bench.bench_attention import inputs  # noqa: E402
 from bstrain import layout as L  # noqa: E402
 from bstrain.ops.transformer import BlocksparseTransformer  # noqa: E402
+from scripts._timing import environment  # noqa: E402
 
 PRODUCTS = {"_attn_fwd": 2, "_attn_bwd_dq": 3, "_attn_bwd_dkdv": 4, "_attn_bwd": 5}
 
@@ -124,8 +124,7 @@ def main() -> None:
     if args.cpu_smoke:
         args.seq, args.dims, args.batch, args.heads = [512], [16], 1, 2
     os.makedirs(args.out, exist_ok=True)
-    extra = {"device": "cpu (smoke)" if args.cpu_smoke else torch.cuda.get_device_name(), "torch": torch.__version__,
-             "date": str(datetime.date.today()), "B": args.batch, "H": args.heads}
+    extra = {**environment(args.cpu_smoke), "B": args.batch, "H": args.heads}
     report(measure(args), extra, args.out)
 
 
