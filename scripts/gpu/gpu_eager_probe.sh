@@ -1,3 +1,7 @@
+#!/usr/bin/env bash
+# One device call (issue 32): bench_eager_linear.py in this tree and in .old, side by side, twice, then
+# a host profile of each. .old: the commit to compare (git archive), carried, with this tree's scripts/
+# copied in (cp -r scripts .old/), since each script imports the package of the tree it sits in.
 set -o pipefail
 . scripts/gpu/gpu_env.sh
 nvidia-smi --query-gpu=name,clocks.sm --format=csv,noheader
