@@ -46,7 +46,7 @@ def default_corpus(max_bytes: int = DEFAULT_CORPUS_BYTES, recursive: bool = Fals
     Args:
         max_bytes: upper bound on the returned length (> 0).
         recursive: every *.py below the stdlib directory (``rglob``, sorted), not just the top
-            level: a larger cut for GPU-sized runs (scripts/bench_lstm.py).
+            level: a larger cut for GPU-sized runs (scripts/bench/bench_lstm.py).
     Returns: the corpus, ``len <= max_bytes``.
     """
     if isinstance(max_bytes, bool) or not isinstance(max_bytes, int) or max_bytes <= 0:

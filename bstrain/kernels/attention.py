@@ -29,7 +29,7 @@ the tail; inner tiles are read through tensor descriptors (TMA) where the inputs
   head writes its share to an fp32 (B, Tk, H·D) buffer that the launcher sums per group.
 
 Tile shapes, warps and pipeline stages per (kernel, block size, head dim, dtype) come from
-:func:`tiles`; ``TILES`` overrides them (scripts/tune_attention.py sweeps it).
+:func:`tiles`; ``TILES`` overrides them (scripts/tune/tune_attention.py sweeps it).
 
 **Launches** go through :mod:`bstrain.kernels.launch`: :func:`launch` keeps one ``Launch`` per
 kernel and everything the JIT specialises on (:func:`_pass_key`) on the layout's

@@ -250,7 +250,7 @@ def make_luts(layout: np.ndarray, block_size: int, device) -> ConvLuts:
 # Configurations
 # ---------------------------------------------------------------------------------------------
 # (BLOCK_M, num_warps, num_stages) per (kernel, block size, element size); CONFIGS overrides
-# config()'s guess (scripts/tune_conv.py sweeps it on the GPU; the guesses are untimed).
+# config()'s guess (scripts/tune/tune_conv.py sweeps it on the GPU; the guesses are untimed).
 CONFIGS: dict[tuple[str, int, int], tuple[int, int, int]] = {}
 
 
@@ -261,7 +261,7 @@ def config(kernel: str, bs: int, itemsize: int = 2) -> tuple[int, int, int]:
     hit = CONFIGS.get((kernel, bs, itemsize))
     if hit is not None:
         return hit
-    if kernel.endswith("_tma"):                        # H200 sweep, 2026-11-30 (scripts/tune_conv.py)
+    if kernel.endswith("_tma"):                        # H200 sweep, 2026-11-30 (scripts/tune/tune_conv.py)
         if bs >= 128:
             return 128, 8, 2
         if kernel == "dw_tma":

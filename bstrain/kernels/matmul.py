@@ -285,7 +285,7 @@ class DwConfig(NamedTuple):
     tma: bool      # TMA loads (needs group == 1)
 
 
-# Chosen per block size from a sweep on an H200 (scripts/bench_matmul.py --sweep).
+# Chosen per block size from a sweep on an H200 (scripts/bench/bench_matmul.py --sweep).
 GPU_DS = {8: DsConfig(256, 64, 8, 3, False), 16: DsConfig(256, 64, 8, 3, False),
           32: DsConfig(256, 32, 8, 3, True), 64: DsConfig(128, 64, 4, 3, True),
           128: DsConfig(128, 64, 4, 3, True)}
@@ -465,7 +465,7 @@ def _panels(lut: SegmentLut, bs: int) -> PanelLut | None:
 
 # Panels (output blocks that share their input-block lists, computed together), above SMALL_M rows.
 # None (the default): where the panels hold at least PANEL_SHARE of the entries, as in the tiled gate
-# layouts (1.1-1.7x faster there on an H200; benchmarks/panels.md); True (BSTRAIN_BSMM_PANEL=1):
+# layouts (1.1-1.7x faster there on an H200; benchmarks/matmul.md#panels); True (BSTRAIN_BSMM_PANEL=1):
 # wherever two output blocks share a list; False (=0): never.
 _PANEL_ENV = os.environ.get("BSTRAIN_BSMM_PANEL", "")
 PANELS: bool | None = None if _PANEL_ENV == "" else _PANEL_ENV == "1"

@@ -3,7 +3,7 @@
 ``fused_lstm_gates(c, h)`` (with ``split4`` and ``concat4``) is the seed's cell update on the four
 gate pre-activations, gate order i, u, f, o: ``new_c = σ(f + forget_bias)·c + σ(i)·tanh(u)``,
 ``new_h = σ(o)·tanh(new_c)``. Its Triton kernel (:mod:`bstrain.kernels.ew`) measurably beats
-``torch.compile`` of the same math (scripts/bench_ops.py, benchmarks/ops.md), so CUDA tensors run it.
+``torch.compile`` of the same math (scripts/bench/bench_ops.py, benchmarks/ops.md), so CUDA tensors run it.
 
 ``fused_lstm_cell`` goes one step further: per-gate layer norm of the recurrent pre-activations, the
 input add and the LSTM gates, in one kernel each way on CUDA.

@@ -3,7 +3,7 @@
 ``layer_norm`` on the common case (features last, no ReLU, one segment, parameters in x's dtype)
 is ``torch.nn.functional.layer_norm``. The seed's other cases (features on axis 0, a fused ReLU,
 several independently normalised segments, fp32 parameters with 16-bit x) run a Triton kernel
-on CUDA where it measurably beats ``torch.compile`` (scripts/bench_ops.py), else
+on CUDA where it measurably beats ``torch.compile`` (scripts/bench/bench_ops.py), else
 :func:`layer_norm_ref`.
 
 In this file's order: the reference → the custom ops ``torch.ops.bstrain.layer_norm`` and

@@ -1,4 +1,4 @@
-"""scripts/compare_runs.py matches rows on their key and flags the figures that got slower."""
+"""scripts/bench/compare_runs.py matches rows on their key and flags the figures that got slower."""
 from __future__ import annotations
 
 import json
@@ -19,7 +19,7 @@ def test_compare_runs_flags_a_slower_row(tmp_path, monkeypatch, capsys):
     md = tmp_path / "cmp.md"
     monkeypatch.setattr(sys, "argv", ["compare_runs.py", str(tmp_path / "old.json"), str(tmp_path / "new.json"),
                                       "--key", "layout,S", "--value", "ms", "--title", "attn", "--md", str(md)])
-    runpy.run_path(str(REPO / "scripts" / "compare_runs.py"), run_name="__main__")
+    runpy.run_path(str(REPO / "scripts" / "bench" / "compare_runs.py"), run_name="__main__")
     out = capsys.readouterr().out
     assert "| causal 8192 | ms | 10 | 10.2 | 1.020 |" in out
     assert "| local 8192 | ms | 4 | 4.4 | 1.100 **slower** |" in out

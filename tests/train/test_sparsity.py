@@ -77,7 +77,7 @@ def test_tensorboard_logs_the_changes(tmp_path):
     assert len(lines) == 2, lines
     for line, changed, planned in zip(lines, acc.Scalars("sparsity/changed"), acc.Scalars("sparsity/planned")):
         # the realised and planned shares, as train.log states them (the counts over all layers),
-        # then the two fields scripts/bench_sparsity.py reads
+        # then the two fields scripts/bench/bench_sparsity.py reads
         m = re.fullmatch(r"sparsity: step (\d), (\d+) of (\d+) live blocks replaced \((\d+\.\d)%\); planned (\d+) "
                          r"\((\d+\.\d)%\): the scheduled share \d+\.\d% of each layer's live blocks, rounded to whole "
                          r"blocks per layer(; .*)?, (tables rewritten in place|new tables), \d+ ms", line)
