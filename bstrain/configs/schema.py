@@ -194,11 +194,11 @@ class SparsityConfig:
     policy: Policy = field(default=Policy.static, metadata={
         "help": "static: layouts fixed | set: prune the smallest blocks, grow at random | rigl: grow by dense "
                 "gradient norm"})
-    every: int = field(default=100, metadata={"help": "optimizer steps between layout updates"})
-    fraction: float = field(default=0.3, metadata={"help": "share of live blocks replaced at the first update, "
-                                                            "decayed by a cosine"})
-    until: float = field(default=0.75, metadata={"help": "share of trainer.max_steps after which layouts are "
-                                                          "frozen"})
+    every: int = _field(100, "optimizer steps between layout updates, >= 1", (lambda v: v >= 1, "an int >= 1"))
+    fraction: float = _field(0.3, "share of live blocks replaced at the first update, decayed by a cosine; in (0, 1)",
+                             (lambda v: 0 < v < 1, "a share in (0, 1)"))
+    until: float = _field(0.75, "share of trainer.max_steps after which layouts are frozen; in (0, 1]",
+                          (lambda v: 0 < v <= 1, "a share of trainer.max_steps in (0, 1]"))
     balanced: bool = field(default=False, metadata={"help": "keep each block row's and column's live count: prune each "
                                                     "column's smallest-norm share, regrow as few of them as the counts allow"})
     seed: int = field(default=0, metadata={"help": "seed of the random draws (SET's growth, ties)"})
@@ -310,16 +310,20 @@ def check_config(cfg) -> None:
         raise UserError(f"{missing[0]}: a value is required (add {missing[0]}=...)")
 
 
-def check_ranges(cfg, sections=(("optim", OptimConfig), ("trainer", TrainerConfig))) -> None:
+def check_ranges(cfg, sections=(("optim", OptimConfig), ("trainer", TrainerConfig),
+                                 ("sparsity", SparsityConfig))) -> None:
     """UserError naming the key for a value outside the range its schema field declares (the
-    field's metadata "check"), in the order of the fields."""
+    field's metadata "check"), in the order of the fields; a section the config lacks is skipped."""
     from bstrain.errors import UserError
     for section, schema in sections:
+        node = cfg.get(section)
+        if node is None:
+            continue
         for f in dataclasses.fields(schema):
             if "check" not in f.metadata:
                 continue
             ok, want = f.metadata["check"]
-            value = cfg[section][f.name]
+            value = node[f.name]
             if not ok(value):
                 raise UserError(f"{section}.{f.name}: expected {want}, got {value!r}")
 

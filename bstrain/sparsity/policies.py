@@ -137,17 +137,17 @@ class DynamicSparsity:
         pruned blocks (each block row and column keeps its count), so fewer may be replaced than
         pruned."""
         count = self.steps + 1 if step is None else int(step)
-        if self.updates_at(count):      # refused state leaves the policy as it was: no step counted
+        update = self.updates_at(count)
+        if update:      # state that cannot follow the blocks: refused before any move, no step counted
             _check_optimizer(self.optimizer, self.groups)
         self.steps = count
-        info = self._update(count) if self.updates_at(count) else None
+        info = self._update(count) if update else None
         self._arm()
         return info
 
     @torch.no_grad()
     def _update(self, step: int) -> dict:
-        # state that cannot follow the blocks: refused before any move
-        _check_optimizer(self.optimizer, self.groups)
+        # (the optimizer's state was checked by step(), before any move)
         cuda = next((layer.weight.device for _, layer in self.layers if layer.weight.is_cuda), None)
         if cuda is not None:            # the queued steps first (the norms are read on the host anyway),
             torch.cuda.synchronize(cuda)    # so that "seconds" is the update's own time

@@ -128,7 +128,7 @@ _LATER_KEYS = ("schedule",)
 
 
 def capture(run) -> dict | None:
-    """The checkpoint of a :class:`bstrain.train.trainer.Run`. Collective under DDP (the carried
+    """The checkpoint of a :class:`bstrain.train.run.Run`. Collective under DDP (the carried
     states are gathered); returns the dict on rank 0 and None elsewhere."""
     from omegaconf import OmegaConf
 

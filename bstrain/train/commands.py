@@ -9,7 +9,7 @@ from bstrain.train.checkpoint import check_model_entries, load_checkpoint
 from bstrain.train.distributed import World
 from bstrain.train.progress import log
 from bstrain.train.step import Forward, is_stateful
-from bstrain.train.trainer import PRECISIONS, instantiate, resolve_device, set_threads
+from bstrain.train.run import PRECISIONS, instantiate, resolve_device, set_threads
 
 
 def _required_ckpt(cfg) -> str:

@@ -102,6 +102,25 @@ def all_mean(t: torch.Tensor, world: World) -> torch.Tensor:
     return t / world.size
 
 
+def on_main(world: World, fn):
+    """fn() on rank 0. Under DDP its exception is raised on every rank, which would otherwise wait
+    in the next collective until the process group times out."""
+    result, error = None, None
+    if world.main:
+        try:
+            result = fn()
+        except Exception as exc:            # re-raised below, after the other ranks hear of it
+            error = exc
+    if world.active:
+        failed = broadcast(None if error is None else f"{type(error).__name__}: {error}", world)
+        if failed and error is None:
+            raise RuntimeError(f"rank 0 failed: {failed}")
+    if error is not None:
+        raise error
+    return result
+
+
+
 def barrier(world: World) -> None:
     if world.active:
         dist.barrier()

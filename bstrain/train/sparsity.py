@@ -30,8 +30,6 @@ def make_policy(cfg, model, optimizer, ema, max_steps: int):
         raise UserError(f"sparsity.policy: expected one of {', '.join(POLICIES)}, got {policy!r}")
     if policy == "static":
         return None
-    if not 0 < s.until <= 1:
-        raise UserError(f"sparsity.until: expected a share of trainer.max_steps in (0, 1], got {s.until!r}")
     cls = {"set": SET, "rigl": RigL}[policy]
     limit = cfg.trainer.get("time_limit_s") or 0
     if limit:

@@ -8,8 +8,9 @@ be captured) and trains eagerly where it cannot, with one log line saying why; `
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from enum import Enum
+from typing import Any
 
 import torch
 
@@ -40,15 +41,16 @@ class GraphMode(Enum):
         return cls(mode)
 
 
-def graphs_wanted(mode: GraphMode, device: torch.device) -> bool:
-    """Whether this run captures its step: ``true`` (UserError where it cannot), or ``auto`` on a
-    CUDA device. Whether the model can be captured is found at the first step."""
+def eager_reason(mode: GraphMode, device: torch.device) -> str | None:
+    """Why this run will not capture its step, or None where it will try: ``false``, or ``auto``
+    off a CUDA device (``true`` there is a UserError). Whether the model can be captured is found
+    at the first step."""
     if mode is GraphMode.false:
-        return False
+        return "trainer.cuda_graph=false"
     reason = check_graph_config(device)
     if reason is not None and mode is GraphMode.true:
         raise UserError(f"trainer.cuda_graph=true: {reason} (auto graphs where it can, false never)")
-    return reason is None
+    return reason
 
 
 @dataclass(frozen=True)
@@ -62,45 +64,65 @@ class StepMode:
         return ("graph" if self.graph else "eager") + (" (compiled)" if self.compiled else "")
 
 
+@dataclass
+class StepParts:
+    """What a training step reads and updates; built once per run (bstrain.train.run.build).
+
+    forward: the model's forward (compiled, DDP) the steps run; task: gives ``loss(output, y)``
+    and ``batch_metrics(output, y)``; params: the parameters clipped in an eager step, in the
+    model's order; world: under DDP, every rank falls back alike (the first rank's reason);
+    policy: the dynamic-sparsity policy, or None; forward_hooked: the uncompiled forward, for
+    armed steps of a compiled model (whose hooks added after compilation would not run); None:
+    ``forward``.
+    """
+    forward: Forward
+    task: Any
+    optimizer: torch.optim.Optimizer
+    params: list
+    model: torch.nn.Module
+    scaler: torch.amp.GradScaler
+    grad_clip: float = 0.0
+    ema: Any = None
+    ema_decay: float = 0.0
+    world: World = field(default_factory=World)
+    policy: Any = None
+    forward_hooked: Forward | None = None
+
+
 class Stepper:
     """One training step, however it runs: ``step(x, y, state, armed)``. Built once per run.
 
-    With graphs (``graphed``), the first batch captures the whole step
-    (:class:`bstrain.train.graphs.CapturedStep`) and later batches of its shape replay it; where
-    the step cannot be captured, ``trainer.cuda_graph=auto`` falls back to eager for the rest of
-    the run (``reason`` says why, and one log line), ``true`` raises. A step ``armed`` for a
+    With graphs (``why_eager`` None: see :func:`eager_reason`), the first batch captures the whole
+    step (:class:`bstrain.train.graphs.CapturedStep`) and later batches of its shape replay it;
+    where the step cannot be captured, ``trainer.cuda_graph=auto`` falls back to eager for the
+    rest of the run (one log line says why: ``reason``), ``true`` raises. A step ``armed`` for a
     sparsity update (RigL's gradient hooks, :mod:`bstrain.train.sparsity`) replays a capture of its
     own, made with the hooks armed, or runs eagerly where that cannot be captured. ``mode`` says
-    how the steps run now.
+    how the steps run now; ``reason`` why they (or the armed ones) run eagerly, or None.
 
     Args:
-        forward: the model's forward (compiled, DDP) the steps run.
-        task: gives ``loss(output, y)`` and ``batch_metrics(output, y)``.
-        params: the parameters clipped in an eager step, in the model's order.
-        world: under DDP, every rank falls back alike (the first rank's reason).
-        policy: the dynamic-sparsity policy, or None.
-        forward_hooked: the uncompiled forward, for armed steps of a compiled model (whose hooks
-            added after compilation would not run); None: ``forward``.
+        parts: what the step reads and updates (:class:`StepParts`).
+        graph_mode: trainer.cuda_graph, parsed.
+        why_eager: :func:`eager_reason` for this run's mode and device.
+        compiled: the model is compiled (for ``mode``).
     """
 
-    def __init__(self, forward: Forward, task, optimizer: torch.optim.Optimizer, params: list, grad_clip: float,
-                 scaler: torch.amp.GradScaler, ema, ema_decay: float, model: torch.nn.Module, world: World,
-                 graph_mode: GraphMode, graphed: bool, compiled: bool = False, policy=None,
-                 forward_hooked: Forward | None = None):
-        self.forward, self.forward_hooked, self.model, self.params = forward, forward_hooked, model, params
-        self.loss_fn, self.metrics_fn = task.loss, task.batch_metrics
-        self.optimizer, self.grad_clip = optimizer, grad_clip
-        self.scaler, self.ema, self.ema_decay = scaler, ema, ema_decay
-        self.world, self.graph_mode, self.policy = world, graph_mode, policy
+    def __init__(self, parts: StepParts, graph_mode: GraphMode, why_eager: str | None, compiled: bool = False):
+        self.parts, self.graph_mode = parts, graph_mode
+        self.forward, self.forward_hooked, self.model, self.params = (parts.forward, parts.forward_hooked, parts.model,
+                                                                     parts.params)
+        self.optimizer, self.scaler, self.ema, self.world, self.policy = (parts.optimizer, parts.scaler, parts.ema,
+                                                                          parts.world, parts.policy)
         self.mode = StepMode(graph=False, compiled=compiled)
+        self.reason: str | None = why_eager                 # why the step (or the armed one) runs eagerly
         self.captured: CapturedStep | None = None
-        if graphed:
-            self.captured = CapturedStep(forward, task.loss, optimizer, grad_clip, task.batch_metrics,
-                                         warmup=11 if world.active else 2, scaler=scaler, ema=ema,
-                                         ema_decay=ema_decay, model=model)
+        if why_eager is None:
+            self.captured = CapturedStep(parts.forward, parts.task.loss, parts.optimizer, parts.grad_clip,
+                                         parts.task.batch_metrics, warmup=11 if parts.world.active else 2,
+                                         scaler=parts.scaler, ema=parts.ema, ema_decay=parts.ema_decay,
+                                         model=parts.model)
         self.captured_armed: CapturedStep | None = None     # the armed step's capture (made when first run)
         self.armed_eager = False                            # that step could not be captured: it runs eagerly
-        self.reason: str | None = None                      # why the step (or the armed one) runs eagerly
         self.warming_up = False                             # this step captured a graph: not throughput
         self._kinds: set = set()        # graphs captured once: a recapture (new layout tables after a
                                         # sparsity update) is training time, not warm-up
@@ -142,11 +164,12 @@ class Stepper:
             forward = self.forward_hooked or forward
         scaler = self.scaler
         scale = scaler._scale.clone() if scaler.is_enabled() and scaler._scale is not None else None
-        loss, grad_norm, state, metrics = train_step(forward, self.loss_fn, x, y, state, self.optimizer, self.params,
-                                                     self.grad_clip, scaler, metrics_fn=self.metrics_fn)
+        parts = self.parts
+        loss, grad_norm, state, metrics = train_step(forward, parts.task.loss, x, y, state, self.optimizer, self.params,
+                                                     parts.grad_clip, scaler, metrics_fn=parts.task.batch_metrics)
         skipped = (scaler._scale < scale).int() if scale is not None else None   # fp16: a lowered scale
         if self.ema is not None:
-            ema_update(self.ema, self.model, self.ema_decay)
+            ema_update(self.ema, self.model, parts.ema_decay)
         if self.captured is not None and state is not None and self.captured.matches(x, y):
             self.captured.load_state(state, x)              # the graph's next replay carries this state on
         return loss, grad_norm, metrics, state, skipped
@@ -209,21 +232,23 @@ class Stepper:
             self.mode = replace(self.mode, graph=True)      # (every step may be armed: sparsity.every=1)
             return True
         self.captured_armed, self.armed_eager, self.reason = None, True, reason
-        log.info("sparsity: the step before each update runs eagerly; it could not be captured: %s", reason)
+        log.info("sparsity: the step before each update runs eagerly; it could not be captured: %s", self.reason)
         return False
 
     def _start_graph(self, x: torch.Tensor, y: torch.Tensor) -> None:
-        """Captures the step on the first batch. Where it cannot be (auto), the run trains eagerly
-        and one log line names why; under DDP every rank falls back if any must."""
+        """Captures the step on the first batch (or again, after a sparsity update gave the layers
+        new tables). Where it cannot be (auto), the run trains eagerly from now on, ``mode`` says
+        so, and one log line names why; under DDP every rank falls back if any must."""
         reason = self._capture(self.captured, "step", x, y)
         if reason is None:
             self.mode = replace(self.mode, graph=True)
             log.info("step: one CUDA graph per step (trainer.cuda_graph=%s)", self.graph_mode.value)
             return
         self.captured, self.reason = None, reason
+        self.mode = replace(self.mode, graph=False)         # a failed recapture: the steps from now on are eager
         if self.graph_mode is GraphMode.true:
-            raise UserError(f"trainer.cuda_graph=true: the step cannot be captured: {reason}")
-        log.info("step: eager; trainer.cuda_graph=auto could not capture it: %s", reason)
+            raise UserError(f"trainer.cuda_graph=true: the step cannot be captured: {self.reason}")
+        log.info("step: eager; trainer.cuda_graph=auto could not capture it: %s", self.reason)
 
     def pop_warm_up(self) -> bool:
         """Whether the step just run captured a graph for the first time (then its time is warm-up,

@@ -1,0 +1,64 @@
+"""How a run stops early: SIGINT/SIGTERM (one asks for a checkpoint and a clean stop, a second
+stops at once), ``trainer.time_limit_s``, and under DDP the ranks agreeing on the step to stop at."""
+from __future__ import annotations
+
+import contextlib
+import signal
+import threading
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from bstrain.errors import RunAborted
+from bstrain.train.checkpoint import latest_checkpoint
+from bstrain.train.distributed import gather
+
+if TYPE_CHECKING:
+    from bstrain.train.run import Run
+
+
+@contextlib.contextmanager
+def stop_on_signals(run: Run):
+    """SIGINT/SIGTERM ask the loop to stop after the current step (it then checkpoints); a second
+    one stops the run where it is (:class:`RunAborted`: one line, no new checkpoint, the last
+    complete one intact), and a third acts as usual. Only in the main thread, where Python
+    delivers signals."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    old = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+
+    def ask(signum, _frame):
+        name = signal.Signals(signum).name
+        if run.stop is None:
+            run.stop = name
+            return
+        for s, h in old.items():
+            signal.signal(s, h)
+        last = latest_checkpoint(run.run_dir / "ckpt") if run.world.main else None
+        raise RunAborted(f"stopped by a second {name} at step {run.step}, without a new checkpoint; "
+                         + (f"the last one is {last}; {resume_hint(run.run_dir)}" if last else "none was written"))
+    for s in old:
+        signal.signal(s, ask)
+    try:
+        yield
+    finally:
+        for s, h in old.items():
+            signal.signal(s, h)
+
+
+def resume_hint(run_dir: Path) -> str:
+    """How to continue a run: the run dir is all it takes (resuming reads the checkpoint's config)."""
+    import shlex
+    return f"continue with python -m bstrain train trainer.resume=true {shlex.quote(f'hydra.run.dir={run_dir}')}"
+
+
+def _agree_to_stop(run: Run, log_step: bool, out_of_time: bool) -> str | None:
+    """Why to stop after this step: a signal's name, "time", or None. One process decides at every
+    step; under DDP the ranks agree at log steps (a collective), so all stop at the same step."""
+    reason = run.stop or ("time" if out_of_time else None)
+    if run.world.active:
+        if not log_step:
+            return None
+        reasons = [r for r in gather(reason, run.world) if r]
+        reason = next((r for r in reasons if r != "time"), reasons[0] if reasons else None)
+    return reason
