@@ -28,8 +28,9 @@ the tail; inner tiles are read through tensor descriptors (TMA) where the inputs
   to it: dV = Pᵀ·dO, dK = dSᵀ·Q·scale. Padded keys get zero gradients. With G > 1 each query
   head writes its share to an fp32 (B, Tk, H·D) buffer that the launcher sums per group.
 
-Tile shapes, warps and pipeline stages per (kernel, block size, head dim, dtype) come from
-:func:`tiles`; ``TILES`` overrides them (scripts/tune/tune_attention.py sweeps it).
+Tile shapes, warps and pipeline stages per (kernel, block size, dtype, head dim) come from
+``bstrain.kernels.tiles.ATTENTION`` (:func:`bstrain.kernels.tiles.override` changes them;
+scripts/tune/tune_attention.py sweeps them).
 
 **Launches** go through :mod:`bstrain.kernels.launch`: :func:`launch` keeps one ``Launch`` per
 kernel and everything the JIT specialises on (:func:`_pass_key`) on the layout's
@@ -39,13 +40,12 @@ kernel. Nothing on this path syncs with the host (CUDA-graph capture is safe).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import NamedTuple
-
 import numpy as np
 import torch
 import triton
 import triton.language as tl
 
+from bstrain.kernels import tiles
 from bstrain.kernels._device import desc_like, desc_template, precision, tma_ok
 from bstrain.kernels.alloc import empty
 from bstrain.kernels.launch import Launch, aligned, plan
@@ -369,75 +369,6 @@ def _attn_bwd_dkdv(Q, K, V, DO, LSE, DELTA, DK, DV, SLOPES, DQD, DOD, ORDER, PTR
                 head_dim_v, EVEN_DV)
 
 
-# ---------------------------------------------------------------------------------------------
-# Tile shapes per kernel. Keys of TILES: (kernel, block size, padded head dim, element size); a hit
-# (a Tile, or a tuple of its fields) overrides tiles()'s rule.
-class Tile(NamedTuple):
-    """One kernel's tiling: BO outer rows against BI inner rows, warps, pipeline stages; ``tma``:
-    the inner tiles through tensor descriptors (Hopper's copy engine) where the inputs allow it
-    (CUDA, head dims of a power of two, 16-byte aligned rows, batches one after another).
-    Warp specialisation (``tl.range(..., warp_specialize=True)``) is not offered: Triton 3.6 fails
-    to compile these loops with it on the H200 (an assertion in its WSLowerToken pass)."""
-    bo: int
-    bi: int
-    warps: int
-    stages: int
-    tma: bool = False
-
-
-class _TileTable(dict):
-    """A dict whose every change bumps ``version``: launch plans are keyed by it, so a plan made
-    before a change of tile shapes is not reused after it."""
-    version = 0
-
-    def _changed(self, result=None):
-        self.version += 1
-        return result
-
-    def __setitem__(self, key, value):
-        self._changed(super().__setitem__(key, value))
-
-    def __delitem__(self, key):
-        self._changed(super().__delitem__(key))
-
-    def pop(self, *args):
-        return self._changed(super().pop(*args))
-
-    def popitem(self):
-        return self._changed(super().popitem())
-
-    def clear(self):
-        self._changed(super().clear())
-
-    def update(self, *args, **kwargs):
-        self._changed(super().update(*args, **kwargs))
-
-    def setdefault(self, key, default=None):
-        return self._changed(super().setdefault(key, default))
-
-
-TILES: dict[tuple[str, int, int, int], Tile] = _TileTable()
-
-
-def tiles(kernel: str, bs: int, block_d: int, itemsize: int, plain: bool = False) -> Tile:
-    """The :class:`Tile` of ``kernel`` in {"fwd", "dq", "dkdv"} for blocks of ``bs``, padded head
-    dim ``block_d`` (the larger of q's and v's) and operands of ``itemsize`` bytes; ``plain``: the
-    layout's blocks are all full or triangular (no mask table)."""
-    hit = TILES.get((kernel, bs, block_d, itemsize))
-    if hit is not None:
-        return Tile(*hit)
-    if itemsize == 4:                                   # fp32 operands: small tiles (shared memory)
-        return Tile(min(bs, 64), min(bs, 32), 4, 2)
-    # swept on the H200 (benchmarks/attention_tune.json): 64x64 tiles, 4 warps and descriptors for
-    # every kernel and head dim, except the forward of plain 128-blocks at D=128 (causal: -10%),
-    # where 128x128 tiles on 8 warps win; finer tiles drop the dead parts of masked blocks
-    # (strided: 128-row tiles take 1.9x as long)
-    if kernel == "fwd" and plain and bs == 128 and block_d == 128:
-        return Tile(128, 128, 8, 3, True)
-    b = min(bs, 64)
-    return Tile(b, b, 4, 3, True)
-
-
 def _bits(m: np.ndarray) -> np.ndarray:
     """(R, C) bool -> (R, ceil(C/32)) int32 words, bit c % 32 of word c // 32."""
     r, c = m.shape
@@ -590,13 +521,13 @@ def _pass_key(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pad: torch.Tens
     on. The shapes and strides of q (B, Tq, H·D), k (B, Tk, Hk·D) and v (B, Tk, Hk·Dv)
     (:func:`kernel_inputs`; outputs are contiguous), which fix every integer argument; the dtype;
     the padding mask's presence; ``mods`` (softcap, ALiBi, an LSE gradient: on or off); the
-    16-byte alignment of the inputs (outputs are fresh allocations, always aligned); the tile
-    table's version; TF32 for fp32."""
+    16-byte alignment of the inputs (outputs are fresh allocations, always aligned); tl.dot's
+    precision; the tile tables' version."""
     B, Tq, HD = q.shape
     dtype = q.dtype
     return (B, Tq, k.shape[1], HD, k.shape[2], v.shape[2], *q.stride()[:2], *k.stride()[:2], *v.stride()[:2],
-            dtype, pad is not None, mods, aligned(*inputs) if pad is None else aligned(pad, *inputs), TILES.version,
-            dtype is torch.float32 and torch.backends.cuda.matmul.allow_tf32)
+            dtype, pad is not None, mods, aligned(*inputs) if pad is None else aligned(pad, *inputs), precision(dtype),
+            tiles.version())
 
 
 def _desc_ok(t: torch.Tensor, rows: int, width: int) -> bool:
@@ -617,8 +548,9 @@ def _plan(kind: str, luts: AttnLuts, key: tuple, tensors: tuple):
     Hk = HDk // D
     Dv = HDv // Hk
     block_d, block_dv = (max(16, triton.next_power_of_2(x)) for x in (D, Dv))
-    tile = tiles(kind, luts.block_size, max(block_d, block_dv), dtype.itemsize, luts.plain)
-    t = luts.tiles(by_key, tile.bo, tile.bi)
+    tile = tiles.ATTENTION(kind, luts.block_size, dtype.itemsize, max(block_d, block_dv), plain=luts.plain)
+    bo, bi = tile.block_m, tile.block_n
+    t = luts.tiles(by_key, bo, bi)
     if not B * H * t.n_outer:
         return None
     templates = None
@@ -626,9 +558,9 @@ def _plan(kind: str, luts: AttnLuts, key: tuple, tensors: tuple):
         rows = B * (Tq if by_key else Tk)
         srcs = [(tensors[i], block_d if w == "d" else block_dv) for i, w in _DESCS[kind]]
         if all(_desc_ok(x, rows, x.shape[2]) for x, _ in srcs):
-            templates = tuple(desc_template(x.as_strided((rows, x.shape[2]), (x.stride(1), 1)), [tile.bi, w])
+            templates = tuple(desc_template(x.as_strided((rows, x.shape[2]), (x.stride(1), 1)), [bi, w])
                               for x, w in srcs)
-    consts = dict(BO=tile.bo, BI=tile.bi, BLOCK_D=block_d, BLOCK_DV=block_dv, EVEN_D=block_d == D,
+    consts = dict(BO=bo, BI=bi, BLOCK_D=block_d, BLOCK_DV=block_dv, EVEN_D=block_d == D,
                   EVEN_DV=block_dv == Dv, HAS_PAD=has_pad, SOFTCAP=softcap, ALIBI=alibi)
     if kind == "dq":
         consts["HAS_DLSE"] = dlse
@@ -643,7 +575,7 @@ def launch(kind: str, luts: AttnLuts, tensors: tuple, pad: torch.Tensor | None, 
            key: tuple | None = None, slopes: torch.Tensor | None = None, dlse: torch.Tensor | None = None,
            softcap: float = 0.0) -> None:
     """One kernel, ``kind`` in {"fwd", "dq", "dkdv"}, over ``luts`` cut to its tiles
-    (:func:`tiles`): ``tensors`` are its leading tensor arguments in signature order (q and k
+    (``bstrain.kernels.tiles.ATTENTION``): ``tensors`` are its leading tensor arguments in signature order (q and k
     first, as :func:`kernel_inputs` makes them; the others contiguous), ``pad`` None or the int8
     (B, Tk) padding mask (:func:`_pad_i8`), ``scales`` (scale·log2 e, softcap·log2 e) and for the
     backward the scale; ``slopes`` the (H,) fp32 ALiBi slopes or None, ``dlse`` (dq only) the

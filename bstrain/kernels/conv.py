@@ -24,7 +24,8 @@ pointer-load kernels above. Timings: benchmarks/conv.md.
 **Launches.** Every launcher goes through :mod:`bstrain.kernels.launch`: a plan per key of what the
 JIT specialises on (shapes, strides, dtypes, 16-byte alignment, geometry) is cached on the
 layout's :class:`ConvLuts`, holding its :class:`Launch`, descriptor templates and integer
-arguments, so an eager call after the first costs a dict lookup and one direct launch.
+arguments, so an eager call after the first costs a dict lookup and one direct launch. Tiles per
+(kernel, block size, itemsize) come from ``bstrain.kernels.tiles.CONV``.
 """
 from __future__ import annotations
 
@@ -35,6 +36,7 @@ import torch
 import triton
 import triton.language as tl
 
+from bstrain.kernels import tiles
 from bstrain.kernels._device import desc_like, desc_template, precision, tma_ok
 from bstrain.kernels.alloc import empty
 from bstrain.kernels.launch import Launch, aligned, host_bound, plan
@@ -246,34 +248,6 @@ def make_luts(layout: np.ndarray, block_size: int, device) -> ConvLuts:
     return ConvLuts(block_size, t(col_ptr), t(e[by_col]), t(ci[by_col]), t(row_ptr), t(e), t(kj), t(ci), t(kj))
 
 
-# ---------------------------------------------------------------------------------------------
-# Configurations
-# ---------------------------------------------------------------------------------------------
-# (BLOCK_M, num_warps, num_stages) per (kernel, block size, element size); CONFIGS overrides
-# config()'s guess (scripts/tune/tune_conv.py sweeps it on the GPU; the guesses are untimed).
-CONFIGS: dict[tuple[str, int, int], tuple[int, int, int]] = {}
-
-
-def config(kernel: str, bs: int, itemsize: int = 2) -> tuple[int, int, int]:
-    """(BLOCK_M, num_warps, num_stages) of ``kernel`` in {"fwd", "dx", "dw"} (pointer loads) or
-    {"fwd_tma", "dx_tma", "dw_tma"} (stride 1, channels-last, 16-bit) at block size bs and
-    element size ``itemsize`` (fp32 tiles take twice the shared memory: fewer stages)."""
-    hit = CONFIGS.get((kernel, bs, itemsize))
-    if hit is not None:
-        return hit
-    if kernel.endswith("_tma"):                        # H200 sweep, 2026-11-30 (scripts/tune/tune_conv.py)
-        if bs >= 128:
-            return 128, 8, 2
-        if kernel == "dw_tma":
-            return (128, 4, 4) if bs >= 64 else (128, 4, 3)
-        return 128, 4, 2
-    if itemsize == 4 or bs >= 128:
-        return 64, 8 if bs >= 128 else 4, 2
-    if kernel == "dw":                                  # H200 sweep, 2026-11-30 (benchmarks/conv.md)
-        return (128, 8, 3) if bs >= 64 else (64, 4, 2)
-    return 128, 4, 3
-
-
 # The TMA kernels serve stride-1 convolutions of channels-last 16-bit tensors; False forces the
 # pointer-load kernels everywhere (tests and benchmarks compare the two).
 USE_TMA = True
@@ -282,9 +256,9 @@ DW_SMALL_M = 8192          # at or below this many output pixels an eager dW lau
 
 
 def _knobs(dtype: torch.dtype) -> tuple:
-    """What a plan depends on beyond its arguments: TF32, the TMA switch and config overrides."""
-    return (dtype == torch.float32 and torch.backends.cuda.matmul.allow_tf32, USE_TMA,
-            tuple(CONFIGS.items()) if CONFIGS else None)
+    """What a plan depends on beyond its arguments: tl.dot's precision, the TMA switch and the
+    tile tables' version (:func:`bstrain.kernels.tiles.override`)."""
+    return precision(dtype), USE_TMA, tiles.version()
 
 
 def _channels_last(t: torch.Tensor) -> bool:
@@ -334,11 +308,11 @@ def _wt_template(wt: torch.Tensor):
 def _tma_launch(a: torch.Tensor, y: torch.Tensor, bs: int, kernel: str, consts: dict, base, step, trans_b: bool):
     """(Launch of _conv_tma, template of a's NHWC descriptor, integer arguments) for y from a."""
     N, _, P, Q = y.shape
-    BM, warps, stages = config(kernel, bs, a.element_size())
-    tn, th, tw, tiles = _tiles(N, P, Q, BM)
+    tile = tiles.CONV(kernel, bs, a.element_size())
+    tn, th, tw, n_tiles = _tiles(N, P, Q, tile.block_m)
     a_t = desc_template(a.permute(0, 2, 3, 1), [tn, th, tw, bs])
-    launch = Launch(_conv_tma, (tiles, y.shape[1] // bs), a.device,
-                    dict(consts, TN=tn, TH=th, TW=tw, TRANS_B=trans_b), num_warps=warps, num_stages=stages)
+    launch = Launch(_conv_tma, (n_tiles, y.shape[1] // bs), a.device,
+                    dict(consts, TN=tn, TH=th, TW=tw, TRANS_B=trans_b), num_warps=tile.warps, num_stages=tile.stages)
     return launch, a_t, (N, P, Q, *y.stride(), base[0], base[1], step[0], step[1])
 
 
@@ -379,10 +353,10 @@ def _fwd_plan(x, wt, bias, luts: ConvLuts, K, P, Q, stride, pads, dilation):
             launch(desc_like(a_t, x), desc_like(w_t, wt), y, y if bias is None else bias, *lists, *ints)
             return y
         return run_tma
-    BM, warps, stages = config("fwd", bs, x.element_size())
+    tile = tiles.CONV("fwd", bs, x.element_size())
     M = N * P * Q
-    launch = Launch(_conv_fwd, (triton.cdiv(M, BM), K // bs), x.device, dict(consts, BLOCK_M=BM),
-                    num_warps=warps, num_stages=stages)
+    launch = Launch(_conv_fwd, (triton.cdiv(M, tile.block_m), K // bs), x.device, dict(consts, BLOCK_M=tile.block_m),
+                    num_warps=tile.warps, num_stages=tile.stages)
     ints = (M, P, Q, H, W, *x.stride(), *y.stride(), *stride, *pads, *dilation)
 
     def run(x, wt, bias):
@@ -423,9 +397,9 @@ def _dx_plan(dy, wt, luts: ConvLuts, C, H, W, stride, pads, dilation, like):
             launch(desc_like(a_t, dy), desc_like(w_t, wt), dx, dx, *lists, *ints)
             return dx
         return run_tma
-    BM, warps, stages = config("dx", bs, dy.element_size())
-    launch = Launch(_conv_dx, (triton.cdiv(M, BM), C // bs), dy.device, dict(consts, BLOCK_M=BM),
-                    num_warps=warps, num_stages=stages)
+    tile = tiles.CONV("dx", bs, dy.element_size())
+    launch = Launch(_conv_dx, (triton.cdiv(M, tile.block_m), C // bs), dy.device, dict(consts, BLOCK_M=tile.block_m),
+                    num_warps=tile.warps, num_stages=tile.stages)
     ints = (M, P, Q, H, W, *dy.stride(), *dx.stride(), *stride, *pads, *dilation)
 
     def run(dy, wt):
@@ -473,14 +447,15 @@ def _dw_plan(x, dy, luts: ConvLuts, KH, KW, stride, pads, dilation, dtype, split
     sw = (nnz * bs * bs * KH * KW, bs * bs * KH * KW, 1, KH * KW, bs * KH * KW)
     consts = dict(KH=KH, KW=KW, BS=bs, PRECISION=precision(x.dtype))
     tma = stride == (1, 1) and _nhwc(x) is not None and _nhwc(dy) is not None
-    BM, warps, stages = config("dw_tma" if tma else "dw", bs, x.element_size())
+    tile = tiles.CONV("dw_tma" if tma else "dw", bs, x.element_size())
+    BM, warps, stages = tile.block_m, tile.warps, tile.stages
     if tma:
-        tn, th, tw, tiles = _tiles(N, P, Q, BM)
-        splits, per = _dw_split(tiles, 1, nnz * KH * KW, splits)
+        tn, th, tw, n_tiles = _tiles(N, P, Q, BM)
+        splits, per = _dw_split(n_tiles, 1, nnz * KH * KW, splits)
         x_t, dy_t = (desc_template(t.permute(0, 2, 3, 1), [tn, th, tw, bs]) for t in (x, dy))
         launch = Launch(_conv_dw_tma, (nnz * KH * KW, splits), dev, dict(consts, TN=tn, TH=th, TW=tw),
                         num_warps=warps, num_stages=stages)
-        ints = (P, Q, tiles, per, -pads[0], -pads[1], *dilation, *sw)
+        ints = (P, Q, n_tiles, per, -pads[0], -pads[1], *dilation, *sw)
 
         def operands(x, dy):
             return desc_like(x_t, x), desc_like(dy_t, dy), luts.blk_in, luts.blk_out

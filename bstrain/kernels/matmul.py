@@ -21,22 +21,24 @@ Block 8 pads the output width to 16 (masked).
 Load balance: output blocks are visited heaviest first (longest-processing-time order) inside
 groups of GROUP_M row tiles, which also keeps each row tile of A in L2 while the columns sweep.
 When M is small the reduction is split over a second grid axis into an fp32 workspace.
+Tiles per (kernel, block size) come from ``bstrain.kernels.tiles.MATMUL``.
 """
 from __future__ import annotations
 
 import os
-from typing import NamedTuple
 
 import torch
 import triton
 import triton.language as tl
 
 from bstrain._tensors import INT32_MAX as _INT32_MAX
+from bstrain.kernels import tiles
 from bstrain.kernels._device import desc_like, desc_template, precision, sm_count, tma_ok
 from bstrain.kernels.alloc import empty
 from bstrain.kernels.launch import Launch, aligned, host_bound, plan
 # the tables live in matmul_luts; their names stay importable from here (callers and pickles name them)
 from bstrain.kernels.matmul_luts import BsmmLuts, PanelLut, SegmentLut, make_luts, panel_lut  # noqa: F401
+from bstrain.kernels.tiles import Tile
 
 
 
@@ -267,62 +269,23 @@ def _bsmm_dw_tma_kernel(
 
 
 # ---------------------------------------------------------------------------------------------
-# Launch configurations
+# Tiles (bstrain.kernels.tiles.MATMUL)
 # ---------------------------------------------------------------------------------------------
-class DsConfig(NamedTuple):
-    block_m: int   # rows of A per program
-    kc: int        # reduction width per step: part of a block (kc < bs) or kc/bs packed blocks
-    warps: int
-    stages: int
-    tma: bool      # TMA loads (needs kc <= bs); else pointer loads
-
-
-class DwConfig(NamedTuple):
-    block_n: int   # rows of the M reduction per step
-    group: int     # live blocks of one column stacked in one program
-    warps: int
-    stages: int
-    tma: bool      # TMA loads (needs group == 1)
-
-
-# Chosen per block size from a sweep on an H200 (scripts/bench/bench_matmul.py --sweep).
-GPU_DS = {8: DsConfig(256, 64, 8, 3, False), 16: DsConfig(256, 64, 8, 3, False),
-          32: DsConfig(256, 32, 8, 3, True), 64: DsConfig(128, 64, 4, 3, True),
-          128: DsConfig(128, 64, 4, 3, True)}
-GPU_DS_SMALL_M = {8: DsConfig(64, 64, 4, 4, False), 16: DsConfig(64, 64, 4, 4, False),
-                  32: DsConfig(64, 32, 4, 4, True), 64: DsConfig(64, 64, 4, 6, True),
-                  128: DsConfig(64, 128, 4, 4, True)}
-# For layouts whose output blocks average fewer than FEW_STEPS reduction steps (low density):
-# pipeline fill dominates each tile there; a shallower pipeline won 8% at bs=64 and 5% density.
-GPU_DS_FEW = {**GPU_DS, 64: DsConfig(128, 64, 4, 2, True)}
-FEW_STEPS = 8
-GPU_DW = {8: DwConfig(64, 16, 4, 3, False), 16: DwConfig(64, 8, 4, 3, False),
-          32: DwConfig(64, 8, 8, 3, False), 64: DwConfig(32, 2, 8, 4, False),
-          128: DwConfig(64, 1, 4, 4, True)}
-# Interpreter (CPU tensors): small tiles keep it quick; they cover packing, kc < bs and both load paths.
-CPU_DS = {8: DsConfig(32, 32, 4, 1, False), 16: DsConfig(32, 32, 4, 1, False),
-          32: DsConfig(32, 32, 4, 1, True), 64: DsConfig(32, 64, 4, 1, True),
-          128: DsConfig(32, 64, 4, 1, True)}
-CPU_DW = {8: DwConfig(16, 4, 4, 1, False), 16: DwConfig(16, 2, 4, 1, False),
-          32: DwConfig(16, 2, 4, 1, False), 64: DwConfig(16, 1, 4, 1, True),
-          128: DwConfig(16, 1, 4, 1, True)}
+FEW_STEPS = 8   # output blocks averaging fewer reduction steps than this take the "ds_few" tiles
 GROUP_M = 8
 MAX_REGISTER_LUT = 1024  # longest entry list the TMA kernel holds in registers
 SMALL_M = 256  # at or below this many rows, tiles shrink to keep every multiprocessor busy
 DW_SMALL_N = 1024  # at or below this many rows, an eager dW launches once, unsplit (host_bound)
 
 
-def ds_config(bs: int, M: int, device: torch.device, mean_steps: float = float("inf")) -> DsConfig:
-    """Tile config for the ds kernels; mean_steps: average reduction steps per output block."""
+def ds_tile(bs: int, M: int, itemsize: int, device: torch.device, mean_steps: float = float("inf")) -> Tile:
+    """The ds kernels' tile for M rows of operands of ``itemsize`` bytes; mean_steps: average
+    reduction steps per output block."""
     if device.type != "cuda":
-        return CPU_DS[bs]
+        return tiles.MATMUL("ds", bs, itemsize, False)
     if M <= SMALL_M:
-        return GPU_DS_SMALL_M[bs]
-    return GPU_DS_FEW[bs] if mean_steps < FEW_STEPS else GPU_DS[bs]
-
-
-def dw_config(bs: int, device: torch.device) -> DwConfig:
-    return GPU_DW[bs] if device.type == "cuda" else CPU_DW[bs]
+        return tiles.MATMUL("ds_small_m", bs, itemsize, True)
+    return tiles.MATMUL("ds_few" if mean_steps < FEW_STEPS else "ds", bs, itemsize, True)
 
 
 _PIPELINE_SMEM = 160 * 1024  # bytes of shared memory the software pipeline may use per program
@@ -370,21 +333,22 @@ def _rows_view(t: torch.Tensor, feature_axis: int) -> torch.Tensor:
 
 
 def _ds_tma_plan(a: torch.Tensor, out: torch.Tensor, a_src: torch.Tensor, y_src: torch.Tensor, trans: bool,
-                 w: torch.Tensor, lut: SegmentLut, bs: int, transpose_w: bool, cfg: DsConfig):
+                 w: torch.Tensor, lut: SegmentLut, bs: int, transpose_w: bool, tile: Tile):
     """TMA path: a, out are (rows, features) views; a_src, y_src the tensors read and written
     (their transposes when trans, for axis-0 activations)."""
     M = a.shape[0]
-    num_m = triton.cdiv(M, cfg.block_m)
+    num_m = triton.cdiv(M, tile.block_m)
     bn = bs
     while bn > 32 and num_m * lut.n_out * (bs // bn) < sm_count(a.device):
         bn //= 2                                                  # small M: split blocks across programs
-    a_t = desc_template(a_src, [cfg.kc, cfg.block_m] if trans else [cfg.block_m, cfg.kc])
-    y_t = desc_template(y_src, [bn, cfg.block_m] if trans else [cfg.block_m, bn])
-    w_t = desc_template(w.view(-1, bs), [bn, cfg.kc] if transpose_w else [cfg.kc, bn])
+    a_t = desc_template(a_src, [tile.block_n, tile.block_m] if trans else [tile.block_m, tile.block_n])
+    y_t = desc_template(y_src, [bn, tile.block_m] if trans else [tile.block_m, bn])
+    w_t = desc_template(w.view(-1, bs), [bn, tile.block_n] if transpose_w else [tile.block_n, bn])
     launch = Launch(_bsmm_ds_tma_kernel, (num_m * lut.n_out * (bs // bn),), a.device, dict(
-        BS=bs, BN=bn, KC=cfg.kc, BLOCK_M=cfg.block_m, MAXC=lut.cap,
+        BS=bs, BN=bn, KC=tile.block_n, BLOCK_M=tile.block_m, MAXC=lut.cap,
         GROUP_M=GROUP_M, TRANS_A=trans, TRANS_W=transpose_w, PRECISION=precision(a.dtype)),
-        num_warps=cfg.warps, num_stages=_fit_stages(cfg.stages, (cfg.block_m + bn) * cfg.kc * a.element_size()))
+        num_warps=tile.warps,
+        num_stages=_fit_stages(tile.stages, (tile.block_m + bn) * tile.block_n * a.element_size()))
     ints = (M, lut.n_out, lut.n_in)
 
     def run(a, w, out):
@@ -397,20 +361,21 @@ def _ds_tma_plan(a: torch.Tensor, out: torch.Tensor, a_src: torch.Tensor, y_src:
 def _ds_plan(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, lut: SegmentLut, bs: int,
              transpose_w: bool, split: int | None):
     """How to compute out (M, n_out*bs) = a (M, n_in*bs) @ sparse for tensors shaped and laid out
-    like these: the config, the path (TMA or pointers), the reduction split and the grid."""
+    like these: the tile, the path (TMA or pointers), the reduction split and the grid."""
     M = a.shape[0]
     if M == 0:
         return lambda a, w, out: None
-    mean_steps = lut.blk.numel() / max(1, lut.n_out) * max(1, bs // GPU_DS[bs].kc)
-    cfg = ds_config(bs, M, a.device, mean_steps)
+    itemsize = w.element_size()                                  # the operands' once a is cast
+    mean_steps = lut.blk.numel() / max(1, lut.n_out) * max(1, bs // tiles.MATMUL("ds", bs, itemsize, True).block_n)
+    tile = ds_tile(bs, M, itemsize, a.device, mean_steps)
     trans = a.stride(0) == 1 and a.stride(1) != 1                # axis-0 activations
     a_src, y_src = (a.t(), out.t()) if trans else (a, out)
-    if cfg.tma and cfg.kc <= bs and split in (None, 1) and lut.cap <= MAX_REGISTER_LUT \
+    if tile.tma and tile.block_n <= bs and split in (None, 1) and lut.cap <= MAX_REGISTER_LUT \
             and a.dtype == w.dtype == out.dtype and tma_ok(a_src, y_src, w):
-        return _ds_tma_plan(a, out, a_src, y_src, trans, w, lut, bs, transpose_w, cfg)
-    group = max(1, cfg.kc // bs)
-    sub = max(1, bs // cfg.kc)
-    num_m = triton.cdiv(M, cfg.block_m)
+        return _ds_tma_plan(a, out, a_src, y_src, trans, w, lut, bs, transpose_w, tile)
+    group = max(1, tile.block_n // bs)
+    sub = max(1, bs // tile.block_n)
+    num_m = triton.cdiv(M, tile.block_m)
     n_prog = num_m * lut.n_out
     max_iter = lut.max_count * sub if group == 1 else triton.cdiv(lut.max_count, group)
     if split is None:
@@ -418,9 +383,9 @@ def _ds_plan(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, lut: SegmentLu
     split = max(split, 1)                                     # 0: host-bound, one launch
     wr, wc = (1, bs) if transpose_w else (bs, 1)
     launch = Launch(_bsmm_ds_kernel, (n_prog, split), a.device, dict(
-        BS=bs, BS_PAD=max(bs, 16), G=group, SUB=sub, KC=cfg.kc, BLOCK_M=cfg.block_m, GROUP_M=GROUP_M,
-        PRECISION=precision(w.dtype)), num_warps=cfg.warps,
-        num_stages=_fit_stages(cfg.stages, (cfg.block_m + max(bs, 16)) * cfg.kc * a.element_size()))
+        BS=bs, BS_PAD=max(bs, 16), G=group, SUB=sub, KC=tile.block_n, BLOCK_M=tile.block_m, GROUP_M=GROUP_M,
+        PRECISION=precision(w.dtype)), num_warps=tile.warps,
+        num_stages=_fit_stages(tile.stages, (tile.block_m + max(bs, 16)) * tile.block_n * a.element_size()))
     if split == 1:
         ints = (M, lut.n_out, 1, a.stride(0), a.stride(1), wr, wc, 0, out.stride(0), out.stride(1))
 
@@ -442,11 +407,11 @@ def _panel_plan(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, pl: PanelLu
     """The panel kernel over the grouped output blocks, then the one-block kernel (unsplit: it
     must write only its own columns) over the rest."""
     M = a.shape[0]
-    block_m, warps, stages = (128, 8, 3) if a.is_cuda else (32, 4, 1)
+    tile = tiles.MATMUL("panel", bs, a.element_size(), a.is_cuda)
     wr, wc = (1, bs) if transpose_w else (bs, 1)
-    launch = Launch(_bsmm_panel_kernel, (triton.cdiv(M, block_m) * pl.n_groups,), a.device, dict(
-        BS=bs, NB=pl.nb, BLOCK_M=block_m, GROUP_M=GROUP_M, PRECISION=precision(a.dtype)), num_warps=warps,
-        num_stages=_fit_stages(stages, (block_m + pl.nb * bs) * bs * a.element_size()))
+    launch = Launch(_bsmm_panel_kernel, (triton.cdiv(M, tile.block_m) * pl.n_groups,), a.device, dict(
+        BS=bs, NB=pl.nb, BLOCK_M=tile.block_m, GROUP_M=GROUP_M, PRECISION=precision(a.dtype)), num_warps=tile.warps,
+        num_stages=_fit_stages(tile.stages, (tile.block_m + pl.nb * bs) * bs * a.element_size()))
     ints = (M, pl.n_groups, a.stride(0), a.stride(1), wr, wc, out.stride(0), out.stride(1))
     rest = _ds_plan(a, w, out, pl.single, bs, transpose_w, 1) if pl.single.n_out else None
 
@@ -465,7 +430,7 @@ def _panels(lut: SegmentLut, bs: int) -> PanelLut | None:
 
 # Panels (output blocks that share their input-block lists, computed together), above SMALL_M rows.
 # None (the default): where the panels hold at least PANEL_SHARE of the entries, as in the tiled gate
-# layouts (1.1-1.7x faster there on an H200; benchmarks/matmul.md#panels); True (BSTRAIN_BSMM_PANEL=1):
+# layouts (1.1-1.7x faster there on an H200; benchmarks/panels.md); True (BSTRAIN_BSMM_PANEL=1):
 # wherever two output blocks share a list; False (=0): never.
 _PANEL_ENV = os.environ.get("BSTRAIN_BSMM_PANEL", "")
 PANELS: bool | None = None if _PANEL_ENV == "" else _PANEL_ENV == "1"
@@ -487,8 +452,7 @@ def _launch_ds(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, lut: Segment
     if split is None and host_bound(a.shape[0], SMALL_M, a):
         split = 0                                          # one launch, pointer kernel
     key = (a.shape[0], a.dtype, w.dtype, out.dtype, a.stride(0), a.stride(1), out.stride(0), out.stride(1),
-           transpose_w, split, aligned(a, w, out), a.device,
-           a.dtype == torch.float32 and torch.backends.cuda.matmul.allow_tf32)
+           transpose_w, split, aligned(a, w, out), a.device, precision(a.dtype), tiles.version())
     if split is None and a.shape[0] > SMALL_M and a.dtype == w.dtype == out.dtype and _use_panels(lut, bs):
         pl = lut.panels
         plan(pl.plans, key, lambda: _panel_plan(a, w, out, pl, bs, transpose_w))(a, w, out)
@@ -584,15 +548,15 @@ def _dw_plan(x: torch.Tensor, dy: torch.Tensor, xr: torch.Tensor, dyr: torch.Ten
     shape = (luts.nnz, bs, bs)
     if n == 0:
         return lambda x, dy, xr, dyr, dw: dw.zero_()
-    cfg = dw_config(bs, x.device)
-    if host and cfg.tma:
-        cfg = cfg._replace(tma=False, warps=max(cfg.warps, 8))
+    tile = tiles.MATMUL("dw", bs, dy.element_size(), x.device.type == "cuda")
+    if host and tile.tma:
+        tile = tile.replace(tma=False, warps=max(tile.warps, 8))
     trans = feature_axis == 0
     x_src, dy_src = (x, dy) if trans else (xr, dyr)
-    use_tma = cfg.tma and cfg.group == 1 and x.dtype == dy.dtype and tma_ok(x_src, dy_src)
-    cols, starts, counts = luts.dw_items(1 if use_tma else cfg.group)
+    use_tma = tile.tma and tile.group == 1 and x.dtype == dy.dtype and tma_ok(x_src, dy_src)
+    cols, starts, counts = luts.dw_items(1 if use_tma else tile.group)
     if split is None:
-        split = max(1, min(triton.cdiv(2 * sm_count(x.device), cols.numel()), triton.cdiv(n, 4 * cfg.block_n)))
+        split = max(1, min(triton.cdiv(2 * sm_count(x.device), cols.numel()), triton.cdiv(n, 4 * tile.block_n)))
     prec = precision(dy.dtype)                        # the operands' dtype once x is cast
     grid = (cols.numel(), split)
     blk, fwd = luts.fwd.blk, luts.fwd.idx
@@ -606,13 +570,13 @@ def _dw_plan(x: torch.Tensor, dy: torch.Tensor, xr: torch.Tensor, dyr: torch.Ten
     def workspace(dw):
         return dw if split == 1 else empty((split,) + shape, torch.float32, dev)
     if use_tma:
-        blk_shape = [bs, cfg.block_n] if trans else [cfg.block_n, bs]
+        blk_shape = [bs, tile.block_n] if trans else [tile.block_n, bs]
         x_t, dy_t = desc_template(x_src, blk_shape), desc_template(dy_src, blk_shape)
         dw_t = desc_template(empty((split * luts.nnz * bs, bs), dw_dtype if split == 1 else torch.float32, dev),
                              [bs, bs])
         launch = Launch(_bsmm_dw_tma_kernel, grid, dev,
-                        dict(BS=bs, BLOCK_N=cfg.block_n, TRANS=trans, PRECISION=prec), num_warps=cfg.warps,
-                        num_stages=_fit_stages(cfg.stages, 2 * bs * cfg.block_n * x.element_size()))
+                        dict(BS=bs, BLOCK_N=tile.block_n, TRANS=trans, PRECISION=prec), num_warps=tile.warps,
+                        num_stages=_fit_stages(tile.stages, 2 * bs * tile.block_n * x.element_size()))
 
         def run_tma(x, dy, xr, dyr, dw):
             target = workspace(dw)
@@ -622,9 +586,10 @@ def _dw_plan(x: torch.Tensor, dy: torch.Tensor, xr: torch.Tensor, dyr: torch.Ten
             finish(target, dw)
         return run_tma
     launch = Launch(_bsmm_dw_kernel, grid, dev,
-                    dict(BS=bs, BS_PAD=max(bs, 16), G=cfg.group, BLOCK_N=cfg.block_n, PRECISION=prec),
-                    num_warps=cfg.warps,
-                    num_stages=_fit_stages(cfg.stages, (cfg.group * bs + max(bs, 16)) * cfg.block_n * x.element_size()))
+                    dict(BS=bs, BS_PAD=max(bs, 16), G=tile.group, BLOCK_N=tile.block_n, PRECISION=prec),
+                    num_warps=tile.warps,
+                    num_stages=_fit_stages(tile.stages,
+                                           (tile.group * bs + max(bs, 16)) * tile.block_n * x.element_size()))
     ints = (n, split, xr.stride(0), xr.stride(1), dyr.stride(0), dyr.stride(1), luts.nnz * bs * bs if split > 1 else 0)
 
     def run(x, dy, xr, dyr, dw):
@@ -645,8 +610,7 @@ def run_dw(x: torch.Tensor, dy: torch.Tensor, luts: BsmmLuts, feature_axis: int 
     if host:
         split = 1                                          # one launch, no workspace, no descriptors
     key = (xr.shape[0], x.dtype, dy.dtype, x.stride(0), x.stride(1), dy.stride(0), dy.stride(1), feature_axis, dw_dtype,
-           split, host, aligned(x, dy, dw), x.device,
-           x.dtype == torch.float32 and torch.backends.cuda.matmul.allow_tf32)
+           split, host, aligned(x, dy, dw), x.device, precision(x.dtype), tiles.version())
     plan(luts.dw_plans, key, lambda: _dw_plan(x, dy, xr, dyr, luts, feature_axis, dw_dtype, split, host))(
         x, dy, xr, dyr, dw)
     return dw

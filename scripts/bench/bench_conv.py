@@ -194,11 +194,8 @@ def main() -> None:
     if args.configs and not os.path.exists(args.configs):
         print(f"--configs {args.configs}: no such file; the kernels' default configs are used", flush=True)
     elif args.configs:
-        from bstrain.kernels import conv as K
-        with open(args.configs) as f:
-            for key, v in json.load(f)["best"].items():
-                kernel, bs = key.split(",")
-                K.CONFIGS[(kernel, int(bs), 2)] = tuple(v)
+        from tune_conv import apply
+        apply(args.configs)
     if args.cpu_smoke:
         args.batch, args.channels, args.size, args.block_sizes, args.formats = 2, 64, 8, [16], "nchw"
     os.makedirs(args.out, exist_ok=True)

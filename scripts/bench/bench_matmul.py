@@ -12,6 +12,7 @@ import argparse
 import csv
 import datetime
 import json
+import dataclasses
 import math
 import os
 import statistics
@@ -22,6 +23,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 from bstrain import layout as layouts  # noqa: E402
 from bstrain.kernels import matmul as K  # noqa: E402
+from bstrain.kernels import tiles  # noqa: E402
 from bstrain.kernels.matmul_luts import make_luts  # noqa: E402
 from scripts._timing import event_times_ms, software as this_software  # noqa: E402
 
@@ -110,26 +112,33 @@ def ours_times(lay, bs, M, dtype, axis=1, ops=("fwd", "dx", "dw")):
     return t, luts.nnz, sets[0][1]
 
 
-def _sweep_table(table, bs, cands, measure, label):
-    """Times each candidate config of ``table[bs]``, keeps the fastest there, returns it."""
+def _dw(block_n, group, warps, stages, tma):
+    """A dW candidate in the sweep's (BLOCK_N, group, warps, stages, TMA) order."""
+    return tiles.Tile(0, block_n, warps, stages, tma, group)
+
+
+def _sweep_table(kernel, bs, cands, measure, label):
+    """Times each candidate tile of ``kernel`` (bstrain.kernels.tiles.MATMUL, bf16 on CUDA) at
+    block size bs, keeps the fastest there (an override), returns it."""
+    key = (kernel, bs, 2, True)
     results = []
     for cfg in cands:
-        table[bs] = cfg
+        tiles.override("matmul", key, cfg)
         try:
             results.append((measure(), cfg))
         except Exception as exc:
             print(f"  {label} bs={bs} {cfg} failed: {type(exc).__name__}: {str(exc)[:160]}")
     results.sort(key=lambda r: r[0])
     for t, cfg in results:
-        print(f"sweep {label} bs={bs} {tuple(cfg)} {t*1e3:.1f}us")
-    table[bs] = results[0][1]
+        print(f"sweep {label} bs={bs} {cfg} {t*1e3:.1f}us")
+    tiles.override("matmul", key, results[0][1])
     return results[0][1]
 
 
 def sweep_low_density(density, sizes):
-    """ds configs for layouts with few blocks per output block (GPU_DS_FEW), at M=8192, bf16."""
-    D = K.DsConfig
-    cands = {bs: [K.GPU_DS[bs], D(128, min(64, bs), 4, 2, True), D(64, min(64, bs), 4, 3, True),
+    """ds tiles for layouts with few blocks per output block ("ds_few"), at M=8192, bf16."""
+    D = tiles.Tile
+    cands = {bs: [tiles.MATMUL("ds", bs, 2, True), D(128, min(64, bs), 4, 2, True), D(64, min(64, bs), 4, 3, True),
                   D(64, min(64, bs), 4, 2, True), D(128, 32, 4, 3, True), D(64, 32, 4, 4, True),
                   D(128, min(64, bs), 8, 2, True)] for bs in sizes}
     for bs in sizes:
@@ -138,12 +147,12 @@ def sweep_low_density(density, sizes):
         def fwd_dx():
             t, _, _ = ours_times(lay, bs, 8192, torch.bfloat16, ops=("fwd", "dx"))
             return t["fwd"] + t["dx"]
-        _sweep_table(K.GPU_DS_FEW, bs, cands[bs], fwd_dx, f"ds_few(d={density})")
+        _sweep_table("ds_few", bs, cands[bs], fwd_dx, f"ds_few(d={density})")
 
 
 def sweep(out_dir, sizes=(128, 64, 32, 16, 8)):
     """Tile configs per block size at density 0.2, bf16: M=8192 (fwd+dx, dw) and M=64 (fwd+dx)."""
-    D, W = K.DsConfig, K.DwConfig
+    D, W = tiles.Tile, _dw
     big = {bs: [D(128, min(64, bs), 4, 4, True), D(128, min(64, bs), 8, 3, True), D(128, 32, 4, 5, True),
                 D(256, min(64, bs), 8, 3, True), D(128, min(128, bs), 8, 3, True), D(128, min(64, bs), 4, 3, True),
                 D(256, 32, 8, 4, True), D(64, min(64, bs), 4, 4, True)] for bs in (32, 64, 128)}
@@ -167,13 +176,13 @@ def sweep(out_dir, sizes=(128, 64, 32, 16, 8)):
         def fwd_dx(M):
             t, _, _ = ours_times(lay, bs, M, dtype, ops=("fwd", "dx"))
             return t["fwd"] + t["dx"]
-        best[bs] = {"ds": _sweep_table(K.GPU_DS, bs, big[bs], lambda: fwd_dx(8192), "ds"),
-                    "dw": _sweep_table(K.GPU_DW, bs, dw[bs],
+        best[bs] = {"ds": _sweep_table("ds", bs, big[bs], lambda: fwd_dx(8192), "ds"),
+                    "dw": _sweep_table("dw", bs, dw[bs],
                                        lambda: ours_times(lay, bs, 8192, dtype, ops=("dw",))[0]["dw"], "dw")}
         if bs in small:
-            best[bs]["ds_small"] = _sweep_table(K.GPU_DS_SMALL_M, bs, small[bs], lambda: fwd_dx(64), "ds_small")
+            best[bs]["ds_small"] = _sweep_table("ds_small_m", bs, small[bs], lambda: fwd_dx(64), "ds_small")
     with open(os.path.join(out_dir, "sweep.json"), "w") as f:
-        json.dump({str(k): {n: list(c) for n, c in v.items()} for k, v in best.items()}, f)
+        json.dump({str(k): {n: list(dataclasses.astuple(c)) for n, c in v.items()} for k, v in best.items()}, f)
     print("best:", best)
 
 
@@ -182,7 +191,7 @@ def main():
     ap.add_argument("--out", default="benchmarks")
     ap.add_argument("--sweep", action="store_true", help="tune tile configs first")
     ap.add_argument("--sweep-bs", default="128,64,32,16,8", help="block sizes to sweep")
-    ap.add_argument("--sweep-density", type=float, default=None, help="sweep GPU_DS_FEW at this density")
+    ap.add_argument("--sweep-density", type=float, default=None, help="sweep the ds_few tiles at this density")
     ap.add_argument("--from-csv", help="rebuild matmul.md/png from a saved matmul.csv (adds roofline)")
     ap.add_argument("--device-name", default="NVIDIA H200", help="with --from-csv")
     ap.add_argument("--date", default=None, help="with --from-csv")

@@ -15,6 +15,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 from bstrain.kernels import matmul as K  # noqa: E402
+from bstrain.kernels import tiles  # noqa: E402
 from bstrain.kernels.matmul_luts import make_luts  # noqa: E402
 from bstrain.nn import BlockSparseLinear  # noqa: E402
 from scripts.bench.bench_eager import fwd_bwd, gpu_us, per_call_us  # noqa: E402
@@ -62,14 +63,13 @@ def main() -> None:
     op, w = layer.op, layer.weight.detach().to(dt)
     x = torch.randn(args.m, 4096, device=dev, dtype=dt)
     xg, grad = torch.randn(args.m, 4096, device=dev, requires_grad=True), torch.randn(args.m, 4096, device=dev, dtype=dt)
-    saved = K.GPU_DS_SMALL_M
+    key = ("ds_small_m", args.block, 2, True)                            # bf16 on CUDA, M <= SMALL_M
     for tma, split in ((True, None), (False, None), (False, 1)):
-        K.GPU_DS_SMALL_M = {bs: c._replace(tma=tma) for bs, c in saved.items()}
-        luts = make_luts(op.layout, op.block_size, dev)
-        fn = lambda: K.run_forward(x, w, luts, 1, split=split)           # noqa: E731
-        print(f"forward tma={tma} split={split}: {per_call_us(fn, dev):.1f} us per call, GPU {gpu_us(fn):.1f} us",
-              flush=True)
-    K.GPU_DS_SMALL_M = saved
+        with tiles.overridden("matmul", key, tiles.MATMUL(*key).replace(tma=tma)):
+            luts = make_luts(op.layout, op.block_size, dev)
+            fn = lambda: K.run_forward(x, w, luts, 1, split=split)           # noqa: E731
+            print(f"forward tma={tma} split={split}: {per_call_us(fn, dev):.1f} us per call, GPU {gpu_us(fn):.1f} us",
+                  flush=True)
     step = fwd_bwd(layer, xg, grad, dt, dev)
     for name, fn, n in (("op(x, w)", lambda: op(x, w), 2000), ("BlockSparseLinear f+b", step, 500)):
         fn()

@@ -23,9 +23,10 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 from bstrain import layout as L  # noqa: E402
 from bstrain.kernels import attention as K  # noqa: E402
+from bstrain.kernels import tiles  # noqa: E402
 from bstrain.ops.transformer import BlocksparseTransformer  # noqa: E402
 
-CANDIDATES = {      # (BO, BI, warps, stages[, tma]): bstrain.kernels.attention.Tile
+CANDIDATES = {      # (BO, BI, warps, stages[, tma]): bstrain.kernels.tiles.Tile(block_m, block_n, ...)
     "fwd": [(64, 64, 4, 3), (64, 64, 4, 3, True), (128, 64, 8, 3, True), (128, 128, 8, 3, True), (128, 128, 8, 2)],
     "dq": [(64, 64, 4, 3), (64, 64, 4, 3, True), (64, 64, 4, 4, True), (128, 64, 8, 3, True), (64, 32, 4, 3, True)],
     "dkdv": [(64, 32, 4, 3), (64, 64, 4, 3, True), (128, 64, 8, 2, True), (64, 32, 4, 3, True), (128, 64, 8, 3, True)],
@@ -73,7 +74,7 @@ def main() -> None:
             for cand in cands:
                 if time.time() - t_start > args.budget_s:
                     break
-                K.TILES[(kernel, bs, D, 2)] = K.Tile(*cand)
+                tiles.override("attention", (kernel, bs, 2, D), tiles.Tile(*cand))
                 row = dict(kernel=kernel, D=D, tiles=list(cand))
                 try:
                     for name, (luts, o, lse, delta) in state.items():
@@ -85,7 +86,7 @@ def main() -> None:
                         else:
                             ts = (q, k, v, do, lse, delta, torch.empty_like(k), torch.empty_like(v))
                             sc = (scale * K.LOG2E, 0.0, scale)
-                        K.launch(kernel, luts, ts, None, sc)             # a new TILES entry: a new plan
+                        K.launch(kernel, luts, ts, None, sc)             # a new override: a new plan
                         row[name] = round(triton.testing.do_bench(
                             lambda: K.launch(kernel, luts, ts, None, sc), warmup=10, rep=60,
                             return_mode="median"), 4)
@@ -94,7 +95,7 @@ def main() -> None:
                     row["error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:120]}"
                 rows.append(row)
                 print(row, flush=True)
-            K.TILES.pop((kernel, bs, D, 2), None)
+            tiles.override("attention", (kernel, bs, 2, D), None)
             if totals:
                 pick = min(totals, key=totals.get)
                 best[f"{kernel},{D}"] = list(pick)
@@ -112,13 +113,14 @@ def main() -> None:
 
 
 def apply(path: str) -> None:
-    """Set bstrain.kernels.attention.TILES from a tune_attention.json (bf16/fp16, 128-blocks)."""
+    """Override the attention tiles (bstrain.kernels.tiles.ATTENTION) with a tune_attention.json's
+    best (bf16/fp16, 128-blocks)."""
     with open(path) as f:
         best = json.load(f)["best"]
     for key, v in best.items():
         kern, D = key.split(",")
         for itemsize in (2,):
-            K.TILES[(kern, 128, int(D), itemsize)] = K.Tile(*v)
+            tiles.override("attention", (kern, 128, itemsize, int(D)), tiles.Tile(*v))
 
 
 if __name__ == "__main__":

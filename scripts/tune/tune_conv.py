@@ -22,6 +22,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 from bstrain.kernels import conv as K  # noqa: E402
+from bstrain.kernels import tiles  # noqa: E402
 from bstrain.nn import BlockSparseConv2d  # noqa: E402
 
 TMA_CANDIDATES = [(64, 4, 3), (128, 4, 2), (128, 4, 3), (128, 4, 4), (128, 8, 3), (256, 8, 2), (256, 8, 3)]
@@ -61,7 +62,7 @@ def main() -> None:
             for cand in TMA_CANDIDATES if path == "tma" else CANDIDATES:
                 if time.time() - t0 > args.budget_s:
                     break
-                K.CONFIGS[(kernel, bs, 2)] = cand
+                tiles.override("conv", (kernel, bs, 2), conv_tile(cand))
                 row = dict(kernel=kernel, bs=bs, config=list(cand))
                 try:
                     call()
@@ -72,7 +73,7 @@ def main() -> None:
                     row["error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:120]}"
                 rows.append(row)
                 print(row, flush=True)
-            K.CONFIGS.pop((kernel, bs, 2), None)
+            tiles.override("conv", (kernel, bs, 2), None)
             if times:
                 pick = min(times, key=times.get)
                 best[f"{kernel},{bs}"] = list(pick)
@@ -81,6 +82,20 @@ def main() -> None:
     with open(os.path.join(args.out, "tune_conv.json"), "w") as f:
         json.dump({"best": best, "rows": rows, "dense_fwd_ms": dense, "device": torch.cuda.get_device_name(),
                    "torch": torch.__version__, "triton": triton.__version__}, f, indent=1)
+
+
+def conv_tile(config) -> tiles.Tile:
+    """A (BLOCK_M, warps, stages) of tune_conv.json as a tile of bstrain.kernels.tiles.CONV."""
+    block_m, warps, stages = config
+    return tiles.Tile(block_m, 0, warps, stages)
+
+
+def apply(path: str) -> None:
+    """Override the conv tiles (bstrain.kernels.tiles.CONV) with a tune_conv.json's best (16-bit)."""
+    with open(path) as f:
+        for key, v in json.load(f)["best"].items():
+            kernel, bs = key.split(",")
+            tiles.override("conv", (kernel, int(bs), 2), conv_tile(v))
 
 
 if __name__ == "__main__":

@@ -4,12 +4,15 @@ On CPU they run in Triton's interpreter (fp32, fp16); on the GPU compiled, bf16 
 """
 from __future__ import annotations
 
+import contextlib
+
 import numpy as np
 import pytest
 import torch
 
 from bstrain import layout as L
 from bstrain.kernels import attention as K
+from bstrain.kernels import tiles
 from bstrain.ops.transformer import BlocksparseTransformer, attention_ref
 from tests.conftest import DTYPE_IDS, assert_close, fresh_seed, kernel_device, kernel_dtypes
 from tests.ops.test_transformer import checked, qkv, random_layout
@@ -69,15 +72,13 @@ def test_strided_layout_matches_the_torch_path():
 @pytest.fixture
 def tile_shapes():
     """Sets the kernels' tile shapes for one (block size, head dim, dtype); restores them after."""
-    saved = dict(K.TILES)
-
-    def set_(bs, D, dtype, fwd, dq, dkdv):
-        block_d = max(16, 1 << (D - 1).bit_length())
-        for name, (bo, bi) in (("fwd", fwd), ("dq", dq), ("dkdv", dkdv)):
-            K.TILES[(name, bs, block_d, dtype.itemsize)] = (bo, bi, 4, 2)
-    yield set_
-    K.TILES.clear()
-    K.TILES.update(saved)
+    with contextlib.ExitStack() as stack:
+        def set_(bs, D, dtype, fwd, dq, dkdv):
+            block_d = max(16, 1 << (D - 1).bit_length())
+            for name, (bo, bi) in (("fwd", fwd), ("dq", dq), ("dkdv", dkdv)):
+                stack.enter_context(tiles.overridden("attention", (name, bs, dtype.itemsize, block_d),
+                                                     tiles.Tile(bo, bi, 4, 2)))
+        yield set_
 
 
 def _mixed_callback(seed):
@@ -345,14 +346,10 @@ def test_value_head_dim_alibi_softcap_and_lse_gradient(dtype, D, Dv, Hk, alibi, 
 def test_gpu_tma_and_pointer_tiles(tma, D, Dv):
     """Inner tiles through tensor descriptors or pointers, 64- and 128-row tiles, against float64
     (causal 128-blocks, grouped-query, with the options on; a head dim of 96 reads by pointers)."""
-    saved = dict(K.TILES)
-    try:
-        block = max(16, 1 << (max(D, Dv) - 1).bit_length())
+    block = max(16, 1 << (max(D, Dv) - 1).bit_length())
+    with contextlib.ExitStack() as stack:
         for kern, (bo, bi, w) in {"fwd": (128, 128, 8), "dq": (64, 64, 4), "dkdv": (128, 32, 8)}.items():
-            K.TILES[(kern, 128, block, 2)] = K.Tile(bo, bi, w, 3, tma)
+            stack.enter_context(tiles.overridden("attention", (kern, 128, 2, block), tiles.Tile(bo, bi, w, 3, tma)))
         lay, cb = L.attention_layout(L.causal_mask, 512, 512, 128)
         op = BlocksparseTransformer(lay, block_size=128, heads=2, mask_callback=cb, backend="triton")
         _check_options(op, 2, 2, 1, D, Dv, torch.bfloat16, torch.rand(2), 20.0, True)
-    finally:
-        K.TILES.clear()
-        K.TILES.update(saved)

@@ -111,13 +111,13 @@ def test_the_custom_ops_name_an_unknown_layout():
 
 
 @pytest.mark.parametrize("dtype", kernel_dtypes(), ids=DTYPE_IDS.get)
-def test_dw_split_or_not_lands_in_the_weight_layout(dtype, monkeypatch):
+def test_dw_split_or_not_lands_in_the_weight_layout(dtype):
     """conv_dw writes (nnz, out, in, kh, kw) in the asked dtype: unsplit straight from the kernel,
     split (3 ways) through fp32 partials; both against the float64 dW of the masked dense conv."""
     from bstrain.kernels import conv as K
+    from bstrain.kernels import tiles
     from bstrain.kernels.conv import conv_dw
     dev = kernel_device()
-    monkeypatch.setitem(K.CONFIGS, ("dw", 16, dtype.itemsize), (16, 4, 1))     # 16-pixel steps: 3 splits of 40
     conv = BlockSparseConv2d(32, 48, (1, 3), padding=(0, 1), block_size=16, density=0.5)     # taps: 1 x 3
     assert K._dw_split(40, 16, 1, 3) == (3, 16)
     x, dy = torch.randn(2, 32, 4, 5), torch.randn(2, 48, 4, 5)
@@ -126,7 +126,8 @@ def test_dw_split_or_not_lands_in_the_weight_layout(dtype, monkeypatch):
     luts = conv._tables.on(torch.device(dev)).luts
     bs = 16
     for splits in (1, 3):
-        dw = conv_dw(x.to(dev, dtype), dy.to(dev, dtype), luts, 1, 3, (1, 1), (0, 1), (1, 1), dtype, splits=splits)
+        with tiles.overridden("conv", ("dw", 16, dtype.itemsize), tiles.Tile(16, 0, 4, 1)):   # 16-pixel steps: 3 of 40
+            dw = conv_dw(x.to(dev, dtype), dy.to(dev, dtype), luts, 1, 3, (1, 1), (0, 1), (1, 1), dtype, splits=splits)
         assert dw.dtype == dtype and dw.shape == conv.weight.shape and dw.is_contiguous()
         for n, (i, j) in enumerate(zip(*np.nonzero(conv.block_layout()))):
             assert_close(dw[n], rw[j * bs:(j + 1) * bs, i * bs:(i + 1) * bs], None, dtype, f"dW[{n}] splits={splits}")
