@@ -15,6 +15,8 @@ forward and one backward, so a backward is written once::
 - ``kernel(*args)``: the launcher call. Its annotations give the op's schema; keyword-only
   parameters (with defaults) are eager-only hints the op leaves out (a backward that may skip a
   column sum nobody asked for), so the op always runs them at their defaults.
+- ``op_kernel(*args)``: what the op runs instead of ``kernel`` where an op must differ (a custom op
+  cannot return None where the launcher does); its annotations then give the schema.
 - ``ref(*args)``: what the op runs on CPU tensors (the PyTorch reference). Eager calls of a CPU
   tensor run ``kernel`` (Triton's interpreter under TRITON_INTERPRET=1): the public functions send
   CPU tensors here only for ``backend="triton"``.
@@ -69,12 +71,14 @@ class KernelOp:
 
 
 def kernel_op(name: str, kernel: Callable, *, ref: Callable, fake: Callable, setup: Callable | None = None,
-              backward: Callable | None = None, bwd: KernelOp | None = None) -> KernelOp:
+              backward: Callable | None = None, bwd: KernelOp | None = None,
+              op_kernel: Callable | None = None) -> KernelOp:
     """Registers ``torch.ops.<name>`` (CUDA and the other devices: ``kernel``; CPU: ``ref``; fake:
     ``fake``) and, given ``setup`` and ``backward``, its autograd and the eager Function; the
     module docstring says what each argument is. ``bwd``: the backward's own KernelOp, handed to
     ``backward`` as its op while tracing and as its launcher eagerly."""
-    op = torch.library.custom_op(name, lambda *args: kernel(*args), mutates_args=(), schema=_schema(kernel))
+    body = kernel if op_kernel is None else op_kernel
+    op = torch.library.custom_op(name, lambda *args: body(*args), mutates_args=(), schema=_schema(body))
     op.register_kernel("cpu")(ref)
     op.register_fake(fake)
     if backward is None:
