@@ -12,11 +12,12 @@ import torch
 from bstrain.ops.tables import eager
 
 __all__ = [
-    "FLOATS", "HALF", "INDEX_DTYPES", "BACKENDS", "DTYPE_BOUND", "use_kernels", "check_index_range", "unit_columns",
+    "FLOATS", "KERNEL_FLOATS", "HALF", "INDEX_DTYPES", "BACKENDS", "DTYPE_BOUND", "use_kernels", "check_index_range", "unit_columns",
     "check_tensor", "check_same", "check_param", "check_axis", "as_index",
 ]
 
 FLOATS = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
+KERNEL_FLOATS = (torch.float32, torch.float16, torch.bfloat16)   # what the Triton kernels take
 HALF = (torch.float16, torch.bfloat16)
 INDEX_DTYPES = (torch.int64, torch.int32, torch.int16, torch.uint16, torch.uint8)
 BACKENDS = ("auto", "triton", "torch")

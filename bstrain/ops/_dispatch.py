@@ -13,8 +13,10 @@ forward and one backward, so a backward is written once::
     y = _foo(x, w)           # the Function eagerly, torch.ops.bstrain.foo while tracing
 
 - ``kernel(*args)``: the launcher call. Its annotations give the op's schema; keyword-only
-  parameters (with defaults) are eager-only hints the op leaves out (a backward that may skip a
-  column sum nobody asked for), so the op always runs them at their defaults.
+  parameters (with defaults) are eager-only hints the op leaves out, so the op always runs them at
+  their defaults: what an eager call knows and an op cannot say (the public function has checked
+  the arguments; a backward may skip a column sum nobody asked for, or add into a
+  :class:`~bstrain.ops.grouping.ParamGradGroup`'s workspace).
 - ``op_kernel(*args)``: what the op runs instead of ``kernel`` where an op must differ (a custom op
   cannot return None where the launcher does); its annotations then give the schema.
 - ``ref(*args)``: what the op runs on CPU tensors (the PyTorch reference). Eager calls of a CPU
@@ -24,6 +26,10 @@ forward and one backward, so a backward is written once::
   Function's forward, and as the op's ``setup_context``).
 - ``backward(ctx, bwd, *grads)``: the gradient glue, written once; ``bwd`` is the backward op
   while tracing and its launcher eagerly (hints passed to it as keywords reach the launcher only).
+  ``ctx.hints`` holds the hints the forward was called with (``{}`` while tracing).
+
+Calling the KernelOp with keyword hints (``_foo(x, w, check=False)``) hands them to ``kernel`` on
+the eager path and drops them on the traced one.
 
 The op is also ``torch.ops.bstrain.<name>``; op names and schemas are what saved graphs name.
 """
@@ -59,11 +65,12 @@ class KernelOp:
 
     def __init__(self, op, kernel: Callable, function: type[torch.autograd.Function] | None):
         self.op, self.kernel, self.function = op, kernel, function
+        self.packet = getattr(getattr(torch.ops, op._namespace), op._name)   # torch.ops.bstrain.<name>, as graphs name it
 
-    def __call__(self, *args):
+    def __call__(self, *args, **hints):
         if self.function is not None and eager(args[0]):
-            return self.function.apply(*args)
-        return self.op(*args)
+            return self.function.apply(*args, hints)
+        return self.packet(*args)
 
     def traced(self, *args, **_hints):
         """The op itself, as a backward glue calls it while tracing: hints are eager-only."""
@@ -84,18 +91,25 @@ def kernel_op(name: str, kernel: Callable, *, ref: Callable, fake: Callable, set
     if backward is None:
         return KernelOp(op, kernel, None)
     traced_bwd, eager_bwd = (bwd.traced, bwd.kernel) if bwd is not None else (None, None)
-    op.register_autograd(lambda ctx, *grads: backward(ctx, traced_bwd, *grads), setup_context=setup)
+
+    def traced_setup(ctx, inputs, output):
+        setup(ctx, inputs, output)
+        ctx.hints = {}
+
+    op.register_autograd(lambda ctx, *grads: backward(ctx, traced_bwd, *grads), setup_context=traced_setup)
 
     class Function(torch.autograd.Function):
         @staticmethod
         def forward(ctx, *args):
-            out = kernel(*args)
+            *args, hints = args                   # (the hints travel last, so needs_input_grad[i] is args[i]'s)
+            out = kernel(*args, **hints)
             setup(ctx, args, out)
+            ctx.hints = hints
             return out
 
         @staticmethod
         def backward(ctx, *grads):
-            return backward(ctx, eager_bwd, *grads)
+            return (*backward(ctx, eager_bwd, *grads), None)
 
     Function.__name__ = Function.__qualname__ = "".join(w.title() for w in name.split("::")[-1].split("_")) + "Fn"
     return KernelOp(op, kernel, Function)
