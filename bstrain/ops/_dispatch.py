@@ -65,7 +65,7 @@ class KernelOp:
 
     def __init__(self, op, kernel: Callable, function: type[torch.autograd.Function] | None):
         self.op, self.kernel, self.function = op, kernel, function
-        self.packet = getattr(getattr(torch.ops, op._namespace), op._name)   # torch.ops.bstrain.<name>, as graphs name it
+        self.packet = getattr(getattr(torch.ops, op._namespace), op._name)   # torch.ops.bstrain.<name>: graphs name it
 
     def __call__(self, *args, **hints):
         if self.function is not None and eager(args[0]):
@@ -78,19 +78,22 @@ class KernelOp:
 
 
 def kernel_op(name: str, kernel: Callable, *, ref: Callable, fake: Callable, setup: Callable | None = None,
-              backward: Callable | None = None, bwd: KernelOp | None = None,
+              backward: Callable | None = None, bwd: KernelOp | tuple[KernelOp, ...] | None = None,
               op_kernel: Callable | None = None) -> KernelOp:
     """Registers ``torch.ops.<name>`` (CUDA and the other devices: ``kernel``; CPU: ``ref``; fake:
     ``fake``) and, given ``setup`` and ``backward``, its autograd and the eager Function; the
-    module docstring says what each argument is. ``bwd``: the backward's own KernelOp, handed to
-    ``backward`` as its op while tracing and as its launcher eagerly."""
+    module docstring says what each argument is. ``bwd``: the backward's own KernelOp (or a tuple
+    of them), handed to ``backward`` as its op while tracing and as its launcher eagerly."""
     body = kernel if op_kernel is None else op_kernel
     op = torch.library.custom_op(name, lambda *args: body(*args), mutates_args=(), schema=_schema(body))
     op.register_kernel("cpu")(ref)
     op.register_fake(fake)
     if backward is None:
         return KernelOp(op, kernel, None)
-    traced_bwd, eager_bwd = (bwd.traced, bwd.kernel) if bwd is not None else (None, None)
+    if isinstance(bwd, tuple):
+        traced_bwd, eager_bwd = tuple(b.traced for b in bwd), tuple(b.kernel for b in bwd)
+    else:
+        traced_bwd, eager_bwd = (bwd.traced, bwd.kernel) if bwd is not None else (None, None)
 
     def traced_setup(ctx, inputs, output):
         setup(ctx, inputs, output)
