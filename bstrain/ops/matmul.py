@@ -24,7 +24,6 @@ import warnings
 
 import numpy as np
 import torch
-from torch import Tensor
 
 from bstrain._tensors import INT32_MAX as _INT32_MAX
 from bstrain.layout import BLOCK_SIZES, as_layout, check_block_size
@@ -35,7 +34,7 @@ from bstrain.ops._matmul_ops import (  # noqa: F401  (MatmulTables, bsmm, bsmm_d
 )
 from bstrain.ops.grouping import GradGroup, _GroupedWeight, _StepMatMul
 from bstrain.ops.proj import SparseProj  # noqa: F401  (the seed exports it from matmul)
-from bstrain.ops.tables import eager, layout_tables, lookup, real_tensors
+from bstrain.ops.tables import eager, layout_tables, real_tensors
 
 __all__ = ["BlocksparseMatMul", "SparseProj", "GradGroup", "bsmm_ref", "bsmm_dx_ref", "bsmm_dw_ref",
            "check_block_size", "BLOCK_SIZES"]
