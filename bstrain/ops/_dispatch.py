@@ -101,18 +101,18 @@ def kernel_op(name: str, kernel: Callable, *, ref: Callable, fake: Callable, set
 
     op.register_autograd(lambda ctx, *grads: backward(ctx, traced_bwd, *grads), setup_context=traced_setup)
 
-    class Function(torch.autograd.Function):
-        @staticmethod
-        def forward(ctx, *args):
-            *args, hints = args                   # (the hints travel last, so needs_input_grad[i] is args[i]'s)
-            out = kernel(*args, **hints)
-            setup(ctx, args, out)
-            ctx.hints = hints
-            return out
+    def forward(ctx, *args):
+        *args, hints = args                       # (the hints travel last, so needs_input_grad[i] is args[i]'s)
+        out = kernel(*args, **hints)
+        setup(ctx, args, out)
+        ctx.hints = hints
+        return out
 
-        @staticmethod
-        def backward(ctx, *grads):
-            return (*backward(ctx, eager_bwd, *grads), None)
+    def function_backward(ctx, *grads):
+        return (*backward(ctx, eager_bwd, *grads), None)
 
-    Function.__name__ = Function.__qualname__ = "".join(w.title() for w in name.split("::")[-1].split("_")) + "Fn"
-    return KernelOp(op, kernel, Function)
+    # named after the op (grad_fn: BiasGeluFnBackward), so the class is made by type()
+    fn_name = "".join(w.title() for w in op._name.split("_")) + "Fn"
+    function = type(fn_name, (torch.autograd.Function,), {
+        "forward": staticmethod(forward), "backward": staticmethod(function_backward), "__module__": kernel.__module__})
+    return KernelOp(op, kernel, function)
