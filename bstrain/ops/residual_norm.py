@@ -20,12 +20,11 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from bstrain.ops._checks import check_param, check_tensor, unit_columns, use_kernels
+from bstrain.ops._checks import KERNEL_FLOATS, check_param, check_tensor, unit_columns, use_kernels
 from bstrain.ops._dispatch import kernel_op
 
 __all__ = ["add_layer_norm", "add_layer_norm_ref"]
 
-_KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 MAX_C = 8192       # features the kernel's one-tile rows hold (bstrain.kernels.residual_norm)
 
 
@@ -163,7 +162,7 @@ def add_layer_norm(x: Tensor, residual: Tensor | None, weight: Tensor, bias: Ten
         if residual is None:
             raise ValueError("residual_bias: expected None without a residual, got a tensor")
         residual_bias = check_param("residual_bias", residual_bias, x, C).contiguous()
-    if not use_kernels(x, backend) or C > MAX_C or (residual is not None and residual.dtype not in _KERNEL_DTYPES):
+    if not use_kernels(x, backend) or C > MAX_C or (residual is not None and residual.dtype not in KERNEL_FLOATS):
         return add_layer_norm_ref(x, residual, weight, bias, eps, residual_bias)
     x2 = x.reshape(-1, C)
     x2 = x2 if x2.stride(-1) == 1 else x2.contiguous()
