@@ -1,5 +1,6 @@
 """Block-sparse convolution below the seed's API: the geometry, the layout tables, the reference,
-the ``torch.ops.bstrain.bsconv2d`` custom ops over the Triton kernels and their eager autograd path
+and the kernel pair from which :func:`~bstrain.ops._dispatch.kernel_op` makes the
+``torch.ops.bstrain.bsconv2d`` custom ops over the Triton kernels and their eager autograd path
 (in that order in this file). :class:`bstrain.nn.BlockSparseConv2d` runs them; the names are
 re-exported by :mod:`bstrain.ops.conv`, beside the seed's ``BlocksparseConv``.
 
@@ -18,6 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from bstrain.ops._dispatch import kernel_op
 from bstrain.ops.tables import LayoutTables, eager, family, lookup, real_tensors, tracing
 
 __all__ = ["conv_geometry", "conv_nd", "ConvTables", "conv_tables", "block_tables", "tables_on", "bsconv2d_ref",
@@ -211,11 +213,12 @@ def bsconv2d_ref(x: Tensor, weight: Tensor, tables: ConvTables, K: int, stride, 
     return y.new_zeros(y.shape[0], K, y.shape[2], y.shape[3]).index_add(1, tables.scatter, y)
 
 
-# --- torch.ops.bstrain.bsconv2d: the Triton kernels as custom ops ------------------------------------
+# --- kernel pair: torch.ops.bstrain.bsconv2d and bsconv2d_bwd, and their eager Function -----------------
 # Traced calls (torch.compile, export) go through the custom ops, which name the layout by its
-# tables' key; eager calls run the same launchers through an autograd.Function (sparse_conv2d
-# below): the dispatcher's boxed calls into Python cost about 0.4 ms per op on the H200, more
-# than the kernels of a ResNet layer.
+# tables' key; eager calls run the same launchers through the autograd.Function kernel_op makes
+# (sparse_conv2d below): the dispatcher's boxed calls into Python cost about 0.4 ms per op on the
+# H200, more than the kernels of a ResNet layer. No CPU reference: the ops run the kernels there
+# too (TRITON_INTERPRET=1).
 def _wt(weight: Tensor, dtype: torch.dtype) -> Tensor:
     """(nnz, out, in, kh, kw) -> the kernels' (nnz, kh, kw, in, out) in ``dtype``, contiguous: one
     copy kernel, which also casts fp32 master weights to a 16-bit compute dtype (autocast)."""
@@ -239,13 +242,28 @@ def _backward(dy, x, wt, tables: ConvTables, stride, pads, dilation, need_dx, ne
     return dx, dw
 
 
-@torch.library.custom_op("bstrain::bsconv2d", mutates_args=())
-def bsconv2d(x: Tensor, weight: Tensor, bias: Tensor | None, layout: str, K: int, P: int, Q: int,
-             stride: list[int], pads: list[int], dilation: list[int]) -> Tensor:
+def _op_forward(x: Tensor, weight: Tensor, bias: Tensor | None, layout: str, K: int, P: int, Q: int,
+                stride: list[int], pads: list[int], dilation: list[int], *, tables=None, wt=None) -> Tensor:
     """y (N, K, P, Q) of the block-sparse 2-D convolution of x (N, C, H, W) by weight (nnz, bs, bs,
     kh, kw; x's dtype, or float32 master weights) on the layout whose tables' key is ``layout``,
-    plus bias (K,); pads = (top, left). The Triton kernels: CUDA, or CPU with TRITON_INTERPRET=1."""
-    return _forward(x, _wt(weight, x.dtype), bias, lookup(layout).on(x.device), K, P, Q, stride, pads, dilation)
+    plus bias (K,); pads = (top, left). The Triton kernels: CUDA, or CPU with TRITON_INTERPRET=1.
+    Eager calls hand over the layout's ``tables`` and the kernels' filters ``wt`` (``_wt``), which
+    their backward reuses: no key lookup, and the filters permuted once per step."""
+    tables = lookup(layout).on(x.device) if tables is None else tables
+    return _forward(x, _wt(weight, x.dtype) if wt is None else wt, bias, tables, K, P, Q, stride, pads, dilation)
+
+
+def _op_backward(dy: Tensor, x: Tensor, weight: Tensor, layout: str, stride: list[int], pads: list[int],
+                 dilation: list[int], need_dx: bool, need_dw: bool, *, tables=None,
+                 w_dtype: torch.dtype | None = None) -> tuple[Tensor, Tensor]:
+    """(dx, dweight) of bsconv2d, dweight in weight's dtype; an unneeded one is an empty tensor.
+    Eager calls hand over the forward's filters ``wt`` as ``weight``, the weight's dtype as
+    ``w_dtype`` and the layout's ``tables``; an unneeded gradient then comes back None."""
+    if w_dtype is not None:
+        return _backward(dy, x, weight, tables, stride, pads, dilation, need_dx, need_dw, w_dtype)
+    wt = _wt(weight, x.dtype) if need_dx else weight.permute(0, 3, 4, 2, 1)     # dW reads only its (kh, kw)
+    dx, dw = _backward(dy, x, wt, lookup(layout).on(x.device), stride, pads, dilation, need_dx, need_dw, weight.dtype)
+    return dx if need_dx else x.new_empty(0), dw if need_dw else weight.new_empty(0)
 
 
 def _like_out(shape, like: Tensor) -> Tensor:
@@ -256,68 +274,37 @@ def _like_out(shape, like: Tensor) -> Tensor:
     return like.new_empty(shape)
 
 
-@bsconv2d.register_fake
-def _(x, weight, bias, layout, K, P, Q, stride, pads, dilation):
-    return _like_out((x.shape[0], K, P, Q), x)
-
-
-@torch.library.custom_op("bstrain::bsconv2d_bwd", mutates_args=())
-def bsconv2d_bwd(dy: Tensor, x: Tensor, weight: Tensor, layout: str, stride: list[int], pads: list[int],
-                 dilation: list[int], need_dx: bool, need_dw: bool) -> tuple[Tensor, Tensor]:
-    """(dx, dweight) of bsconv2d, dweight in weight's dtype; an unneeded one is an empty tensor."""
-    wt = _wt(weight, x.dtype) if need_dx else weight.permute(0, 3, 4, 2, 1)     # dW reads only its (kh, kw)
-    dx, dw = _backward(dy, x, wt, lookup(layout).on(x.device), stride, pads, dilation, need_dx, need_dw, weight.dtype)
-    return dx if need_dx else x.new_empty(0), dw if need_dw else weight.new_empty(0)
-
-
-@bsconv2d_bwd.register_fake
-def _(dy, x, weight, layout, stride, pads, dilation, need_dx, need_dw):
-    return (_like_out(tuple(x.shape), x) if need_dx else x.new_empty(0),
-            weight.new_empty(weight.shape) if need_dw else weight.new_empty(0))
-
-
 def _bias_grad(dy: Tensor, dtype: torch.dtype) -> Tensor:
     return dy.sum((0, 2, 3), dtype=dtype)                             # (K,)
 
 
-def _bsconv2d_setup(ctx, inputs, output):
+def _setup(ctx, inputs, output):
     x, weight, bias, layout, _, _, _, stride, pads, dilation = inputs
-    ctx.save_for_backward(x, weight)
+    wt = ctx.hints.get("wt")                                          # eager calls: the forward's filters
+    ctx.save_for_backward(x, weight if wt is None else wt)
     ctx.layout, ctx.stride, ctx.pads, ctx.dilation = layout, stride, pads, dilation
-    ctx.bias_dtype = None if bias is None else bias.dtype
+    ctx.w_dtype, ctx.bias_dtype = weight.dtype, None if bias is None else bias.dtype
 
 
-def _bsconv2d_backward(ctx, dy):
-    x, weight = ctx.saved_tensors
+def _grads(ctx, bwd, dy):
+    x, weight = ctx.saved_tensors                                     # (weight: the filters wt, eagerly)
     need_dx, need_dw, need_db = ctx.needs_input_grad[:3]
-    dx, dw = bsconv2d_bwd(dy, x, weight, ctx.layout, ctx.stride, ctx.pads, ctx.dilation, need_dx, need_dw)
+    dx, dw = bwd(dy, x, weight, ctx.layout, ctx.stride, ctx.pads, ctx.dilation, need_dx, need_dw,
+                 tables=ctx.hints.get("tables"), w_dtype=ctx.w_dtype)
     return (dx if need_dx else None, dw if need_dw else None, _bias_grad(dy, ctx.bias_dtype) if need_db else None,
             None, None, None, None, None, None, None)
 
 
-bsconv2d.register_autograd(_bsconv2d_backward, setup_context=_bsconv2d_setup)
-
-
-# --- eager autograd -----------------------------------------------------------------------------------
-class _SparseConv2dFn(torch.autograd.Function):
-    """bsconv2d and its backward for eager calls: no dispatcher round trip, no key lookup, and
-    the filters permuted once per step (dX reuses the forward's)."""
-
-    @staticmethod
-    def forward(ctx, x, weight, bias, tables, K, P, Q, stride, pads, dilation):
-        wt = _wt(weight, x.dtype)                         # (nnz, kh, kw, in, out)
-        ctx.save_for_backward(x, wt)
-        ctx.tables, ctx.stride, ctx.pads, ctx.dilation = tables, stride, pads, dilation
-        ctx.w_dtype, ctx.bias_dtype = weight.dtype, None if bias is None else bias.dtype
-        return _forward(x, wt, bias, tables, K, P, Q, stride, pads, dilation)
-
-    @staticmethod
-    def backward(ctx, dy):
-        x, wt = ctx.saved_tensors
-        need_dx, need_dw, need_db = ctx.needs_input_grad[:3]
-        dx, dw = _backward(dy, x, wt, ctx.tables, ctx.stride, ctx.pads, ctx.dilation, need_dx, need_dw, ctx.w_dtype)
-        db = _bias_grad(dy, ctx.bias_dtype) if need_db else None
-        return dx, dw, db, None, None, None, None, None, None, None
+_bsconv2d_bwd = kernel_op(
+    "bstrain::bsconv2d_bwd", _op_backward, ref=None,
+    fake=lambda dy, x, weight, layout, stride, pads, dilation, need_dx, need_dw: (
+        _like_out(tuple(x.shape), x) if need_dx else x.new_empty(0),
+        weight.new_empty(weight.shape) if need_dw else weight.new_empty(0)))
+_bsconv2d = kernel_op(
+    "bstrain::bsconv2d", _op_forward, ref=None,
+    fake=lambda x, weight, bias, layout, K, P, Q, stride, pads, dilation: _like_out((x.shape[0], K, P, Q), x),
+    setup=_setup, backward=_grads, bwd=_bsconv2d_bwd)
+bsconv2d, bsconv2d_bwd = _bsconv2d.op, _bsconv2d_bwd.op                # (importable, as before)
 
 
 def sparse_conv2d(x: Tensor, weight: Tensor, bias: Tensor | None, tables: LayoutTables, K: int, P: int, Q: int,
@@ -330,5 +317,6 @@ def sparse_conv2d(x: Tensor, weight: Tensor, bias: Tensor | None, tables: Layout
         return bsconv2d(x, weight, bias, tables.key, K, P, Q, list(stride), list(pads), list(dilation))
     if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad or
                                     (bias is not None and bias.requires_grad)):
-        return _SparseConv2dFn.apply(x, weight, bias, tables.on(x.device), K, P, Q, stride, pads, dilation)
+        return _bsconv2d(x, weight, bias, tables.key, K, P, Q, stride, pads, dilation, tables=tables.on(x.device),
+                         wt=_wt(weight, x.dtype))
     return _forward(x, _wt(weight, x.dtype), bias, tables.on(x.device), K, P, Q, stride, pads, dilation)

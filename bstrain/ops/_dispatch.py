@@ -19,14 +19,15 @@ forward and one backward, so a backward is written once::
   :class:`~bstrain.ops.grouping.ParamGradGroup`'s workspace).
 - ``op_kernel(*args)``: what the op runs instead of ``kernel`` where an op must differ (a custom op
   cannot return None where the launcher does); its annotations then give the schema.
-- ``ref(*args)``: what the op runs on CPU tensors (the PyTorch reference). Eager calls of a CPU
-  tensor run ``kernel`` (Triton's interpreter under TRITON_INTERPRET=1): the public functions send
+- ``ref(*args)``: what the op runs on CPU tensors (the PyTorch reference), or None to run
+  ``kernel`` there too (Triton's interpreter). Eager calls of a CPU tensor run ``kernel`` (Triton's interpreter under TRITON_INTERPRET=1): the public functions send
   CPU tensors here only for ``backend="triton"``.
 - ``setup(ctx, inputs, output)``: saves what the backward needs, in both paths (it runs inside the
   Function's forward, and as the op's ``setup_context``).
 - ``backward(ctx, bwd, *grads)``: the gradient glue, written once; ``bwd`` is the backward op
   while tracing and its launcher eagerly (hints passed to it as keywords reach the launcher only).
-  ``ctx.hints`` holds the hints the forward was called with (``{}`` while tracing).
+  ``ctx.hints`` holds the hints the forward was called with (``{}`` while tracing); ``setup``
+  may read it too (an eager call may hand over a tensor it made for the kernels, to be saved).
 
 Calling the KernelOp with keyword hints (``_foo(x, w, check=False)``) hands them to ``kernel`` on
 the eager path and drops them on the traced one.
@@ -77,7 +78,7 @@ class KernelOp:
         return self.op(*args)
 
 
-def kernel_op(name: str, kernel: Callable, *, ref: Callable, fake: Callable, setup: Callable | None = None,
+def kernel_op(name: str, kernel: Callable, *, ref: Callable | None, fake: Callable, setup: Callable | None = None,
               backward: Callable | None = None, bwd: KernelOp | tuple[KernelOp, ...] | None = None,
               op_kernel: Callable | None = None) -> KernelOp:
     """Registers ``torch.ops.<name>`` (CUDA and the other devices: ``kernel``; CPU: ``ref``; fake:
@@ -86,7 +87,8 @@ def kernel_op(name: str, kernel: Callable, *, ref: Callable, fake: Callable, set
     of them), handed to ``backward`` as its op while tracing and as its launcher eagerly."""
     body = kernel if op_kernel is None else op_kernel
     op = torch.library.custom_op(name, lambda *args: body(*args), mutates_args=(), schema=_schema(body))
-    op.register_kernel("cpu")(ref)
+    if ref is not None:
+        op.register_kernel("cpu")(ref)
     op.register_fake(fake)
     if backward is None:
         return KernelOp(op, kernel, None)
@@ -96,16 +98,16 @@ def kernel_op(name: str, kernel: Callable, *, ref: Callable, fake: Callable, set
         traced_bwd, eager_bwd = (bwd.traced, bwd.kernel) if bwd is not None else (None, None)
 
     def traced_setup(ctx, inputs, output):
-        setup(ctx, inputs, output)
         ctx.hints = {}
+        setup(ctx, inputs, output)
 
     op.register_autograd(lambda ctx, *grads: backward(ctx, traced_bwd, *grads), setup_context=traced_setup)
 
     def forward(ctx, *args):
         *args, hints = args                       # (the hints travel last, so needs_input_grad[i] is args[i]'s)
         out = kernel(*args, **hints)
-        setup(ctx, args, out)
         ctx.hints = hints
+        setup(ctx, args, out)
         return out
 
     def function_backward(ctx, *grads):
