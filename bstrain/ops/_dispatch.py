@@ -20,8 +20,9 @@ forward and one backward, so a backward is written once::
 - ``op_kernel(*args)``: what the op runs instead of ``kernel`` where an op must differ (a custom op
   cannot return None where the launcher does); its annotations then give the schema.
 - ``ref(*args)``: what the op runs on CPU tensors (the PyTorch reference), or None to run
-  ``kernel`` there too (Triton's interpreter). Eager calls of a CPU tensor run ``kernel`` (Triton's interpreter under TRITON_INTERPRET=1): the public functions send
-  CPU tensors here only for ``backend="triton"``.
+  ``kernel`` there too. Eager calls of a CPU tensor always run ``kernel`` (Triton's interpreter
+  under TRITON_INTERPRET=1): the public functions send CPU tensors here only for
+  ``backend="triton"``.
 - ``setup(ctx, inputs, output)``: saves what the backward needs, in both paths (it runs inside the
   Function's forward, and as the op's ``setup_context``).
 - ``backward(ctx, bwd, *grads)``: the gradient glue, written once; ``bwd`` is the backward op
