@@ -12,11 +12,12 @@ import torch
 from bstrain.ops.tables import eager
 
 __all__ = [
-    "FLOATS", "HALF", "INDEX_DTYPES", "BACKENDS", "DTYPE_BOUND", "use_kernels", "check_index_range", "unit_columns",
-    "check_tensor", "check_same", "check_param", "check_axis", "as_index",
+    "FLOATS", "KERNEL_FLOATS", "HALF", "INDEX_DTYPES", "BACKENDS", "DTYPE_BOUND", "use_kernels", "check_index_range",
+    "unit_columns", "check_tensor", "check_same", "check_param", "check_axis", "as_index",
 ]
 
 FLOATS = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
+KERNEL_FLOATS = (torch.float32, torch.float16, torch.bfloat16)   # what the Triton kernels take
 HALF = (torch.float16, torch.bfloat16)
 INDEX_DTYPES = (torch.int64, torch.int32, torch.int16, torch.uint16, torch.uint8)
 BACKENDS = ("auto", "triton", "torch")
@@ -37,7 +38,7 @@ def use_kernels(x: torch.Tensor, backend: str = "auto") -> bool:
         raise ValueError(f"backend: expected one of {BACKENDS}, got {backend!r}")
     if backend == "torch":
         return False
-    floating = x.dtype in (torch.float32, torch.float16, torch.bfloat16)
+    floating = x.dtype in KERNEL_FLOATS
     if backend == "auto":
         return floating and (x.is_cuda or (os.environ.get("BSTRAIN_FORCE_TRITON") == "1"
                                             and os.environ.get("TRITON_INTERPRET") == "1"))

@@ -6,8 +6,9 @@ separate reduction over every row for the bias gradient. With the projection run
 (``F.linear(x, weight)``) and this op after it, the bias rides into the GELU and its gradient
 out of the GELU's backward.
 
-In this file's order: the reference → the custom ops ``torch.ops.bstrain.bias_gelu`` and
-``bias_gelu_bwd`` (fake, autograd) → the eager ``autograd.Function`` → the public function.
+In this file's order: the reference → the kernel pair, from which :func:`~bstrain.ops._dispatch.kernel_op`
+makes the custom ops ``torch.ops.bstrain.bias_gelu`` and ``bias_gelu_bwd`` (fake, autograd) and the
+eager ``autograd.Function`` → the public function.
 """
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from bstrain.ops._checks import check_param, check_tensor, unit_columns, use_kernels
-from bstrain.ops.tables import eager
+from bstrain.ops._dispatch import kernel_op
 
 __all__ = ["bias_gelu", "bias_gelu_ref"]
 
@@ -37,62 +38,36 @@ def _bwd_ref(dy: Tensor, x: Tensor, bias: Tensor) -> tuple[Tensor, Tensor]:
     return dx.to(x.dtype), dx.sum(0)
 
 
-# --- custom ops (traced calls) -------------------------------------------------------------------------
-@torch.library.custom_op("bstrain::bias_gelu", mutates_args=())
-def _bias_gelu_op(x: Tensor, bias: Tensor) -> Tensor:
+# --- kernel pair: torch.ops.bstrain.bias_gelu and bias_gelu_bwd, and their eager Function ---------------
+def _forward(x: Tensor, bias: Tensor) -> Tensor:
     """x (N, C) with unit column stride, bias (C,) -> gelu(x + bias) (N, C) contiguous in x's dtype."""
-    if x.is_cuda:                             # (a compiler may hand over any strides: the kernel needs unit columns)
-        from bstrain.kernels.bias_act import bias_gelu_forward
-        return bias_gelu_forward(unit_columns(x), bias.contiguous())
-    return bias_gelu_ref(x, bias).contiguous()
+    from bstrain.kernels.bias_act import bias_gelu_forward
+    return bias_gelu_forward(unit_columns(x), bias.contiguous())    # (a compiler may hand over any strides)
 
 
-@_bias_gelu_op.register_fake
-def _(x, bias):
-    return x.new_empty(x.shape)
-
-
-@torch.library.custom_op("bstrain::bias_gelu_bwd", mutates_args=())
-def _bias_gelu_bwd_op(dy: Tensor, x: Tensor, bias: Tensor) -> tuple[Tensor, Tensor]:
+def _backward(dy: Tensor, x: Tensor, bias: Tensor) -> tuple[Tensor, Tensor]:
     """(dx in x's dtype, dbias (C,) in fp32; fp64 for fp64 x)."""
-    if x.is_cuda:
-        from bstrain.kernels.bias_act import bias_gelu_backward
-        return bias_gelu_backward(dy.contiguous(), unit_columns(x), bias.contiguous())
-    return _bwd_ref(dy, x, bias)
-
-
-@_bias_gelu_bwd_op.register_fake
-def _(dy, x, bias):
-    return x.new_empty(x.shape), bias.new_empty(bias.shape, dtype=torch.promote_types(x.dtype, torch.float32))
+    from bstrain.kernels.bias_act import bias_gelu_backward
+    return bias_gelu_backward(dy.contiguous(), unit_columns(x), bias.contiguous())
 
 
 def _setup(ctx, inputs, output):
     ctx.save_for_backward(*inputs)
 
 
-def _backward(ctx, dy):
+def _grads(ctx, bwd, dy):
     x, bias = ctx.saved_tensors
-    dx, db = _bias_gelu_bwd_op(dy, x, bias)
+    dx, db = bwd(dy, x, bias)
     return dx, db.to(bias.dtype)
 
 
-_bias_gelu_op.register_autograd(_backward, setup_context=_setup)
-
-
-# --- eager autograd -------------------------------------------------------------------------------------
-class _BiasGelu(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, bias):
-        from bstrain.kernels.bias_act import bias_gelu_forward
-        ctx.save_for_backward(x, bias)
-        return bias_gelu_forward(x, bias)
-
-    @staticmethod
-    def backward(ctx, dy):
-        from bstrain.kernels.bias_act import bias_gelu_backward
-        x, bias = ctx.saved_tensors
-        dx, db = bias_gelu_backward(dy.contiguous(), x, bias)
-        return dx, db.to(bias.dtype)
+_bias_gelu_bwd = kernel_op(
+    "bstrain::bias_gelu_bwd", _backward, ref=_bwd_ref,
+    fake=lambda dy, x, bias: (x.new_empty(x.shape),
+                              bias.new_empty(bias.shape, dtype=torch.promote_types(x.dtype, torch.float32))))
+_bias_gelu = kernel_op(
+    "bstrain::bias_gelu", _forward, ref=lambda x, bias: bias_gelu_ref(x, bias).contiguous(),
+    fake=lambda x, bias: x.new_empty(x.shape), setup=_setup, backward=_grads, bwd=_bias_gelu_bwd)
 
 
 # --- public function ------------------------------------------------------------------------------------
@@ -114,6 +89,4 @@ def bias_gelu(x: Tensor, bias: Tensor, *, backend: str = "auto") -> Tensor:
         return bias_gelu_ref(x, bias)
     x2 = x.reshape(-1, C)
     x2 = x2 if x2.stride(1) == 1 else x2.contiguous()
-    if eager(x):
-        return _BiasGelu.apply(x2, bias).view(x.shape)
-    return torch.ops.bstrain.bias_gelu(x2, bias).view(x.shape)
+    return _bias_gelu(x2, bias).view(x.shape)

@@ -5,8 +5,9 @@ log-softmax, and the same again backward. :func:`cross_entropy` reads bf16/fp16 
 forward and writes their gradient once backward (:mod:`bstrain.kernels.cross_entropy`), with all
 math in fp32 registers. ``bstrain.ops.softmax_cross_entropy`` (the seed's name) runs it on CUDA.
 
-In this file's order: the references → the custom ops ``torch.ops.bstrain.softmax_xent`` and
-``softmax_xent_bwd`` (fake, autograd) → the eager ``autograd.Function`` → the public function → the
+In this file's order: the references → the kernel pair, from which
+:func:`~bstrain.ops._dispatch.kernel_op` makes the custom ops ``torch.ops.bstrain.softmax_xent`` and
+``softmax_xent_bwd`` (fake, autograd) and the eager ``autograd.Function`` → the public function → the
 seed's ``softmax_cross_entropy``, which range-checks the labels and takes any label shape.
 """
 from __future__ import annotations
@@ -18,7 +19,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from bstrain.ops._checks import INDEX_DTYPES, as_index, check_tensor, unit_columns, use_kernels
-from bstrain.ops.tables import eager
+from bstrain.ops._dispatch import kernel_op
 
 __all__ = ["cross_entropy", "cross_entropy_ref", "softmax_cross_entropy", "softmax_cross_entropy_ref"]
 
@@ -35,38 +36,33 @@ def softmax_cross_entropy_ref(logits: torch.Tensor, labels: torch.Tensor) -> tor
     return F.cross_entropy(logits.to(torch.promote_types(logits.dtype, torch.float32)), labels, reduction="none")
 
 
-# --- custom ops (traced calls) -------------------------------------------------------------------------
-@torch.library.custom_op("bstrain::softmax_xent", mutates_args=())
-def _xent_op(logits: Tensor, labels: Tensor) -> tuple[Tensor, Tensor]:
-    """(loss, lse), each (N,) fp32, of (N, V) logits with unit column stride and (N,) labels."""
-    if logits.is_cuda:                        # (a compiler may hand over any strides: the kernel needs unit columns)
-        from bstrain.kernels.cross_entropy import xent_forward
-        return xent_forward(unit_columns(logits), labels.contiguous())
+def _xent_ref(logits: Tensor, labels: Tensor) -> tuple[Tensor, Tensor]:
     work = torch.promote_types(logits.dtype, torch.float32)
     return cross_entropy_ref(logits, labels), torch.logsumexp(logits.to(work), dim=1)
 
 
-@_xent_op.register_fake
-def _(logits, labels):
-    work = torch.promote_types(logits.dtype, torch.float32)
-    stat = logits.new_empty((logits.shape[0],), dtype=work)
-    return stat, stat.clone()
-
-
-@torch.library.custom_op("bstrain::softmax_xent_bwd", mutates_args=())
-def _xent_bwd_op(dloss: Tensor, logits: Tensor, labels: Tensor, lse: Tensor) -> Tensor:
-    """dlogits (N, V) in the logits' dtype: (softmax − onehot)·dloss."""
-    if logits.is_cuda:
-        from bstrain.kernels.cross_entropy import xent_backward
-        return xent_backward(dloss, unit_columns(logits), labels.contiguous(), lse)
+def _xent_bwd_ref(dloss: Tensor, logits: Tensor, labels: Tensor, lse: Tensor) -> Tensor:
     p = torch.exp(logits.to(lse.dtype) - lse[:, None])
     p[torch.arange(logits.shape[0], device=logits.device), labels.long()] -= 1
     return (p * dloss.to(lse.dtype)[:, None]).to(logits.dtype)
 
 
-@_xent_bwd_op.register_fake
-def _(dloss, logits, labels, lse):
-    return logits.new_empty(logits.shape)
+# --- kernel pair: torch.ops.bstrain.softmax_xent and softmax_xent_bwd, and their eager Function ---------
+def _forward(logits: Tensor, labels: Tensor) -> tuple[Tensor, Tensor]:
+    """(loss, lse), each (N,) fp32, of (N, V) logits with unit column stride and (N,) labels."""
+    from bstrain.kernels.cross_entropy import xent_forward
+    return xent_forward(unit_columns(logits), labels.contiguous())   # (a compiler may hand over any strides)
+
+
+def _backward(dloss: Tensor, logits: Tensor, labels: Tensor, lse: Tensor) -> Tensor:
+    """dlogits (N, V) in the logits' dtype: (softmax − onehot)·dloss."""
+    from bstrain.kernels.cross_entropy import xent_backward
+    return xent_backward(dloss, unit_columns(logits), labels.contiguous(), lse)
+
+
+def _fake(logits, labels):
+    stat = logits.new_empty((logits.shape[0],), dtype=torch.promote_types(logits.dtype, torch.float32))
+    return stat, stat.clone()
 
 
 def _setup(ctx, inputs, output):
@@ -75,28 +71,15 @@ def _setup(ctx, inputs, output):
     ctx.mark_non_differentiable(output[1])
 
 
-def _backward(ctx, dloss, _dlse):
+def _grads(ctx, bwd, dloss, _dlse):
     logits, labels, lse = ctx.saved_tensors
-    return _xent_bwd_op(dloss, logits, labels, lse), None
+    return bwd(dloss, logits, labels, lse), None
 
 
-_xent_op.register_autograd(_backward, setup_context=_setup)
-
-
-# --- eager autograd -------------------------------------------------------------------------------------
-class _CrossEntropy(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, logits, labels):
-        from bstrain.kernels.cross_entropy import xent_forward
-        loss, lse = xent_forward(logits, labels)
-        ctx.save_for_backward(logits, labels, lse)
-        return loss
-
-    @staticmethod
-    def backward(ctx, dloss):
-        from bstrain.kernels.cross_entropy import xent_backward
-        logits, labels, lse = ctx.saved_tensors
-        return xent_backward(dloss, logits, labels, lse), None
+_xent_bwd = kernel_op("bstrain::softmax_xent_bwd", _backward, ref=_xent_bwd_ref,
+                      fake=lambda dloss, logits, labels, lse: logits.new_empty(logits.shape))
+_xent = kernel_op("bstrain::softmax_xent", _forward, ref=_xent_ref, fake=_fake, setup=_setup, backward=_grads,
+                  bwd=_xent_bwd)
 
 
 # --- public function ------------------------------------------------------------------------------------
@@ -127,9 +110,7 @@ def cross_entropy(logits: Tensor, labels: Tensor, *, backend: str = "auto") -> T
         return cross_entropy_ref(flat, ids).reshape(rows)
     flat = flat if flat.stride(1) == 1 else flat.contiguous()
     ids = ids.contiguous() if ids.dtype in (torch.int64, torch.int32) else ids.to(torch.int32)
-    if eager(logits):
-        return _CrossEntropy.apply(flat, ids).reshape(rows)
-    return torch.ops.bstrain.softmax_xent(flat, ids)[0].reshape(rows)
+    return _xent(flat, ids)[0].reshape(rows)
 
 
 # --- seed API --------------------------------------------------------------------------------------------

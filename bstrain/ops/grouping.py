@@ -7,7 +7,8 @@ sequence. A :class:`ParamGradGroup`, made once per sequence, lets the steps' bac
 their fp32 partial sums into one workspace instead; the parameters get the sum once, when the
 backward pass reaches the group, after every step (every step hangs off the group's node).
 
-The matmul's :class:`bstrain.ops.matmul.GradGroup` does the same for recurrent weights. As there,
+:class:`GradGroup` (below; :meth:`bstrain.ops.matmul.BlocksparseMatMul.grad_group` makes one) does
+the same for recurrent weights, whose dW it computes for many timesteps in one launch. For both,
 workspaces are kept per backward pass, so a pass that stops short of the parameters
 (``torch.autograd.grad`` with respect to inputs only) leaves later passes exact.
 """
@@ -15,10 +16,15 @@ from __future__ import annotations
 
 import torch
 
-from bstrain.ops.matmul import _graph_task
+from bstrain.ops._matmul_ops import _as
 from bstrain.ops.tables import tracing
 
-__all__ = ["ParamGradGroup", "param_grad_group"]
+__all__ = ["GradGroup", "ParamGradGroup", "param_grad_group"]
+
+
+def _graph_task() -> int:
+    """Id of the backward pass now running (entries of other passes must not mix)."""
+    return torch._C._current_graph_task_id()
 
 
 class _Workspaces(dict):
@@ -91,3 +97,81 @@ def param_grad_group(*params: torch.Tensor, rows: tuple[int, ...] | None = None)
     if not torch.is_grad_enabled() or not any(p.requires_grad for p in params) or tracing():
         return None
     return ParamGradGroup(*params, rows=rows)
+
+
+# --- the matmul's weights: gradient grouping (the seed's group_param_grads) -----------------------------
+class GradGroup:
+    """Collects (x, dy) of one weight applied at many timesteps and computes its dW for up to
+    ``group_size`` timesteps in one launch, on the rows of all of them stacked, instead of one
+    small launch per timestep. Used through :meth:`BlocksparseMatMul.grouped` or
+    ``BlockSparseLinear.grad_group``. Entries are kept per backward pass, so a pass that stops
+    short of the weight (``torch.autograd.grad`` w.r.t. inputs only) leaves later passes exact.
+    """
+
+    def __init__(self, op: "BlocksparseMatMul", group_size: int, dw_dtype: torch.dtype | None = None):
+        if group_size < 1:
+            raise ValueError(f"group_size: expected >= 1, got {group_size}")
+        self.op, self.group_size, self.dw_dtype = op, group_size, dw_dtype
+        self._pending: dict[int, tuple[list, list, list]] = {}   # pass id -> (xs, dys, [dw])
+        self.launches = 0
+
+    def add(self, x: torch.Tensor, dy: torch.Tensor) -> None:
+        xs, dys, _ = self._pending.setdefault(_graph_task(), ([], [], [None]))
+        xs.append(x)
+        dys.append(dy)
+        if len(xs) >= self.group_size:
+            self._flush(_graph_task())
+
+    def _flush(self, task: int) -> None:
+        xs, dys, acc = self._pending.get(task, ([], [], [None]))
+        if not xs:
+            return
+        axis = self.op.feature_axis
+        x = torch.cat(xs, dim=1 - axis)                          # rows of all steps: (G*N, C) or (C, G*N)
+        dy = torch.cat(dys, dim=1 - axis)
+        xs.clear()
+        dys.clear()
+        dw = self.op._dw(x, dy, self.dw_dtype)
+        self.launches += 1
+        acc[0] = dw if acc[0] is None else acc[0] + dw
+
+    def take(self) -> torch.Tensor | None:
+        """The summed dW of every step of the running backward pass; forgets that pass."""
+        task = _graph_task()
+        self._flush(task)
+        return self._pending.pop(task, ([], [], [None]))[2][0]
+
+
+class _GroupedWeight(torch.autograd.Function):
+    """W cast to the compute dtype (once per sequence). All timesteps hang off its output, so its
+    backward runs after every step's backward and hands W the grouped dW."""
+
+    @staticmethod
+    def forward(ctx, w, group, dtype):
+        ctx.group = group
+        return w.to(dtype).contiguous() if w.dtype != dtype else w.view_as(w)
+
+    @staticmethod
+    def backward(ctx, _unused):
+        dw = ctx.group.take()
+        return dw, None, None
+
+
+class _StepMatMul(torch.autograd.Function):
+    """One timestep: Y = X·W now, dX at once in backward, dW deferred to the group."""
+
+    @staticmethod
+    def forward(ctx, x, w, group):
+        wk = _as(w, x.dtype)
+        ctx.save_for_backward(x, wk)
+        ctx.group = group
+        return group.op._forward_raw(x, wk)
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, wk = ctx.saved_tensors
+        dy = dy if dy.dtype == x.dtype else dy.to(x.dtype)
+        dx = ctx.group.op._dx(dy, wk) if ctx.needs_input_grad[0] else None
+        if ctx.needs_input_grad[1]:
+            ctx.group.add(x, dy)
+        return dx, None, None

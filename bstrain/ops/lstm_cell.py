@@ -15,8 +15,9 @@ It stands for ``layer_norm(z, g, b, segments=4)``, an add and ``fused_lstm_gates
 an (N, 4H) tensor each way), and keeps the pre-activations in fp32 rather than rounding them to
 z's dtype in between.
 
-Each of the two, in this file's order: the reference → the custom ops (``torch.ops.bstrain.lstm_gates``
-and ``lstm_gates_bwd``; ``lstm_cell`` and ``lstm_cell_bwd``), fake and autograd → the eager
+Each of the two, in this file's order: the reference → the kernel pair, from which
+:func:`~bstrain.ops._dispatch.kernel_op` makes the custom ops (``torch.ops.bstrain.lstm_gates`` and
+``lstm_gates_bwd``; ``lstm_cell`` and ``lstm_cell_bwd``, fake and autograd) and the eager
 ``autograd.Function`` → the public function.
 """
 from __future__ import annotations
@@ -24,15 +25,14 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from bstrain.ops._checks import HALF, check_param, check_same, check_tensor, use_kernels
+from bstrain.ops._checks import HALF, KERNEL_FLOATS, check_param, check_same, check_tensor, use_kernels
+from bstrain.ops._dispatch import kernel_op
 from bstrain.ops._seed import ignores
 from bstrain.ops.norms import layer_norm_bwd_ref, layer_norm_ref, layer_norm_stats_ref
 from bstrain.ops.tables import eager
 
 __all__ = ["split4", "concat4", "fused_lstm_gates", "fused_lstm_gates_ref", "fused_lstm_gates_bwd_ref",
            "fused_lstm_cell", "fused_lstm_cell_ref"]
-
-_KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
 # === the seed's LSTM gates =============================================================================
@@ -83,43 +83,33 @@ def fused_lstm_gates_bwd_ref(c, i, u, f, o, bias, dc_new, dh_new, forget_bias: f
     return (dcn * sf).to(c.dtype), dg.to(c.dtype)
 
 
-# --- custom ops (traced calls) -------------------------------------------------------------------------
-# torch.ops.bstrain.lstm_gates and lstm_gates_bwd: CUDA runs the kernels, CPU the references
-@torch.library.custom_op("bstrain::lstm_gates", mutates_args=())
-def _lstm_gates_op(c: torch.Tensor, i: torch.Tensor, u: torch.Tensor, f: torch.Tensor, o: torch.Tensor,
-                   bias: torch.Tensor | None, forget_bias: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """(new_c, new_h), (N, K) each, from c and the gates i, u, f, o ((N, K) views, unit feature
-    stride); bias: (4K,) or None, added to the gates. The math is fp32 for 16-bit inputs."""
-    if c.is_cuda:
-        from bstrain.kernels.ew import lstm_gates_forward
-        return lstm_gates_forward(c, i, u, f, o, bias, forget_bias)
+def _gates_fwd_ref(c: Tensor, i: Tensor, u: Tensor, f: Tensor, o: Tensor, bias: Tensor | None,
+                   forget_bias: float) -> tuple[Tensor, Tensor]:
     cw, gates = _gates_work(c, i, u, f, o, bias)
     new_c, new_h = fused_lstm_gates_ref(cw, *gates, forget_bias=forget_bias)
     return new_c.to(c.dtype), new_h.to(c.dtype)
 
 
-@_lstm_gates_op.register_fake
-def _(c, i, u, f, o, bias, forget_bias):
-    return c.new_empty(c.shape), c.new_empty(c.shape)
+# --- kernel pair: torch.ops.bstrain.lstm_gates and lstm_gates_bwd, and their eager Function ------------
+def _gates_forward(c: Tensor, i: Tensor, u: Tensor, f: Tensor, o: Tensor, bias: Tensor | None,
+                   forget_bias: float, *, check: bool = True) -> tuple[Tensor, Tensor]:
+    """(new_c, new_h), (N, K) each, from c and the gates i, u, f, o ((N, K) views, unit feature
+    stride); bias: (4K,) or None, added to the gates. The math is fp32 for 16-bit inputs.
+    ``check=False``: the caller has checked the arguments (eager calls)."""
+    from bstrain.kernels.ew import lstm_gates_forward
+    return lstm_gates_forward(c, i, u, f, o, bias, forget_bias, check=check)
 
 
-@torch.library.custom_op("bstrain::lstm_gates_bwd", mutates_args=())
-def _lstm_gates_bwd_op(c: torch.Tensor, i: torch.Tensor, u: torch.Tensor, f: torch.Tensor, o: torch.Tensor,
-                       bias: torch.Tensor | None, dc_new: torch.Tensor | None, dh_new: torch.Tensor,
-                       forget_bias: float) -> tuple[torch.Tensor, torch.Tensor]:
+def _gates_backward(c: Tensor, i: Tensor, u: Tensor, f: Tensor, o: Tensor, bias: Tensor | None,
+                    dc_new: Tensor | None, dh_new: Tensor, forget_bias: float, *,
+                    check: bool = True) -> tuple[Tensor, Tensor]:
     """(dc (N, K), dgates (N, 4K) in the order i, u, f, o), in c's dtype."""
-    if c.is_cuda:
-        from bstrain.kernels.ew import lstm_gates_backward
+    from bstrain.kernels.ew import lstm_gates_backward
+    if check:
         for name, d in (("dc_new", dc_new), ("dh_new", dh_new)):
             if d is not None and d.shape != c.shape:
                 raise ValueError(f"{name}: expected shape {tuple(c.shape)} (as c), got {tuple(d.shape)}")
-        return lstm_gates_backward(c, i, u, f, o, dc_new, dh_new, bias, forget_bias)
-    return fused_lstm_gates_bwd_ref(c, i, u, f, o, bias, dc_new, dh_new, forget_bias)
-
-
-@_lstm_gates_bwd_op.register_fake
-def _(c, i, u, f, o, bias, dc_new, dh_new, forget_bias):
-    return c.new_empty(c.shape), c.new_empty((c.shape[0], 4 * c.shape[1]))
+    return lstm_gates_backward(c, i, u, f, o, dc_new, dh_new, bias, forget_bias, check=check)
 
 
 def _gates_setup(ctx, inputs, output):
@@ -136,38 +126,22 @@ def _dbias(dg: torch.Tensor, bias: torch.Tensor | None, needed: bool) -> torch.T
     return dbias if dbias.dtype == bias.dtype else dbias.to(bias.dtype)
 
 
-def _gates_backward(ctx, dc_new, dh_new):
+def _gates_grads(ctx, bwd, dc_new, dh_new):
     c, i, u, f, o, bias = ctx.saved_tensors
     if dh_new is None:
         dh_new = torch.zeros_like(c)
-    dc, dg = _lstm_gates_bwd_op(c, i, u, f, o, bias, dc_new, dh_new, ctx.forget_bias)
+    dc, dg = bwd(c, i, u, f, o, bias, dc_new, dh_new, ctx.forget_bias, check=False)
     return (dc,) + tuple(dg.chunk(4, dim=1)) + (_dbias(dg, bias, ctx.needs_input_grad[5]), None)
 
 
-_lstm_gates_op.register_autograd(_gates_backward, setup_context=_gates_setup)
-
-
-# --- eager autograd ------------------------------------------------------------------------------------
-class _LstmGates(torch.autograd.Function):
-    """The custom op's kernels without the dispatcher's round trip (eager calls)."""
-
-    @staticmethod
-    def forward(ctx, c, bias, forget_bias, i, u, f, o):
-        from bstrain.kernels.ew import lstm_gates_forward
-        c, i, u, f, o = (t if t.stride(1) == 1 else t.contiguous() for t in (c, i, u, f, o))
-        bias = bias.contiguous() if bias is not None else None
-        ctx.save_for_backward(c, bias, i, u, f, o)
-        ctx.forget_bias = forget_bias
-        return lstm_gates_forward(c, i, u, f, o, bias, forget_bias, check=False)
-
-    @staticmethod
-    def backward(ctx, dc_new, dh_new):
-        from bstrain.kernels.ew import lstm_gates_backward
-        c, bias, i, u, f, o = ctx.saved_tensors
-        if dh_new is None:
-            dh_new = torch.zeros_like(c)
-        dc, dg = lstm_gates_backward(c, i, u, f, o, dc_new, dh_new, bias, ctx.forget_bias, check=False)
-        return (dc, _dbias(dg, bias, ctx.needs_input_grad[1]), None) + tuple(dg.chunk(4, dim=1))
+_lstm_gates_bwd = kernel_op(
+    "bstrain::lstm_gates_bwd", _gates_backward, ref=fused_lstm_gates_bwd_ref,
+    fake=lambda c, i, u, f, o, bias, dc_new, dh_new, forget_bias: (c.new_empty(c.shape),
+                                                                   c.new_empty((c.shape[0], 4 * c.shape[1]))))
+_lstm_gates = kernel_op(
+    "bstrain::lstm_gates", _gates_forward, ref=_gates_fwd_ref,
+    fake=lambda c, i, u, f, o, bias, forget_bias: (c.new_empty(c.shape), c.new_empty(c.shape)),
+    setup=_gates_setup, backward=_gates_grads, bwd=_lstm_gates_bwd)
 
 
 # --- public function -----------------------------------------------------------------------------------
@@ -212,11 +186,9 @@ def fused_lstm_gates(c: torch.Tensor, *args: torch.Tensor, bias: torch.Tensor | 
         raise ValueError(f"args: expected one (N, 4K) gate tensor or four (N, K) tensors i, u, f, o, "
                          f"got {len(args)} tensors")
     if use_kernels(c, backend):                                              # the kernel adds the bias
-        if eager(c):
-            return _LstmGates.apply(c, bias, float(forget_bias), *gates)
         c, *gates = (t if t.stride(1) == 1 else t.contiguous() for t in (c, *gates))
-        return torch.ops.bstrain.lstm_gates(c, *gates, bias.contiguous() if bias is not None else None,
-                                            float(forget_bias))
+        return _lstm_gates(c, *gates, bias.contiguous() if bias is not None else None, float(forget_bias),
+                           check=False)
     if bias is not None:
         gates = (args[0] + bias).chunk(4, dim=1)                             # fp32 with an fp32 bias
     elif c.dtype in HALF:
@@ -259,11 +231,17 @@ def fused_lstm_cell_bwd_ref(c, z, xg, g, b, bias, mean, rstd, dc_new, dh_new, fo
     return dc.to(c.dtype), dz, dpre.to(xg.dtype), dg, db, dpre.sum(0).to(bias.dtype)
 
 
-# --- custom ops (traced calls) -------------------------------------------------------------------------
+def _cell_fwd_ref(c: Tensor, z: Tensor, xg: Tensor, g: Tensor, b: Tensor, bias: Tensor, forget_bias: float,
+                  eps: float) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    mean, rstd = layer_norm_stats_ref(z, 1, eps, 4)
+    return (*fused_lstm_cell_ref(c, z, xg, g, b, bias, forget_bias, eps), mean, rstd)
+
+
+# --- kernel pair: torch.ops.bstrain.lstm_cell and lstm_cell_bwd, and their eager Function --------------
 def _check_cell(c: Tensor, z: Tensor, xg: Tensor, g: Tensor, b: Tensor, bias: Tensor) -> None:
     """The kernel's contract: c (N, H), z and xg (N, 4H), one float dtype, unit column stride;
     g, b, bias contiguous (4H,) on c's device."""
-    if c.dtype not in _KERNEL_DTYPES:
+    if c.dtype not in KERNEL_FLOATS:
         raise TypeError(f"c: expected float32, float16 or bfloat16, got {c.dtype}")
     if c.dim() != 2 or c.shape[1] == 0 or c.stride(1) != 1:
         raise ValueError(f"c: expected a 2-D (N, H) tensor with H >= 1 and unit stride along H, got shape "
@@ -281,44 +259,43 @@ def _check_cell(c: Tensor, z: Tensor, xg: Tensor, g: Tensor, b: Tensor, bias: Te
                              f"{tuple(p.shape)} on {p.device}")
 
 
-@torch.library.custom_op("bstrain::lstm_cell", mutates_args=())
-def _lstm_cell_op(c: Tensor, z: Tensor, xg: Tensor, g: Tensor, b: Tensor, bias: Tensor, forget_bias: float,
-                  eps: float) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+def _cell_forward(c: Tensor, z: Tensor, xg: Tensor, g: Tensor, b: Tensor, bias: Tensor, forget_bias: float,
+                  eps: float, *, check: bool = True, group=None) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """(new_c, new_h, mean, rstd): the cell and LN4's (N, 4) statistics (fp32; fp64 for fp64 c).
-    CUDA: the kernel; CPU: the reference."""
-    if c.is_cuda:
-        from bstrain.kernels.lstm_cell import lstm_cell_forward
+    ``check=False``: the caller has checked the arguments; ``group``: a ParamGradGroup for the
+    backward (eager calls; ``ctx.hints``)."""
+    from bstrain.kernels.lstm_cell import lstm_cell_forward
+    if check:
         _check_cell(c, z, xg, g, b, bias)
-        return lstm_cell_forward(c, z, xg, g, b, bias, forget_bias, eps)
-    mean, rstd = layer_norm_stats_ref(z, 1, eps, 4)
-    return (*fused_lstm_cell_ref(c, z, xg, g, b, bias, forget_bias, eps), mean, rstd)
+    return lstm_cell_forward(c, z, xg, g, b, bias, forget_bias, eps)
 
 
-@_lstm_cell_op.register_fake
-def _(c, z, xg, g, b, bias, forget_bias, eps):
+def _cell_backward(c: Tensor, z: Tensor, xg: Tensor, g: Tensor, b: Tensor, bias: Tensor, mean: Tensor,
+                   rstd: Tensor, dc_new: Tensor | None, dh_new: Tensor, forget_bias: float, *, eager_call: bool = False,
+                   need_dbias: bool = True, workspace=None) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """(dc, dz, dxg, dg, db, dbias), each in its input's dtype. Eager calls (``eager_call=True``) skip
+    the checks and may return dg and db as views of one sum; ``need_dbias=False`` gives dbias None;
+    with a ``workspace`` (a ParamGradGroup's) dg, db and dbias are added into it and come back None."""
+    from bstrain.kernels.lstm_cell import lstm_cell_backward
+    if not eager_call:
+        _check_cell(c, z, xg, g, b, bias)
+        for name, d in (("dc_new", dc_new), ("dh_new", dh_new)):
+            if d is not None and d.shape != c.shape:
+                raise ValueError(f"{name}: expected shape {tuple(c.shape)} (as c), got {tuple(d.shape)}")
+    dc, dz, dxg, dg, db = lstm_cell_backward(c, z, xg, g, b, bias, mean, rstd, dc_new, dh_new, forget_bias, workspace)
+    if dg is None:                                      # added into the group's workspace
+        return dc, dz, dxg, None, None, None
+    dbias = db.to(bias.dtype, copy=True) if need_dbias else None
+    # dg and db are views of one sum: an op's outputs may not share storage (autograd takes views)
+    return dc, dz, dxg, dg.to(g.dtype, copy=not eager_call), db.to(b.dtype, copy=not eager_call), dbias
+
+
+def _cell_fake(c, z, xg, g, b, bias, forget_bias, eps):
     stats = c.new_empty((c.shape[0], 4), dtype=torch.promote_types(c.dtype, torch.float32))
     return c.new_empty(c.shape), c.new_empty(c.shape), stats, stats.clone()
 
 
-@torch.library.custom_op("bstrain::lstm_cell_bwd", mutates_args=())
-def _lstm_cell_bwd_op(c: Tensor, z: Tensor, xg: Tensor, g: Tensor, b: Tensor, bias: Tensor, mean: Tensor,
-                      rstd: Tensor, dc_new: Tensor | None, dh_new: Tensor,
-                      forget_bias: float) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """(dc, dz, dxg, dg, db, dbias), each in its input's dtype."""
-    if not c.is_cuda:
-        return fused_lstm_cell_bwd_ref(c, z, xg, g, b, bias, mean, rstd, dc_new, dh_new, forget_bias)
-    from bstrain.kernels.lstm_cell import lstm_cell_backward
-    _check_cell(c, z, xg, g, b, bias)
-    for name, d in (("dc_new", dc_new), ("dh_new", dh_new)):
-        if d is not None and d.shape != c.shape:
-            raise ValueError(f"{name}: expected shape {tuple(c.shape)} (as c), got {tuple(d.shape)}")
-    dc, dz, dxg, dg, db = lstm_cell_backward(c, z, xg, g, b, bias, mean, rstd, dc_new, dh_new, forget_bias)
-    # dg and db are views of one sum: outputs may not share storage
-    return dc, dz, dxg, dg.to(g.dtype, copy=True), db.to(b.dtype, copy=True), db.to(bias.dtype, copy=True)
-
-
-@_lstm_cell_bwd_op.register_fake
-def _(c, z, xg, g, b, bias, mean, rstd, dc_new, dh_new, forget_bias):
+def _cell_bwd_fake(c, z, xg, g, b, bias, mean, rstd, dc_new, dh_new, forget_bias):
     return (c.new_empty(c.shape), z.new_empty(z.shape), xg.new_empty(xg.shape), torch.empty_like(g),
             torch.empty_like(b), torch.empty_like(bias))
 
@@ -332,47 +309,23 @@ def _cell_setup(ctx, inputs, output):
     ctx.set_materialize_grads(False)
 
 
-def _cell_backward(ctx, dc_new, dh_new, _dmean, _drstd):
+def _cell_grads(ctx, bwd, dc_new, dh_new, _dmean, _drstd):
+    """With a ParamGradGroup (eager calls), g, b and bias are the group's views and the backward
+    kernel adds dg and db (= dbias) into its workspace."""
     c, z, xg, g, b, bias, mean, rstd = ctx.saved_tensors
+    group = ctx.hints.get("group")
     if dh_new is None:
         dh_new = torch.zeros_like(c)
-    grads = _lstm_cell_bwd_op(c, z, xg, g, b, bias, mean, rstd, dc_new, dh_new, ctx.forget_bias)
+    grads = bwd(c, z, xg, g, b, bias, mean, rstd, dc_new, dh_new, ctx.forget_bias, eager_call=True,
+                need_dbias=ctx.needs_input_grad[5],
+                workspace=None if group is None else lambda shape: group.workspace(shape, c.device))
     return (*grads, None, None)
 
 
-_lstm_cell_op.register_autograd(_cell_backward, setup_context=_cell_setup)
-
-
-# --- eager autograd -------------------------------------------------------------------------------------
-class _LstmCell(torch.autograd.Function):
-    """The custom ops' kernels without the dispatcher's round trip. With a ParamGradGroup, g, b and
-    bias are the group's views and the backward kernel adds dg and db (= dbias) into its workspace."""
-
-    @staticmethod
-    def forward(ctx, c, z, xg, g, b, bias, forget_bias, eps, group):
-        from bstrain.kernels.lstm_cell import lstm_cell_forward
-        c, z, xg = (t if t.stride(1) == 1 else t.contiguous() for t in (c, z, xg))
-        g, b, bias = g.contiguous(), b.contiguous(), bias.contiguous()
-        new_c, new_h, mean, rstd = lstm_cell_forward(c, z, xg, g, b, bias, forget_bias, eps)
-        ctx.save_for_backward(c, z, xg, g, b, bias, mean, rstd)
-        ctx.forget_bias, ctx.group = forget_bias, group
-        ctx.set_materialize_grads(False)
-        return new_c, new_h
-
-    @staticmethod
-    def backward(ctx, dc_new, dh_new):
-        from bstrain.kernels.lstm_cell import lstm_cell_backward
-        c, z, xg, g, b, bias, mean, rstd = ctx.saved_tensors
-        group = ctx.group
-        if dh_new is None:
-            dh_new = torch.zeros_like(c)
-        dc, dz, dxg, dg, db = lstm_cell_backward(c, z, xg, g, b, bias, mean, rstd, dc_new, dh_new, ctx.forget_bias,
-                                                 None if group is None else
-                                                 lambda shape: group.workspace(shape, c.device))
-        if dg is None:
-            return dc, dz, dxg, None, None, None, None, None, None
-        dbias = db.to(bias.dtype, copy=True) if ctx.needs_input_grad[5] else None
-        return dc, dz, dxg, dg.to(g.dtype), db.to(b.dtype), dbias, None, None, None
+_lstm_cell_bwd = kernel_op("bstrain::lstm_cell_bwd", _cell_backward, ref=fused_lstm_cell_bwd_ref,
+                           fake=_cell_bwd_fake)
+_lstm_cell = kernel_op("bstrain::lstm_cell", _cell_forward, ref=_cell_fwd_ref, fake=_cell_fake, setup=_cell_setup,
+                       backward=_cell_grads, bwd=_lstm_cell_bwd)
 
 
 # --- public function ------------------------------------------------------------------------------------
@@ -413,11 +366,9 @@ def fused_lstm_cell(c: Tensor, z: Tensor, xg: Tensor, g: Tensor, b: Tensor, bias
                          "rows=(0, 1, 1))), got one of other parameters")
     if not use_kernels(c, backend):
         return fused_lstm_cell_ref(c, z, xg, g, b, bias, forget_bias, epsilon)
-    if eager(c):
-        if grad_group is not None:
-            g, b, bias = grad_group.views
-        return _LstmCell.apply(c, z, xg, g, b, bias, float(forget_bias), float(epsilon), grad_group)
+    if grad_group is not None and eager(c):          # (traced calls leave the group out)
+        g, b, bias = grad_group.views
     c, z, xg = (t if t.stride(1) == 1 else t.contiguous() for t in (c, z, xg))
-    out = torch.ops.bstrain.lstm_cell(c, z, xg, g.contiguous(), b.contiguous(), bias.contiguous(),
-                                      float(forget_bias), float(epsilon))
+    out = _lstm_cell(c, z, xg, g.contiguous(), b.contiguous(), bias.contiguous(), float(forget_bias), float(epsilon),
+                     check=False, group=grad_group)
     return out[0], out[1]

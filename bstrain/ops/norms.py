@@ -6,8 +6,9 @@ several independently normalised segments, fp32 parameters with 16-bit x) run a 
 on CUDA where it measurably beats ``torch.compile`` (scripts/bench/bench_ops.py), else
 :func:`layer_norm_ref`.
 
-In this file's order: the reference → the custom ops ``torch.ops.bstrain.layer_norm`` and
-``layer_norm_bwd`` (fake, autograd) → the eager ``autograd.Function`` → the seed API.
+In this file's order: the reference → the kernel pair, from which :func:`~bstrain.ops._dispatch.kernel_op`
+makes the custom ops ``torch.ops.bstrain.layer_norm``, ``layer_norm_bwd`` and ``layer_norm_mul_bwd``
+(fake, autograd) and the eager ``autograd.Function`` → the seed API.
 """
 from __future__ import annotations
 
@@ -17,12 +18,11 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from bstrain.ops._checks import check_axis, check_param, check_tensor, use_kernels
+from bstrain.ops._checks import KERNEL_FLOATS, check_axis, check_param, check_tensor, use_kernels
+from bstrain.ops._dispatch import kernel_op
 from bstrain.ops.tables import eager
 
 __all__ = ["layer_norm", "layer_norm_ref", "batch_norm", "batch_norm_inference"]
-
-_KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
 # --- reference --------------------------------------------------------------------------------------
@@ -81,7 +81,13 @@ def layer_norm_bwd_ref(dy, x, g, b, mean, rstd, axis: int, relu: bool, segments:
     return (dx if axis == 1 else dx.t()).contiguous(), dg.to(g.dtype), db.to(b.dtype), dm
 
 
-# --- custom ops (traced calls) -------------------------------------------------------------------------
+def _ln_fwd_ref(x: Tensor, g: Tensor, b: Tensor, axis: int, eps: float, relu: bool, segments: int,
+                mul: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
+    mean, rstd = layer_norm_stats_ref(x, axis, eps, segments)
+    return layer_norm_ref(x, g, b, axis, eps, relu, segments, mul).contiguous(), mean, rstd
+
+
+# --- kernel pair: torch.ops.bstrain.layer_norm, layer_norm_bwd and layer_norm_mul_bwd, and their eager Function
 def _check_ln(x: Tensor, g: Tensor, b: Tensor, axis: int, segments: int, mul: Tensor | None = None,
               relu: bool = False) -> None:
     """The kernel's contract: x contiguous 2-D, features on axis 0 or 1 splitting into segments
@@ -91,7 +97,7 @@ def _check_ln(x: Tensor, g: Tensor, b: Tensor, axis: int, segments: int, mul: Te
     if x.dim() != 2 or axis not in (0, 1) or not x.is_contiguous():
         raise ValueError(f"x: expected a contiguous 2-D tensor with features on axis 0 or 1, got shape "
                          f"{tuple(x.shape)}, axis {axis}")
-    if x.dtype not in _KERNEL_DTYPES:
+    if x.dtype not in KERNEL_FLOATS:
         raise TypeError(f"x: expected float32, float16 or bfloat16, got {x.dtype}")
     C = x.shape[axis]
     if segments < 1 or C % segments or C // segments > MAX_SEGMENT:
@@ -104,76 +110,57 @@ def _check_ln(x: Tensor, g: Tensor, b: Tensor, axis: int, segments: int, mul: Te
     if mul is not None:
         if relu:
             raise ValueError("mul: expected no relu with a multiplicative operand, got relu=True")
-        if mul.dtype not in _KERNEL_DTYPES:
+        if mul.dtype not in KERNEL_FLOATS:
             raise TypeError(f"mul: expected float32, float16 or bfloat16, got {mul.dtype}")
         if mul.shape != x.shape or not mul.is_contiguous() or mul.device != x.device:
             raise ValueError(f"mul: expected a contiguous {tuple(x.shape)} tensor on {x.device} (as x), got "
                              f"{tuple(mul.shape)} on {mul.device}")
 
 
-def _ln_impl(x, g, b, mul, axis, eps, relu, segments):
-    """The forward ops' body: (y, mean, rstd). CUDA: the kernel; CPU: the reference."""
-    if x.is_cuda:
-        from bstrain.kernels.norms import layer_norm_forward
+def _ln_forward(x: Tensor, g: Tensor, b: Tensor, axis: int, eps: float, relu: bool, segments: int,
+                mul: Tensor | None = None, *, check: bool = True, group=None) -> tuple[Tensor, Tensor, Tensor]:
+    """x: contiguous (N, C) (axis=1) or (C, N) (axis=0); g, b: (C,); mul: None, or a contiguous
+    tensor like x (any float dtype, not with relu) to multiply the output by. Returns (y, mean,
+    rstd); the statistics are (groups, segments) fp32. ``check=False``: the caller has checked the
+    arguments; ``group``: a ParamGradGroup for the backward (eager calls; ``ctx.hints``)."""
+    from bstrain.kernels.norms import layer_norm_forward
+    if check:
         _check_ln(x, g, b, axis, segments, mul, relu)
-        return layer_norm_forward(x, g, b, axis, eps, relu, segments, mul)
-    mean, rstd = layer_norm_stats_ref(x, axis, eps, segments)
-    return layer_norm_ref(x, g, b, axis, eps, relu, segments, mul).contiguous(), mean, rstd
+    return layer_norm_forward(x, g, b, axis, eps, relu, segments, mul)
 
 
-def _ln_bwd_impl(dy, x, g, b, mul, mean, rstd, axis, relu, segments):
-    """The backward ops' body: (dx, dg, db, dm or None), outputs of separate storage."""
-    if not x.is_cuda:
-        return layer_norm_bwd_ref(dy, x, g, b, mean, rstd, axis, relu, segments, mul)
+def _ln_bwd_kernel(dy, x, g, b, mul, mean, rstd, axis, relu, segments, eager_call, workspace):
+    """(dx, dg, db, dm or None). Eager calls skip the checks and may take dg and db as views of one
+    sum, or have them added into a ParamGradGroup's workspace (then None)."""
     from bstrain.kernels.norms import layer_norm_backward
-    _check_ln(x, g, b, axis, segments, mul, relu)
-    if dy.shape != x.shape:
-        raise ValueError(f"dy: expected shape {tuple(x.shape)} (as x), got {tuple(dy.shape)}")
-    dx, dg, db, dm = layer_norm_backward(dy.contiguous(), x, g, b, mean, rstd, axis, relu, segments, mul)
-    if dg.untyped_storage().data_ptr() == db.untyped_storage().data_ptr():
-        db = db.clone()                                 # views of one sum: outputs may not share storage
+    if not eager_call:
+        _check_ln(x, g, b, axis, segments, mul, relu)
+        if dy.shape != x.shape:
+            raise ValueError(f"dy: expected shape {tuple(x.shape)} (as x), got {tuple(dy.shape)}")
+    dx, dg, db, dm = layer_norm_backward(dy.contiguous(), x, g, b, mean, rstd, axis, relu, segments, mul, workspace)
+    if not eager_call and dg.untyped_storage().data_ptr() == db.untyped_storage().data_ptr():
+        db = db.clone()                                 # views of one sum: an op's outputs may not share storage
     return dx, dg, db, dm
 
 
-@torch.library.custom_op("bstrain::layer_norm", mutates_args=())
-def _layer_norm_op(x: Tensor, g: Tensor, b: Tensor, axis: int, eps: float, relu: bool, segments: int,
-                   mul: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
-    """x: contiguous (N, C) (axis=1) or (C, N) (axis=0); g, b: (C,); mul: None, or a contiguous
-    tensor like x (any float dtype, not with relu) to multiply the output by. Returns (y, mean,
-    rstd); the statistics are (groups, segments) fp32. CUDA: the kernel; CPU: the reference."""
-    return _ln_impl(x, g, b, mul, axis, eps, relu, segments)
+def _ln_backward(dy: Tensor, x: Tensor, g: Tensor, b: Tensor, mean: Tensor, rstd: Tensor, axis: int,
+                 relu: bool, segments: int, *, eager_call: bool = False,
+                 workspace=None) -> tuple[Tensor, Tensor, Tensor]:
+    """(dx like x, dg, db in g's and b's dtypes)."""
+    return _ln_bwd_kernel(dy, x, g, b, None, mean, rstd, axis, relu, segments, eager_call, workspace)[:3]
 
 
-@_layer_norm_op.register_fake
-def _(x, g, b, axis, eps, relu, segments, mul=None):
+def _ln_mul_backward(dy: Tensor, x: Tensor, g: Tensor, b: Tensor, mul: Tensor, mean: Tensor, rstd: Tensor,
+                     axis: int, segments: int, *, eager_call: bool = False,
+                     workspace=None) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """(dx like x, dg, db in g's and b's dtypes, dmul like mul)."""
+    return _ln_bwd_kernel(dy, x, g, b, mul, mean, rstd, axis, False, segments, eager_call, workspace)
+
+
+def _ln_fake(x, g, b, axis, eps, relu, segments, mul=None):
     groups = x.shape[1 - axis]
     stats = x.new_empty((groups, segments), dtype=torch.promote_types(x.dtype, torch.float32))
     return torch.empty_like(x, memory_format=torch.contiguous_format), stats, stats.clone()
-
-
-@torch.library.custom_op("bstrain::layer_norm_bwd", mutates_args=())
-def _layer_norm_bwd_op(dy: Tensor, x: Tensor, g: Tensor, b: Tensor, mean: Tensor, rstd: Tensor, axis: int,
-                       relu: bool, segments: int) -> tuple[Tensor, Tensor, Tensor]:
-    """(dx like x, dg, db in g's and b's dtypes)."""
-    return _ln_bwd_impl(dy, x, g, b, None, mean, rstd, axis, relu, segments)[:3]
-
-
-@_layer_norm_bwd_op.register_fake
-def _(dy, x, g, b, mean, rstd, axis, relu, segments):
-    return torch.empty_like(x, memory_format=torch.contiguous_format), torch.empty_like(g), torch.empty_like(b)
-
-
-@torch.library.custom_op("bstrain::layer_norm_mul_bwd", mutates_args=())
-def _layer_norm_mul_bwd_op(dy: Tensor, x: Tensor, g: Tensor, b: Tensor, mul: Tensor, mean: Tensor, rstd: Tensor,
-                           axis: int, segments: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """(dx like x, dg, db in g's and b's dtypes, dmul like mul)."""
-    return _ln_bwd_impl(dy, x, g, b, mul, mean, rstd, axis, False, segments)
-
-
-@_layer_norm_mul_bwd_op.register_fake
-def _(dy, x, g, b, mul, mean, rstd, axis, segments):
-    return (torch.empty_like(x, memory_format=torch.contiguous_format), torch.empty_like(g), torch.empty_like(b),
-            torch.empty_like(mul, memory_format=torch.contiguous_format))
 
 
 def _ln_setup(ctx, inputs, output):
@@ -184,44 +171,36 @@ def _ln_setup(ctx, inputs, output):
     ctx.mark_non_differentiable(mean, rstd)
 
 
-def _ln_backward(ctx, dy, _dmean, _drstd):
+def _ln_grads(ctx, bwd, dy, _dmean, _drstd):
+    """With a ParamGradGroup (eager calls), g and b are the group's views and the backward kernel
+    adds dg and db into the group's workspace."""
     x, g, b, mul, mean, rstd = ctx.saved_tensors
     axis, relu, segments = ctx.config
+    group = ctx.hints.get("group")
+    workspace = None if group is None else lambda shape: group.workspace(shape, x.device)
+    plain, with_mul = bwd
     if mul is None:
-        dx, dg, db = _layer_norm_bwd_op(dy, x, g, b, mean, rstd, axis, relu, segments)
+        dx, dg, db = plain(dy, x, g, b, mean, rstd, axis, relu, segments, eager_call=True, workspace=workspace)
         return dx, dg, db, None, None, None, None, None
-    dx, dg, db, dm = _layer_norm_mul_bwd_op(dy, x, g, b, mul, mean, rstd, axis, segments)
+    dx, dg, db, dm = with_mul(dy, x, g, b, mul, mean, rstd, axis, segments, eager_call=True, workspace=workspace)
     return dx, dg, db, None, None, None, None, dm
 
 
-_layer_norm_op.register_autograd(_ln_backward, setup_context=_ln_setup)
-
-
-# --- eager autograd -------------------------------------------------------------------------------------
-class _LayerNorm(torch.autograd.Function):
-    """The custom ops' kernels without the dispatcher's round trip. With a ParamGradGroup, g and b
-    are the group's views and the backward kernel adds dg and db into the group's workspace."""
-
-    @staticmethod
-    def forward(ctx, x, g, b, mul, axis, epsilon, relu, segments, group):
-        from bstrain.kernels.norms import layer_norm_forward
-        x = x.contiguous()
-        mul = mul.contiguous() if mul is not None else None
-        y, mean, rstd = layer_norm_forward(x, g.contiguous(), b.contiguous(), axis, epsilon, relu, segments, mul)
-        ctx.save_for_backward(x, g, b, mul, mean, rstd)
-        ctx.config = (axis, relu, segments)
-        ctx.group = group
-        return y
-
-    @staticmethod
-    def backward(ctx, dy):
-        from bstrain.kernels.norms import layer_norm_backward
-        x, g, b, mul, mean, rstd = ctx.saved_tensors
-        group = ctx.group
-        dx, dg, db, dm = layer_norm_backward(dy.contiguous(), x, g.contiguous(), b.contiguous(), mean, rstd,
-                                             *ctx.config, mul, None if group is None else
-                                             lambda shape: group.workspace(shape, x.device))
-        return dx, dg, db, dm, None, None, None, None, None
+_ln_bwd = kernel_op(
+    "bstrain::layer_norm_bwd", _ln_backward,
+    ref=lambda dy, x, g, b, mean, rstd, axis, relu, segments:
+        layer_norm_bwd_ref(dy, x, g, b, mean, rstd, axis, relu, segments)[:3],
+    fake=lambda dy, x, g, b, mean, rstd, axis, relu, segments: (
+        torch.empty_like(x, memory_format=torch.contiguous_format), torch.empty_like(g), torch.empty_like(b)))
+_ln_mul_bwd = kernel_op(
+    "bstrain::layer_norm_mul_bwd", _ln_mul_backward,
+    ref=lambda dy, x, g, b, mul, mean, rstd, axis, segments:
+        layer_norm_bwd_ref(dy, x, g, b, mean, rstd, axis, False, segments, mul),
+    fake=lambda dy, x, g, b, mul, mean, rstd, axis, segments: (
+        torch.empty_like(x, memory_format=torch.contiguous_format), torch.empty_like(g), torch.empty_like(b),
+        torch.empty_like(mul, memory_format=torch.contiguous_format)))
+_layer_norm = kernel_op("bstrain::layer_norm", _ln_forward, ref=_ln_fwd_ref, fake=_ln_fake, setup=_ln_setup,
+                        backward=_ln_grads, bwd=(_ln_bwd, _ln_mul_bwd))
 
 
 # --- seed API -------------------------------------------------------------------------------------------
@@ -298,16 +277,14 @@ def _layer_norm_2d(x, g, b, axis: int, epsilon: float, relu: bool, segments: int
         if g.dtype == x.dtype:
             return F.layer_norm(x, (x.shape[1],), g, b, eps=epsilon)
         return F.layer_norm(x.float(), (x.shape[1],), g, b, eps=epsilon).to(x.dtype)  # fp32 params
-    if kernel and (mul is None or mul.dtype in _KERNEL_DTYPES):
+    if kernel and (mul is None or mul.dtype in KERNEL_FLOATS):
         # fp32 params with 16-bit x too: one kernel instead of three casts around torch's
         from bstrain.kernels.norms import MAX_SEGMENT
         if x.shape[axis] // segments <= MAX_SEGMENT:
-            if eager(x):
-                if grad_group is not None:
-                    g, b = grad_group.views
-                return _LayerNorm.apply(x, g, b, mul, axis, float(epsilon), bool(relu), segments, grad_group)
-            return torch.ops.bstrain.layer_norm(x.contiguous(), g.contiguous(), b.contiguous(), axis, float(epsilon),
-                                                bool(relu), segments, None if mul is None else mul.contiguous())[0]
+            if grad_group is not None and eager(x):     # (traced calls leave the group out)
+                g, b = grad_group.views
+            return _layer_norm(x.contiguous(), g.contiguous(), b.contiguous(), axis, float(epsilon), bool(relu),
+                               segments, None if mul is None else mul.contiguous(), check=False, group=grad_group)[0]
     return layer_norm_ref(x, g, b, axis, epsilon, relu, segments, mul)
 
 

@@ -10,8 +10,9 @@ sublayer's output projection can ride along (``residual_bias``): the projection 
 its bias, and the bias gradient (the column sum of the stream's gradient) comes out of this
 kernel instead of a separate reduction.
 
-In this file's order: the reference → the custom ops ``torch.ops.bstrain.add_layer_norm`` and
-``add_layer_norm_bwd`` (fake, autograd) → the eager ``autograd.Function`` → the public function.
+In this file's order: the references → the kernel pair, from which
+:func:`~bstrain.ops._dispatch.kernel_op` makes the custom ops ``torch.ops.bstrain.add_layer_norm`` and
+``add_layer_norm_bwd`` (fake, autograd) and the eager ``autograd.Function`` → the public function.
 """
 from __future__ import annotations
 
@@ -19,12 +20,11 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from bstrain.ops._checks import check_param, check_tensor, unit_columns, use_kernels
-from bstrain.ops.tables import eager
+from bstrain.ops._checks import KERNEL_FLOATS, check_param, check_tensor, unit_columns, use_kernels
+from bstrain.ops._dispatch import kernel_op
 
 __all__ = ["add_layer_norm", "add_layer_norm_ref"]
 
-_KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 MAX_C = 8192       # features the kernel's one-tile rows hold (bstrain.kernels.residual_norm)
 
 
@@ -59,45 +59,47 @@ def _bwd_ref(dy, dh, h, w, mean, rstd, dx_dtype):
     return dx.to(dx_dtype), (dyw * xhat).sum(0), dyw.sum(0), dx.sum(0)
 
 
-# --- custom ops (traced calls) -------------------------------------------------------------------------
-@torch.library.custom_op("bstrain::add_layer_norm", mutates_args=())
-def _add_ln_op(x: Tensor, r: Tensor | None, rb: Tensor | None, w: Tensor, b: Tensor,
-               eps: float) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """x, r: (N, C), unit feature stride; rb (r's bias, only with r), w, b: (C,). Returns (y, h,
-    mean, rstd): y and h (N, C) in x's dtype (h (0, C) when r is None: the stream is x),
-    statistics (N,) fp32 (fp64 for fp64 x). CUDA: the kernel; CPU: the reference."""
-    if x.is_cuda:                             # (a compiler may hand over any strides: the kernel needs unit columns)
-        from bstrain.kernels.residual_norm import add_layer_norm_forward
-        x, r = unit_columns(x), None if r is None else unit_columns(r)
-        y, h, mean, rstd = add_layer_norm_forward(x, r, w.contiguous(), b.contiguous(), eps,
-                                                  rb=None if rb is None else rb.contiguous())
-        return y, x.new_empty((0, x.shape[1])) if h is None else h, mean, rstd
+def _add_ln_ref(x: Tensor, r: Tensor | None, rb: Tensor | None, w: Tensor, b: Tensor,
+                eps: float) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     y, h = add_layer_norm_ref(x, r, w, b, eps, rb)
     mean, rstd = _stats_ref(h, eps)
     return y.contiguous(), x.new_empty((0, x.shape[1])) if r is None else h.contiguous(), mean, rstd
 
 
-@_add_ln_op.register_fake
-def _(x, r, rb, w, b, eps):
-    stats = x.new_empty((x.shape[0],), dtype=torch.promote_types(x.dtype, torch.float32))
-    h = x.new_empty((0, x.shape[1])) if r is None else x.new_empty(x.shape)
-    return x.new_empty(x.shape), h, stats, stats.clone()
+# --- kernel pair: torch.ops.bstrain.add_layer_norm and add_layer_norm_bwd, and their eager Function -----
+def _forward(x: Tensor, r: Tensor | None, rb: Tensor | None, w: Tensor, b: Tensor,
+             eps: float) -> tuple[Tensor, Tensor | None, Tensor, Tensor]:
+    """x, r: (N, C), unit feature stride; rb (r's bias, only with r), w, b: (C,). Returns (y, h,
+    mean, rstd): y and h (N, C) in x's dtype (h None when r is None: the stream is x),
+    statistics (N,) fp32 (fp64 for fp64 x)."""
+    from bstrain.kernels.residual_norm import add_layer_norm_forward
+    x, r = unit_columns(x), None if r is None else unit_columns(r)   # (a compiler may hand over any strides)
+    return add_layer_norm_forward(x, r, w.contiguous(), b.contiguous(), eps, rb=None if rb is None else rb.contiguous())
 
 
-@torch.library.custom_op("bstrain::add_layer_norm_bwd", mutates_args=())
-def _add_ln_bwd_op(dy: Tensor, dh: Tensor | None, h: Tensor, w: Tensor, mean: Tensor, rstd: Tensor,
-                   dx_dtype: torch.dtype) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+def _forward_op(x: Tensor, r: Tensor | None, rb: Tensor | None, w: Tensor, b: Tensor,
+                eps: float) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """The op's :func:`_forward`: h is (0, C) when r is None (an op returns no None)."""
+    y, h, mean, rstd = _forward(x, r, rb, w, b, eps)
+    return y, x.new_empty((0, x.shape[1])) if h is None else h, mean, rstd
+
+
+def _backward(dy: Tensor, dh: Tensor | None, h: Tensor, w: Tensor, mean: Tensor, rstd: Tensor,
+              dx_dtype: torch.dtype) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """(dx in dx_dtype, dw, db, dc in fp32 (fp64 for fp64 h)): dx = dh + LN'(dy), the gradient of
     the stream h (of x, and of r), and dc its column sum (the gradient of r's bias)."""
-    if not h.is_cuda:
-        return _bwd_ref(dy, dh, h, w, mean, rstd, dx_dtype)
     from bstrain.kernels.residual_norm import add_layer_norm_backward
     return add_layer_norm_backward(dy.contiguous(), None if dh is None else dh.contiguous(), unit_columns(h),
                                    w.contiguous(), mean, rstd, dx_dtype)
 
 
-@_add_ln_bwd_op.register_fake
-def _(dy, dh, h, w, mean, rstd, dx_dtype):
+def _fake(x, r, rb, w, b, eps):
+    stats = x.new_empty((x.shape[0],), dtype=torch.promote_types(x.dtype, torch.float32))
+    h = x.new_empty((0, x.shape[1])) if r is None else x.new_empty(x.shape)
+    return x.new_empty(x.shape), h, stats, stats.clone()
+
+
+def _bwd_fake(dy, dh, h, w, mean, rstd, dx_dtype):
     work = torch.promote_types(h.dtype, torch.float32)
     return (h.new_empty(h.shape, dtype=dx_dtype), *(w.new_empty(w.shape, dtype=work) for _ in range(3)))
 
@@ -111,47 +113,22 @@ def _setup(ctx, inputs, output):
     ctx.set_materialize_grads(False)
 
 
-def _grads(dx, dw, db, dc, dtypes):
-    """(dx, dr, drb, dw, db) in their inputs' dtypes (None for absent inputs)."""
-    x_dtype, r_dtype, rb_dtype, w_dtype, b_dtype = dtypes
-    dr = None if r_dtype is None else dx if r_dtype == x_dtype else dx.to(r_dtype)
-    return dx, dr, None if rb_dtype is None else dc.to(rb_dtype), dw.to(w_dtype), db.to(b_dtype)
-
-
-def _backward(ctx, dy, dh, _dmean, _drstd):
+def _grads(ctx, bwd, dy, dh, _dmean, _drstd):
+    """(dx, dr, drb, dw, db, None) in their inputs' dtypes (None for absent inputs)."""
     stream, w, mean, rstd = ctx.saved_tensors
     if dy is None:
         dy = torch.zeros_like(stream)
     if dh is not None and dh.numel() == 0:
         dh = None
-    return (*_grads(*_add_ln_bwd_op(dy, dh, stream, w, mean, rstd, ctx.dtypes[0]), ctx.dtypes), None)
+    dx, dw, db, dc = bwd(dy, dh, stream, w, mean, rstd, ctx.dtypes[0])
+    x_dtype, r_dtype, rb_dtype, w_dtype, b_dtype = ctx.dtypes
+    dr = None if r_dtype is None else dx if r_dtype == x_dtype else dx.to(r_dtype)
+    return dx, dr, None if rb_dtype is None else dc.to(rb_dtype), dw.to(w_dtype), db.to(b_dtype), None
 
 
-_add_ln_op.register_autograd(_backward, setup_context=_setup)
-
-
-# --- eager autograd -------------------------------------------------------------------------------------
-class _AddLayerNorm(torch.autograd.Function):
-    """The custom ops' kernels without the dispatcher's round trip."""
-
-    @staticmethod
-    def forward(ctx, x, r, rb, w, b, eps):
-        from bstrain.kernels.residual_norm import add_layer_norm_forward
-        y, h, mean, rstd = add_layer_norm_forward(x, r, w, b, eps, rb=rb)
-        ctx.save_for_backward(x if h is None else h, w, mean, rstd)
-        ctx.dtypes = (x.dtype, None if r is None else r.dtype, None if rb is None else rb.dtype, w.dtype, b.dtype)
-        ctx.set_materialize_grads(False)
-        return y if h is None else (y, h)
-
-    @staticmethod
-    def backward(ctx, dy, dh=None):
-        from bstrain.kernels.residual_norm import add_layer_norm_backward
-        stream, w, mean, rstd = ctx.saved_tensors
-        if dy is None:
-            dy = torch.zeros_like(stream)
-        grads = add_layer_norm_backward(dy.contiguous(), None if dh is None else dh.contiguous(), stream, w, mean,
-                                        rstd, ctx.dtypes[0])
-        return (*_grads(*grads, ctx.dtypes), None)
+_add_ln_bwd = kernel_op("bstrain::add_layer_norm_bwd", _backward, ref=_bwd_ref, fake=_bwd_fake)
+_add_ln = kernel_op("bstrain::add_layer_norm", _forward, op_kernel=_forward_op, ref=_add_ln_ref, fake=_fake,
+                    setup=_setup, backward=_grads, bwd=_add_ln_bwd)
 
 
 # --- public function ------------------------------------------------------------------------------------
@@ -185,7 +162,7 @@ def add_layer_norm(x: Tensor, residual: Tensor | None, weight: Tensor, bias: Ten
         if residual is None:
             raise ValueError("residual_bias: expected None without a residual, got a tensor")
         residual_bias = check_param("residual_bias", residual_bias, x, C).contiguous()
-    if not use_kernels(x, backend) or C > MAX_C or (residual is not None and residual.dtype not in _KERNEL_DTYPES):
+    if not use_kernels(x, backend) or C > MAX_C or (residual is not None and residual.dtype not in KERNEL_FLOATS):
         return add_layer_norm_ref(x, residual, weight, bias, eps, residual_bias)
     x2 = x.reshape(-1, C)
     x2 = x2 if x2.stride(-1) == 1 else x2.contiguous()
@@ -193,10 +170,6 @@ def add_layer_norm(x: Tensor, residual: Tensor | None, weight: Tensor, bias: Ten
     if r2 is not None and r2.stride(-1) != 1:
         r2 = r2.contiguous()
     w, b = weight.contiguous(), bias.contiguous()
-    if eager(x):
-        out = _AddLayerNorm.apply(x2, r2, residual_bias, w, b, float(eps))
-        y, h = (out, x) if r2 is None else out
-    else:
-        y, h, _, _ = torch.ops.bstrain.add_layer_norm(x2, r2, residual_bias, w, b, float(eps))
-        h = x if r2 is None else h
+    y, h, _, _ = _add_ln(x2, r2, residual_bias, w, b, float(eps))
+    h = x if r2 is None else h
     return y.view(x.shape), h.view(x.shape)

@@ -7,8 +7,9 @@ its backward is the same kernel turning the other way. The projection's bias can
 kernel instead of a separate reduction. The cos/sin tables are made once per
 (length, head_dim, base, device) by :func:`rotary_tables` and kept, never per call.
 
-In this file's order: the tables → the reference → the custom op ``torch.ops.bstrain.rotary`` (fake,
-autograd) → the eager ``autograd.Function`` → the public functions.
+In this file's order: the tables → the references → the kernel pair, from which
+:func:`~bstrain.ops._dispatch.kernel_op` makes the custom ops ``torch.ops.bstrain.rotary`` and
+``rotary_bwd`` (fake, autograd) and the eager ``autograd.Function`` → the public functions.
 """
 from __future__ import annotations
 
@@ -16,7 +17,8 @@ import torch
 from torch import Tensor
 
 from bstrain.ops._checks import check_param, check_tensor, use_kernels
-from bstrain.ops.tables import eager, real_tensors, tracing
+from bstrain.ops._dispatch import kernel_op
+from bstrain.ops.tables import real_tensors, tracing
 
 __all__ = ["apply_rotary", "apply_rotary_ref", "rotary_tables"]
 
@@ -71,7 +73,12 @@ def apply_rotary_ref(x: Tensor, cos: Tensor, sin: Tensor, head_dim: int, rotated
     return torch.cat([turned, xh[:, :, rotated:]], dim=2).reshape(B, T, C).to(x.dtype)
 
 
-# --- custom op (traced calls) ---------------------------------------------------------------------------
+def _bwd_ref(dy: Tensor, cos: Tensor, sin: Tensor, head_dim: int, rotated: int, inverse: bool) -> tuple[Tensor, Tensor]:
+    dx = apply_rotary_ref(dy, cos, sin, head_dim, rotated, not inverse)
+    return dx.contiguous(), dx.to(torch.promote_types(dy.dtype, torch.float32)).sum((0, 1))
+
+
+# --- kernel pair: torch.ops.bstrain.rotary and rotary_bwd, and their eager Function ---------------------
 def _rows(x: Tensor) -> Tensor:
     """x as the kernel takes it: unit feature stride and B·T rows of one stride."""
     B, T, C = x.shape
@@ -80,36 +87,19 @@ def _rows(x: Tensor) -> Tensor:
     return x.contiguous()
 
 
-@torch.library.custom_op("bstrain::rotary", mutates_args=())
-def _rotary_op(x: Tensor, cos: Tensor, sin: Tensor, bias: Tensor | None, head_dim: int, rotated: int,
-               inverse: bool) -> Tensor:
-    """x (B, T, C), bias None or (C,) -> contiguous y like x. CUDA: the kernel; CPU: the reference."""
-    if x.is_cuda:
-        from bstrain.kernels.rotary import rotary_forward
-        return rotary_forward(_rows(x), cos, sin, head_dim, rotated, inverse, bias)[0]
-    return apply_rotary_ref(x, cos, sin, head_dim, rotated, inverse, bias).contiguous()
+def _forward(x: Tensor, cos: Tensor, sin: Tensor, bias: Tensor | None, head_dim: int, rotated: int,
+             inverse: bool) -> Tensor:
+    """x (B, T, C), bias None or (C,) -> contiguous y like x."""
+    from bstrain.kernels.rotary import rotary_forward
+    return rotary_forward(_rows(x), cos, sin, head_dim, rotated, inverse, bias)[0]
 
 
-@_rotary_op.register_fake
-def _(x, cos, sin, bias, head_dim, rotated, inverse):
-    return x.new_empty(x.shape)
-
-
-@torch.library.custom_op("bstrain::rotary_bwd", mutates_args=())
-def _rotary_bwd_op(dy: Tensor, cos: Tensor, sin: Tensor, head_dim: int, rotated: int,
-                   inverse: bool) -> tuple[Tensor, Tensor]:
+def _backward(dy: Tensor, cos: Tensor, sin: Tensor, head_dim: int, rotated: int, inverse: bool, *,
+              sum_cols: bool = True) -> tuple[Tensor, Tensor]:
     """(dx like dy, its (C,) column sum in fp32 (fp64 for fp64 dy): the bias gradient): the turn
-    the other way."""
-    if dy.is_cuda:
-        from bstrain.kernels.rotary import rotary_forward
-        return rotary_forward(_rows(dy), cos, sin, head_dim, rotated, not inverse, sum_cols=True)
-    dx = apply_rotary_ref(dy, cos, sin, head_dim, rotated, not inverse)
-    return dx.contiguous(), dx.to(torch.promote_types(dy.dtype, torch.float32)).sum((0, 1))
-
-
-@_rotary_bwd_op.register_fake
-def _(dy, cos, sin, head_dim, rotated, inverse):
-    return dy.new_empty(dy.shape), dy.new_empty(dy.shape[2:], dtype=torch.promote_types(dy.dtype, torch.float32))
+    the other way. ``sum_cols=False`` (eager calls without a bias) skips the sum."""
+    from bstrain.kernels.rotary import rotary_forward
+    return rotary_forward(_rows(dy), cos, sin, head_dim, rotated, not inverse, sum_cols=sum_cols)
 
 
 def _setup(ctx, inputs, output):
@@ -118,34 +108,23 @@ def _setup(ctx, inputs, output):
     ctx.config = (head_dim, rotated, inverse, None if bias is None else bias.dtype)
 
 
-def _backward(ctx, dy):
+def _grads(ctx, bwd, dy):
     cos, sin = ctx.saved_tensors
     head_dim, rotated, inverse, bias_dtype = ctx.config
-    dx, dbias = _rotary_bwd_op(dy, cos, sin, head_dim, rotated, inverse)
+    dx, dbias = bwd(dy, cos, sin, head_dim, rotated, inverse, sum_cols=bias_dtype is not None)
     return dx, None, None, None if bias_dtype is None else dbias.to(bias_dtype), None, None, None
 
 
-_rotary_op.register_autograd(_backward, setup_context=_setup)
-
-
-# --- eager autograd -------------------------------------------------------------------------------------
-class _Rotary(torch.autograd.Function):
-    """The custom op's kernel without the dispatcher's round trip; the backward turns back."""
-
-    @staticmethod
-    def forward(ctx, x, cos, sin, bias, head_dim, rotated, inverse):
-        from bstrain.kernels.rotary import rotary_forward
-        ctx.save_for_backward(cos, sin)
-        ctx.config = (head_dim, rotated, inverse, None if bias is None else bias.dtype)
-        return rotary_forward(_rows(x), cos, sin, head_dim, rotated, inverse, bias)[0]
-
-    @staticmethod
-    def backward(ctx, dy):
-        from bstrain.kernels.rotary import rotary_forward
-        cos, sin = ctx.saved_tensors
-        head_dim, rotated, inverse, bias_dtype = ctx.config
-        dx, dbias = rotary_forward(_rows(dy), cos, sin, head_dim, rotated, not inverse, sum_cols=bias_dtype is not None)
-        return dx, None, None, None if bias_dtype is None else dbias.to(bias_dtype), None, None, None
+_rotary_bwd = kernel_op(
+    "bstrain::rotary_bwd", _backward, ref=_bwd_ref,
+    fake=lambda dy, cos, sin, head_dim, rotated, inverse: (
+        dy.new_empty(dy.shape), dy.new_empty(dy.shape[2:], dtype=torch.promote_types(dy.dtype, torch.float32))))
+_rotary = kernel_op(
+    "bstrain::rotary", _forward,
+    ref=lambda x, cos, sin, bias, head_dim, rotated, inverse:
+        apply_rotary_ref(x, cos, sin, head_dim, rotated, inverse, bias).contiguous(),
+    fake=lambda x, cos, sin, bias, head_dim, rotated, inverse: x.new_empty(x.shape),
+    setup=_setup, backward=_grads, bwd=_rotary_bwd)
 
 
 # --- public function ------------------------------------------------------------------------------------
@@ -186,6 +165,4 @@ def apply_rotary(x: Tensor, cos: Tensor, sin: Tensor, head_dim: int, rotated: in
         bias = check_param("bias", bias, x, C).contiguous()
     if not use_kernels(x, backend):
         return apply_rotary_ref(x, cos, sin, head_dim, rotated, inverse, bias)
-    if eager(x):
-        return _Rotary.apply(x, cos, sin, bias, head_dim, rotated, bool(inverse))
-    return torch.ops.bstrain.rotary(x, cos, sin, bias, head_dim, rotated, bool(inverse))
+    return _rotary(x, cos, sin, bias, head_dim, rotated, bool(inverse))

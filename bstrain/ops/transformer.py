@@ -24,10 +24,10 @@ otherwise, which materialises the scores of live blocks only. ``backend="torch"`
 PyTorch; ``backend="triton"`` always takes the kernels (on CPU through Triton's interpreter,
 ``TRITON_INTERPRET=1``) and refuses inputs they do not take.
 
-The file's parts, in order: the layout tables (one :mod:`bstrain.ops.tables` family), the
-reference (:func:`attention_ref` and the PyTorch path), the custom ops
-``torch.ops.bstrain.bst_attention``/``bst_attention_bwd`` (traced calls), the eager
-``autograd.Function`` and the seed's class.
+This file holds the seed's class and its argument checks. The layout tables, the reference
+(:func:`attention_ref` and the PyTorch path) and the custom ops ``torch.ops.bstrain.bst_attention``
+and ``bst_attention_bwd`` with their eager ``autograd.Function`` are in
+:mod:`bstrain.ops._attention_ops`; their public names are importable from here too.
 """
 from __future__ import annotations
 
@@ -36,353 +36,22 @@ import math
 import numbers
 import os
 import warnings
-from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 from torch import Tensor
 
 from bstrain.layout import BLOCK_SIZES, KERNEL_BLOCK_SIZES, check_block_size  # noqa: F401  (BLOCK_SIZES: importable here)
-from bstrain.ops.tables import eager, family, layout_tables, lookup
+from bstrain.ops._attention_ops import (  # noqa: F401  (the public names: importable from here, as before)
+    AttentionTables, _blocks, _bst_attention, _check_dtype, _keep, _kernels, _scatter_rows, _softmax, _tables_on,
+    alibi_slopes, attention_ref, attention_torch, attention_torch_backward, bst_attention, bst_attention_bwd,
+)
+from bstrain.ops._checks import FLOATS, KERNEL_FLOATS
+from bstrain.ops.tables import eager, layout_tables
 
 __all__ = ["BlocksparseTransformer", "attention_ref", "alibi_slopes", "AttentionTables"]
 
-_LOG2E = 1.4426950408889634
 _LN2 = math.log(2.0)
-_FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
-_KERNEL_FLOATS = (torch.float16, torch.bfloat16, torch.float32)
-
-
-# --- layout tables --------------------------------------------------------------------------------
-@dataclass(eq=False)
-class AttentionTables:
-    """One layout's tables on one device. Live blocks are numbered head-major, row-major within
-    a head. The element masks are stored once per distinct tile: ``tiles[tile_of[n]]`` is block
-    n's (``tiles[0]`` is all True, for full blocks)."""
-    heads: int
-    q_blocks: int
-    k_blocks: int
-    block_size: int
-    h: Tensor          # (nnz,) int64: head of each live block
-    i: Tensor          # (nnz,) int64: query block
-    j: Tensor          # (nnz,) int64: key block
-    row: Tensor        # (nnz,) int64: h·q_blocks + i, the block's query row
-    tiles: Tensor      # (distinct + 1, bs, bs) bool element masks
-    tile_of: Tensor    # (nnz,) int64
-    host: tuple | None  # (h, i, j, partial_idx, partial_masks) numpy: the kernels' tables are cut from them
-    _luts: object = None
-    _distance: dict = field(default_factory=dict, repr=False)     # ALiBi's k_pos − q_pos per dtype (PyTorch path)
-
-    def kernel_luts(self):
-        """The kernels' :class:`~bstrain.kernels.attention.AttnLuts` on this device (made on first
-        use: importing the kernels imports Triton; their tile lists are cut per tile shape)."""
-        luts = self._luts
-        if luts is None:
-            from bstrain.kernels.attention import make_luts
-            h, i, j, partial_idx, pmasks = self.host
-            luts = self._luts = make_luts(h, i, j, partial_idx, pmasks, self.heads, self.q_blocks, self.k_blocks,
-                                          self.block_size, self.h.device)
-        return luts
-
-
-@family("attention")
-def _attention_tables(layout: np.ndarray, block_size: int, partial_idx: np.ndarray, pmasks: np.ndarray, *,
-                      device: torch.device) -> AttentionTables:
-    """layout (H, nq, nk) bool; partial_idx (nnz,) int64, -1 for a full block, else a row of
-    pmasks (distinct (bs, bs) bool masks)."""
-    H, nq, nk = layout.shape
-    h, i, j = np.nonzero(layout)
-    idx = torch.as_tensor(np.stack([h, i, j, h * nq + i, partial_idx + 1]), dtype=torch.int64, device=device)
-    full = np.ones((1, block_size, block_size), dtype=bool)
-    tiles = torch.as_tensor(np.concatenate([full, pmasks]), device=device)
-    return AttentionTables(H, nq, nk, block_size, idx[0], idx[1], idx[2], idx[3], tiles, idx[4],
-                           (h, i, j, partial_idx, pmasks))
-
-
-@torch.compiler.assume_constant_result
-def _device_tensors(key: str, device: torch.device) -> tuple[Tensor, ...]:
-    """(h, i, j, row, tiles, tile_of) of the tables named ``key`` on ``device``. torch.compile runs
-    this rather than tracing it (a first device copy built in the trace would break the graph on
-    the builder's numpy) and takes the result as constants of the graph."""
-    t = lookup(key).on(device)
-    return t.h, t.i, t.j, t.row, t.tiles, t.tile_of
-
-
-def _tables_on(tables, device: torch.device) -> AttentionTables:
-    """``tables.on(device)``, also while torch.compile traces a call (see :func:`_device_tensors`)."""
-    if not torch.compiler.is_compiling():
-        return tables.on(device)
-    host = tables.host
-    return AttentionTables(host.heads, host.q_blocks, host.k_blocks, host.block_size,
-                           *_device_tensors(tables.key, device), None)        # the PyTorch path needs no host data
-
-
-# --- reference: dense attention (the tests' oracle) and the PyTorch path -----------------------------
-def attention_ref(q, k, v, mask: Tensor, scale: float, *, alibi=None, softcap: float | None = None,
-                  return_lse: bool = False):
-    """Dense masked attention, the tests' reference. q (B, Tq, H·D); k (B, Tk, Hk·D) and v
-    (B, Tk, Hk·Dv) with Hk dividing H (grouped-query); mask (H, Tq, Tk) or (B, H, Tq, Tk) bool.
-    Scores s = scale·q·kᵀ, then ``softcap·tanh(s/softcap)``, then ``+ alibi[h]·(k_pos − q_pos)``
-    (alibi: H slopes). Returns O (B, Tq, H·Dv), rows with no kept key giving zeros, and with
-    ``return_lse`` the row log-sum-exp (B, H, Tq), natural log, −inf for such rows."""
-    B, Tq, HD = q.shape
-    H, Tk = mask.shape[-3], k.shape[1]
-    D = HD // H
-    Hk = k.shape[2] // D
-    qh = q.view(B, Tq, H, D).transpose(1, 2)                                         # (B, H, Tq, D)
-    kh, vh = (t.view(B, Tk, Hk, t.shape[2] // Hk).transpose(1, 2).repeat_interleave(H // Hk, 1) for t in (k, v))
-    s = (qh @ kh.transpose(-1, -2)) * scale                                          # (B, H, Tq, Tk)
-    if softcap:
-        s = softcap * torch.tanh(s / softcap)
-    if alibi is not None:
-        distance = torch.arange(Tk, device=s.device) - torch.arange(Tq, device=s.device)[:, None]
-        s = s + torch.as_tensor(alibi, dtype=s.dtype, device=s.device).view(H, 1, 1) * distance
-    live = mask.any(-1, keepdim=True)                                                # a kept key in the row
-    s = s.masked_fill(~mask, float("-inf"))
-    p = torch.where(live, torch.softmax(s, -1), 0.0)
-    out = (p @ vh).transpose(1, 2).reshape(B, Tq, H * vh.shape[-1])
-    if not return_lse:
-        return out
-    lse = torch.logsumexp(s.masked_fill(~live, 0.0), -1)                            # no -inf row: no NaN grad
-    return out, torch.where(live[..., 0], lse, float("-inf"))
-
-
-def _blocks(x: Tensor, t: AttentionTables, head_dim: int, which: str) -> Tensor:
-    """(B, T, Hx·D) -> (B, nnz, bs, D): the query (or key) block of every live block. x may have
-    fewer heads than the layout (k, v of grouped-query attention)."""
-    B, T, HD = x.shape
-    bs, Hx = t.block_size, HD // head_dim
-    xb = x.reshape(B, T // bs, bs, Hx, head_dim).permute(0, 3, 1, 2, 4)          # (B, Hx, n, bs, D)
-    h = t.h if Hx == t.heads else torch.div(t.h, t.heads // Hx, rounding_mode="floor")
-    return xb[:, h, t.i if which == "q" else t.j]
-
-
-def _keep(t: AttentionTables, pad: Tensor | None) -> Tensor:
-    """(1 or B, nnz, bs, bs) bool: the element masks, and keys not padded (pad: (B, k_ctx), True =
-    padding, as nn.MultiheadAttention)."""
-    keep = t.tiles[t.tile_of].unsqueeze(0)
-    if pad is not None:
-        keep = keep & ~pad.view(pad.shape[0], t.k_blocks, t.block_size)[:, t.j].unsqueeze(2)
-    return keep
-
-
-def _check_dtype(name: str, dtype) -> None:
-    if dtype is not None and (not isinstance(dtype, torch.dtype) or not dtype.is_floating_point):
-        raise TypeError(f"{name}: expected a floating torch.dtype or None, got {dtype!r}")
-
-
-def _distance(t: AttentionTables, dtype: torch.dtype) -> Tensor:
-    """(nnz, bs, bs) k_pos − q_pos of every live block's elements (positions in the layout's
-    context): made once per tables and dtype (a traced call's tables are made per trace)."""
-    hit = t._distance.get(dtype)
-    if hit is None:
-        r = torch.arange(t.block_size, device=t.i.device)
-        k_pos, q_pos = t.j[:, None] * t.block_size + r, t.i[:, None] * t.block_size + r         # (nnz, bs)
-        hit = (k_pos[:, None, :] - q_pos[:, :, None]).to(dtype)
-        if not torch.compiler.is_compiling():
-            with torch.inference_mode(False):
-                hit = t._distance[dtype] = hit.clone()
-    return hit
-
-
-def _score_mod(w: Tensor, scale: float, t: AttentionTables, alibi: Tensor | None = None,
-               softcap: float = 0.0) -> Tensor:
-    """(B, nnz, bs, bs) scores in natural units, fp32 (fp64 for fp64 w): scale·w, soft-capped to
-    softcap·tanh(·/softcap) (0: off), plus ALiBi's slope[h]·(k_pos − q_pos) (alibi: (H,) slopes)."""
-    x = w.to(torch.promote_types(w.dtype, torch.float32)) * scale
-    if softcap:
-        x = torch.tanh(x / softcap) * softcap
-    if alibi is not None:
-        x = x + alibi.to(x.dtype)[t.h].view(-1, 1, 1) * _distance(t, x.dtype)
-    return x
-
-
-def alibi_slopes(heads: int) -> list[float]:
-    """ALiBi's standard slopes (Press et al., 2022): 2**(-8(h+1)/H) for H a power of two; else
-    those of the power of two n below H, then every other slope of 2n (h = 0, 2, 4, ...) up to H."""
-    if isinstance(heads, bool) or not isinstance(heads, int) or heads < 1:
-        raise ValueError(f"heads: expected a positive int, got {heads!r}")
-    n = 1 << (heads.bit_length() - 1)
-    slopes = [2.0 ** (-8.0 * (h + 1) / n) for h in range(n)]
-    return slopes + [2.0 ** (-8.0 * (h + 1) / (2 * n)) for h in range(0, 2 * n, 2)][:heads - n]
-
-
-def _softmax(w: Tensor, scale: float, keep: Tensor, t: AttentionTables, dtype: torch.dtype | None = None,
-             alibi: Tensor | None = None, softcap: float = 0.0) -> tuple[Tensor, Tensor]:
-    """(P in ``dtype`` (default w's), row LSE (batch, heads·q_ctx) base 2, +inf for a row with no
-    live key) of the scores :func:`_score_mod` makes. Math, and the LSE, in fp32 (fp64 for fp64
-    w); both differentiable (the row maximum cancels out of the LSE's gradient)."""
-    x = _score_mod(w, scale, t, alibi, softcap).masked_fill(~keep, float("-inf"))
-    B, bs, row = w.shape[0], t.block_size, t.row
-    blk_max = x.detach().amax(-1)                                                  # (B, nnz, bs)
-    row_max = blk_max.new_full((B, t.heads * t.q_blocks, bs), float("-inf"))
-    row_max = row_max.scatter_reduce(1, row[None, :, None].expand_as(blk_max), blk_max, "amax")
-    row_max = torch.where(torch.isfinite(row_max), row_max, 0.0)
-    e = torch.exp(x - row_max[:, row].unsqueeze(-1))                               # masked: exp(-inf) = 0
-    den = e.new_zeros(B, t.heads * t.q_blocks, bs).index_add(1, row, e.sum(-1))
-    live = den > 0
-    den = torch.where(live, den, 1.0)                                              # log(0)'s gradient: NaN
-    lse = torch.where(live, (row_max + torch.log(den)) * _LOG2E, float("inf"))
-    lse = lse.reshape(B, t.heads * t.q_blocks * bs)                                # not -1: B may be 0
-    return (e / den[:, row].unsqueeze(-1)).to(dtype or w.dtype), lse
-
-
-def _scatter_rows(part: Tensor, t: AttentionTables, heads: int, n_blocks: int, index: Tensor) -> Tensor:
-    """Σ of (B, nnz, bs, D) block rows into (B, n_blocks·bs, heads·D) at head-major ``index``."""
-    B, _, bs, D = part.shape
-    out = part.new_zeros(B, heads * n_blocks, bs, D).index_add(1, index, part)
-    return out.view(B, heads, n_blocks, bs, D).permute(0, 2, 3, 1, 4).reshape(B, n_blocks * bs, heads * D)
-
-
-def _head_dims(q: Tensor, k: Tensor, v: Tensor, heads: int) -> tuple[int, int, int]:
-    """(D, kv_heads, Dv) of q (B, Tq, H·D), k (B, Tk, Hk·D), v (B, Tk, Hk·Dv)."""
-    D = q.shape[2] // heads
-    Hk = k.shape[2] // D
-    return D, Hk, v.shape[2] // Hk
-
-
-def attention_torch(q: Tensor, k: Tensor, v: Tensor, t: AttentionTables, scale: float, pad: Tensor | None = None,
-                    alibi: Tensor | None = None, softcap: float = 0.0) -> tuple[Tensor, Tensor]:
-    """(O (B, Tq, H·Dv) in q's dtype, LSE (B, H·q_ctx) base 2, fp32 (fp64 for fp64 q)) on the
-    PyTorch path, differentiable (through the LSE too)."""
-    D, _, Dv = _head_dims(q, k, v, t.heads)
-    w = torch.einsum("bnid,bnjd->bnij", _blocks(q, t, D, "q"), _blocks(k, t, D, "k"))   # (B, nnz, bs, bs)
-    p, lse = _softmax(w, scale, _keep(t, pad), t, alibi=alibi, softcap=softcap)
-    part = torch.einsum("bnij,bnjd->bnid", p.to(v.dtype), _blocks(v, t, Dv, "k"))      # (B, nnz, bs, Dv)
-    return _scatter_rows(part, t, t.heads, t.q_blocks, t.row), lse
-
-
-def attention_torch_backward(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, t: AttentionTables,
-                             scale: float, pad: Tensor | None = None, alibi: Tensor | None = None,
-                             softcap: float = 0.0, dlse: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
-    """(dq, dk, dv) on the PyTorch path, by the formulas (no autograd: the custom op's CPU backward
-    runs below the autograd dispatch key). dlse: None or the (B, H·q_ctx) gradient of the
-    natural-log LSE, which adds dlse_i·P_ij to dS_ij (Δ_i = rowsum(dO∘O) − dlse_i)."""
-    work = torch.promote_types(q.dtype, torch.float32)
-    dtypes = (q.dtype, k.dtype, v.dtype)
-    q, k, v, do, o = (x.to(work) for x in (q, k, v, do, o))
-    B, Tq, _ = q.shape
-    H, bs = t.heads, t.block_size
-    D, Hk, Dv = _head_dims(q, k, v, H)
-    qb, kb, vb, dob = _blocks(q, t, D, "q"), _blocks(k, t, D, "k"), _blocks(v, t, Dv, "k"), _blocks(do, t, Dv, "q")
-    w = torch.einsum("bnid,bnjd->bnij", qb, kb)                                            # (B, nnz, bs, bs)
-    p, _ = _softmax(w, scale, _keep(t, pad), t, alibi=alibi, softcap=softcap)
-    delta = (do * o).view(B, Tq // bs, bs, H, Dv).sum(-1).permute(0, 3, 1, 2)              # (B, H, nq, bs)
-    if dlse is not None:
-        delta = delta - dlse.to(work).view(B, H, Tq // bs, bs)
-    ds = p * (torch.einsum("bnid,bnjd->bnij", dob, vb) - delta[:, t.h, t.i].unsqueeze(-1))
-    if softcap:                                                 # d(c·tanh(x/c))/dx = 1 − tanh²(x/c)
-        ds = ds * (1 - torch.tanh(w * (scale / softcap)).square())
-    kv_row = torch.div(t.h, H // Hk, rounding_mode="floor") * t.k_blocks + t.j
-    dq = _scatter_rows(torch.einsum("bnij,bnjd->bnid", ds, kb) * scale, t, H, t.q_blocks, t.row)
-    dk = _scatter_rows(torch.einsum("bnij,bnid->bnjd", ds, qb) * scale, t, Hk, t.k_blocks, kv_row)
-    dv = _scatter_rows(torch.einsum("bnij,bnid->bnjd", p, dob), t, Hk, t.k_blocks, kv_row)
-    return tuple(x.to(dt) for x, dt in zip((dq, dk, dv), dtypes))
-
-
-# --- torch.ops.bstrain.bst_attention: the fused kernels as a custom op (traced calls) --------------
-@torch.library.custom_op("bstrain::bst_attention", mutates_args=())
-def bst_attention(q: Tensor, k: Tensor, v: Tensor, key_padding_mask: Tensor | None, layout: str, scale: float,
-                  alibi: Tensor | None = None, softcap: float = 0.0) -> tuple[Tensor, Tensor]:
-    """(O (B, Tq, H·Dv) in q's dtype, row LSE (B, H·Tq) base 2 of the modified scores, +inf for a
-    row with no live key; fp32, fp64 for fp64 q). CUDA: the fused kernels; CPU: PyTorch.
-    ``layout`` is the key of the op's layout tables (:func:`bstrain.ops.tables.lookup`); alibi
-    None or (H,) slopes on q's device (fp32 for the kernels); softcap 0.0 = off."""
-    t = lookup(layout).on(q.device)
-    if q.is_cuda:
-        K = _kernels()
-        return K.attention_forward(*K.kernel_inputs(q, k, v), t.kernel_luts(), scale, key_padding_mask,
-                                   alibi=alibi, softcap=softcap)
-    o, lse = attention_torch(q, k, v, t, scale, key_padding_mask, alibi, softcap)
-    return o.contiguous(), lse
-
-
-@bst_attention.register_fake
-def _(q, k, v, key_padding_mask, layout, scale, alibi=None, softcap=0.0):
-    heads = lookup(layout).host.heads
-    B, Tq, _ = q.shape
-    _, _, Dv = _head_dims(q, k, v, heads)
-    return q.new_empty((B, Tq, heads * Dv)), \
-        q.new_empty((B, heads * Tq), dtype=torch.promote_types(q.dtype, torch.float32))
-
-
-@torch.library.custom_op("bstrain::bst_attention_bwd", mutates_args=())
-def bst_attention_bwd(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor,
-                      key_padding_mask: Tensor | None, layout: str, scale: float, alibi: Tensor | None = None,
-                      softcap: float = 0.0, dlse: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
-    """(dq, dk, dv) of bst_attention; dlse None or the (B, H·Tq) gradient of the natural-log LSE."""
-    t = lookup(layout).on(q.device)
-    if q.is_cuda:
-        K = _kernels()
-        return K.attention_backward(do, *K.kernel_inputs(q, k, v), o, lse, t.kernel_luts(), scale, key_padding_mask,
-                                    dlse=dlse, alibi=alibi, softcap=softcap)
-    return attention_torch_backward(do, q, k, v, o, t, scale, key_padding_mask, alibi, softcap, dlse)
-
-
-@bst_attention_bwd.register_fake
-def _(do, q, k, v, o, lse, key_padding_mask, layout, scale, alibi=None, softcap=0.0, dlse=None):
-    return tuple(torch.empty_like(x, memory_format=torch.contiguous_format) for x in (q, k, v))
-
-
-def _output_grads(do: Tensor | None, dlse2: Tensor | None, o: Tensor, lse: Tensor) -> tuple[Tensor, Tensor | None]:
-    """(dO, the natural-log LSE's gradient or None) from the gradients of O and of the base-2 LSE
-    (either None when unused: grads are not materialised). An empty row's (+inf) gets 0, never NaN."""
-    if do is None:
-        do = torch.zeros_like(o)
-    if dlse2 is None:
-        return do, None
-    return do, torch.where(torch.isinf(lse), 0.0, dlse2 * _LOG2E)             # lse2 = lse·log2(e)
-
-
-def _attn_setup(ctx, inputs, output):
-    q, k, v, pad, layout, scale, alibi, softcap = inputs
-    ctx.save_for_backward(q, k, v, output[0], output[1], pad, alibi)
-    ctx.layout, ctx.scale, ctx.softcap = layout, scale, softcap
-    ctx.set_materialize_grads(False)                   # an unused LSE's gradient stays None: no dlse pass
-
-
-def _attn_backward(ctx, do, dlse2):
-    q, k, v, o, lse, pad, alibi = ctx.saved_tensors
-    do, dlse = _output_grads(do, dlse2, o, lse)
-    dq, dk, dv = bst_attention_bwd(do, q, k, v, o, lse, pad, ctx.layout, ctx.scale, alibi, ctx.softcap, dlse)
-    return dq, dk, dv, None, None, None, None, None
-
-
-bst_attention.register_autograd(_attn_backward, setup_context=_attn_setup)
-
-_KERNELS = []
-
-
-def _kernels():
-    """bstrain.kernels.attention, imported on first use (it imports Triton)."""
-    if not _KERNELS:
-        from bstrain.kernels import attention
-        _KERNELS.append(attention)
-    return _KERNELS[0]
-
-
-# --- eager calls: the launchers without the dispatcher's round trip ------------------------------------
-class _AttentionFn(torch.autograd.Function):
-    """The fused kernels: O and the row LSE (base 2) forward; dQ, dK, dV backward, through the
-    LSE too."""
-
-    @staticmethod
-    def forward(ctx, q, k, v, pad, luts, scale, alibi, softcap):
-        K = _kernels()
-        q, k, v = K.kernel_inputs(q, k, v)                  # views of a fused qkv projection stay views
-        o, lse = K.attention_forward(q, k, v, luts, scale, pad, alibi=alibi, softcap=softcap)
-        ctx.save_for_backward(q, k, v, o, lse)
-        ctx.pad, ctx.luts, ctx.scale, ctx.alibi, ctx.softcap = pad, luts, scale, alibi, softcap
-        ctx.set_materialize_grads(False)
-        return o, lse
-
-    @staticmethod
-    def backward(ctx, do, dlse2):
-        q, k, v, o, lse = ctx.saved_tensors
-        do, dlse = _output_grads(do, dlse2, o, lse)
-        dq, dk, dv = _kernels().attention_backward(do, q, k, v, o, lse, ctx.luts, ctx.scale, ctx.pad, dlse=dlse,
-                                                   alibi=ctx.alibi, softcap=ctx.softcap)
-        return dq, dk, dv, None, None, None, None, None
 
 
 # --- the seed's API ------------------------------------------------------------------------------------
@@ -455,12 +124,12 @@ class BlocksparseTransformer:
         if self.backend == "torch":
             return False
         if self.backend == "auto":
-            return q.is_cuda and q.dtype in _KERNEL_FLOATS and max(D, Dv) <= 128 \
+            return q.is_cuda and q.dtype in KERNEL_FLOATS and max(D, Dv) <= 128 \
                 and self.block_size in KERNEL_BLOCK_SIZES
         if self.block_size not in KERNEL_BLOCK_SIZES:
             raise ValueError(f"block_size: the Triton backend takes blocks of {KERNEL_BLOCK_SIZES}, got "
                              f"{self.block_size} (backend='auto' runs it on the PyTorch path)")
-        if q.dtype not in _KERNEL_FLOATS:
+        if q.dtype not in KERNEL_FLOATS:
             raise TypeError(f"q: the Triton backend takes float16, bfloat16 or float32, got {q.dtype}")
         for name, d in (("q", D), ("v", Dv)):
             if d > 128:
@@ -475,7 +144,7 @@ class BlocksparseTransformer:
         """x: (batch, ctx, heads·head_dim); returns head_dim."""
         if not isinstance(x, Tensor):
             raise TypeError(f"{name}: expected a torch.Tensor, got {type(x).__name__}")
-        if x.dtype not in _FLOATS:
+        if x.dtype not in FLOATS:
             raise TypeError(f"{name}: expected float16, bfloat16, float32 or float64, got {x.dtype}")
         if x.dim() != 3 or x.shape[1] != ctx or x.shape[2] % self.heads or x.shape[2] == 0:
             raise ValueError(f"{name}: expected (batch, {ctx}, heads·head_dim) with heads={self.heads}, got "
@@ -503,7 +172,7 @@ class BlocksparseTransformer:
             Hk = HDk // D
             if T == self.q_ctx and Tk == self.k_ctx and B == Bk == Bv and Tv == Tk and HD == D * self.heads \
                     and HDk == Hk * D and self.heads % Hk == 0 and HDv % Hk == 0 and HDv > 0 \
-                    and q.dtype in _FLOATS and k.dtype is q.dtype and v.dtype is q.dtype \
+                    and q.dtype in FLOATS and k.dtype is q.dtype and v.dtype is q.dtype \
                     and q.get_device() == k.get_device() == v.get_device():
                 return D, HDv // Hk
         except (AttributeError, TypeError, ValueError, ZeroDivisionError):
@@ -513,7 +182,7 @@ class BlocksparseTransformer:
     def _explain_qkv(self, q, k, v) -> tuple[int, int]:
         D = self._check_act("q", q, self.q_ctx)
         for name, x in (("k", k), ("v", v)):
-            if not isinstance(x, Tensor) or x.dtype not in _FLOATS:
+            if not isinstance(x, Tensor) or x.dtype not in FLOATS:
                 got = x.dtype if isinstance(x, Tensor) else type(x).__name__
                 raise TypeError(f"{name}: expected a float16, bfloat16, float32 or float64 tensor, got {got}")
         if k.dim() != 3 or k.shape[1] != self.k_ctx or k.shape[2] % D or k.shape[2] == 0 \
@@ -534,7 +203,7 @@ class BlocksparseTransformer:
             got = tuple(w.shape) if isinstance(w, Tensor) else type(w).__name__
             raise ValueError(f"w: expected the score tensor (batch, {self.blocks}, {self.block_size}, "
                              f"{self.block_size}), got {got}")
-        if w.dtype not in _FLOATS:
+        if w.dtype not in FLOATS:
             raise TypeError(f"w: expected a floating tensor, got {w.dtype}")
 
     def _check_pad(self, key_padding_mask, batch: int, device) -> None:
@@ -631,10 +300,11 @@ class BlocksparseTransformer:
         """(O, LSE (B, H·q_ctx) base 2): eager kernels, the custom op (traced) or PyTorch."""
         if not kernels:
             return attention_torch(q, k, v, _tables_on(self._tables, q.device), scale, pad, alibi, softcap)
-        if eager(q):
+        if eager(q):          # the kernels' inputs and tables now: the Function saves them, the backward reuses them
+            q, k, v = _kernels().kernel_inputs(q, k, v)      # views of a fused qkv projection stay views
             luts = self._tables.on(q.device).kernel_luts()
-            return _AttentionFn.apply(q, k, v, pad, luts, scale, alibi, softcap)
-        return torch.ops.bstrain.bst_attention(q, k, v, pad, self.key, scale, alibi, softcap)
+            return _bst_attention(q, k, v, pad, self.key, scale, alibi, softcap, luts=luts)
+        return _bst_attention(q, k, v, pad, self.key, scale, alibi, softcap)
 
     def __repr__(self) -> str:
         return (f"BlocksparseTransformer(heads={self.heads}, q_blocks={self.q_blocks}, k_blocks={self.k_blocks}, "
