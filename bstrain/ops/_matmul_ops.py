@@ -222,11 +222,18 @@ def _bsmm_setup(ctx, inputs, output):
     ctx.dw_dtype = inputs[4]
 
 
+def bsmm_grads(needs, x: Tensor, w: Tensor, dy: Tensor, dx, dw) -> tuple[Tensor | None, Tensor | None]:
+    """The product's gradients, written once for both paths: dX = dY·Wᵀ (``dx(dy, w)``) and
+    dW = Xᵀ·dY (``dw(x, dy)``), each only where ``needs`` asks. The traced path passes the ops,
+    the eager one their launchers (which cast in the kernel)."""
+    return (dx(dy, w) if needs[0] else None), (dw(x, dy) if needs[1] else None)
+
+
 def _bsmm_backward(ctx, dy):
     x, w = ctx.saved_tensors
-    dx = bsmm_dx(dy, w, ctx.layout, ctx.axis) if ctx.needs_input_grad[0] else None
-    dw = bsmm_dw(x, dy, ctx.layout, ctx.axis, ctx.dw_dtype) if ctx.needs_input_grad[1] else None
-    return dx, dw, None, None, None
+    grads = bsmm_grads(ctx.needs_input_grad, x, w, dy, lambda d, w: bsmm_dx(d, w, ctx.layout, ctx.axis),
+                       lambda x, d: bsmm_dw(x, d, ctx.layout, ctx.axis, ctx.dw_dtype))
+    return *grads, None, None, None
 
 
 def _bsmm_dx_backward(ctx, g):
@@ -285,9 +292,10 @@ class _BlocksparseMatMulFn(torch.autograd.Function):
         from bstrain.kernels.matmul import run_dw, run_dx
         x, wk = ctx.saved_tensors
         dy = dy if dy.dtype == wk.dtype else dy.to(wk.dtype)
-        dx = run_dx(dy, wk, ctx.luts, ctx.axis, dtype=x.dtype) if ctx.needs_input_grad[0] else None
-        dw = run_dw(x, dy, ctx.luts, ctx.axis, ctx.dw_dtype) if ctx.needs_input_grad[1] else None
-        return dx, dw, None, None, None, None
+        grads = bsmm_grads(ctx.needs_input_grad, x, wk, dy,
+                           lambda d, w: run_dx(d, w, ctx.luts, ctx.axis, dtype=x.dtype),
+                           lambda x, d: run_dw(x, d, ctx.luts, ctx.axis, ctx.dw_dtype))
+        return *grads, None, None, None, None
 
 
 def _casts_in_kernel(X: torch.Tensor, dtype: torch.dtype, feature_axis: int) -> bool:
