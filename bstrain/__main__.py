@@ -1,4 +1,4 @@
-"""``python -m bstrain {train,eval,sample} [config=NAME|PATH] [key=value ...]``.
+"""``python -m bstrain {train,eval,sample,convert} [config=NAME|PATH] [key=value ...]``.
 
 Each command is a thin Hydra entry over a plain function (train(cfg) -> dict, ...). ``config=``
 names an experiment in bstrain/configs/config/ or gives the path of your own YAML file.
@@ -25,6 +25,7 @@ commands:
   train    train a model (default: config=lstm_tiny, a sparse LSTM on an embedded corpus)
   eval     evaluate a checkpoint: ckpt=PATH [split=valid|test]
   sample   generate text: ckpt=PATH [prompt=...|prompt_file=PATH] [length=N] [temperature=T]
+  convert  a checkpoint in the other format: ckpt=PATH out=NEW.dcp (sharded, DCP) or out=NEW.pt (a file)
 
 Hydra overrides work as usual, e.g. trainer.max_steps=100 trainer.precision=bf16
 hydra.run.dir=runs/mine. `python -m bstrain COMMAND --help` lists every key."""
@@ -83,7 +84,7 @@ def _table(blocks: list) -> str:
 def _help(command: str) -> str:
     from bstrain.configs import schema
     if command != "train":
-        node = schema.EvalConfig if command == "eval" else schema.SampleConfig
+        node = {"eval": schema.EvalConfig, "convert": schema.ConvertConfig}.get(command, schema.SampleConfig)
         return _table([f"usage: python -m bstrain {command} ckpt=PATH [key=value ...]\n\nkeys:", _rows("", node)])
     import textwrap
     intro = (f"config=NAME picks an experiment ({', '.join(experiments())}; default lstm_tiny) or config=PATH.yaml "
@@ -133,12 +134,18 @@ def _eval(cfg):
     return evaluate_checkpoint(cfg)
 
 
+def _convert(cfg):
+    from bstrain.train.commands import convert_checkpoint
+    return convert_checkpoint(cfg)
+
+
 def _sample(cfg):
     from bstrain.train.commands import sample
     return sample(cfg)
 
 
-COMMANDS = {"train": ("train", _train), "eval": ("eval", _eval), "sample": ("sample", _sample)}
+COMMANDS = {"train": ("train", _train), "eval": ("eval", _eval), "sample": ("sample", _sample),
+            "convert": ("convert", _convert)}
 
 
 def _exit_if_users(exc: BaseException) -> None:

@@ -24,7 +24,7 @@ from pathlib import Path
 CONFIGS = Path(__file__).parent / "configs"
 
 PATH_KEYS = frozenset({"data.path", "trainer.run_dir", "trainer.resume", "hydra.run.dir", "ckpt", "data_path",
-                       "prompt_file"})
+                       "prompt_file", "out"})
 """Keys whose values are file or directory names: ``~`` expanded, quoted when Hydra would not parse them."""
 
 _PLAIN = re.compile(r"[\w./:@+-]*", re.ASCII)       # values Hydra's grammar takes unquoted, as they are

@@ -2,6 +2,7 @@
 
 - :class:`UserError`: a data, config or checkpoint problem the user can fix (exit status 1). It
   is a ``ValueError`` so that library callers catching ``ValueError`` keep working.
+  :class:`CheckpointError` is the one a checkpoint raises (missing, truncated, corrupt, foreign).
 - :class:`RunInterrupted`: SIGINT or SIGTERM stopped a run after it wrote a checkpoint (exit
   status 130); the message says how to resume.
 - :class:`RunAborted`: a second SIGINT or SIGTERM stopped a run at once, without a new
@@ -14,6 +15,10 @@ from __future__ import annotations
 
 class UserError(ValueError):
     """A data, config or checkpoint problem, stated in one line that names what to change."""
+
+
+class CheckpointError(UserError):
+    """A checkpoint that is missing, truncated, corrupt or not one of ours."""
 
 
 class RunInterrupted(Exception):

@@ -37,6 +37,13 @@ class Device(str, Enum):
     cuda = "cuda"
 
 
+class Strategy(str, Enum):
+    auto = "auto"
+    single = "single"
+    ddp = "ddp"
+    fsdp = "fsdp"
+
+
 class Schedule(str, Enum):
     cosine = "cosine"
     linear = "linear"
@@ -175,6 +182,10 @@ class TrainerConfig:
                 "log line says why) | true: a graph or an error | false: eager"})
     compile: bool = field(default=False, metadata={"help": "torch.compile the model (forward and backward; the "
                                                             "block-sparse ops stay custom ops); any device, DDP too"})
+    strategy: Strategy = field(default=Strategy.auto, metadata={
+        "help": "auto: ddp when torchrun starts more than one process, else single | single | ddp (every process "
+                "holds the whole model) | fsdp (FSDP2: parameters, gradients and optimizer state sharded across "
+                "the processes)"})
 
 
 class Policy(str, Enum):
@@ -227,6 +238,13 @@ class EvalConfig:
     data_path: Optional[str] = field(default=None, metadata={"help": "evaluate on this data.path instead of the "
                                                                      "checkpoint's"})
     threads: int = field(default=0, metadata={"help": "CPU threads; 0: half the available cores"})
+
+
+@dataclass
+class ConvertConfig:
+    ckpt: str = field(default="???", metadata={"help": "checkpoint file, DCP directory or run dir (required)"})
+    out: str = field(default="???", metadata={"help": "the new checkpoint: PATH.pt (a file) or PATH.dcp (a "
+                                                      "sharded DCP directory, as trainer.strategy=fsdp writes)"})
 
 
 @dataclass
@@ -333,6 +351,7 @@ def register() -> None:
     cs = ConfigStore.instance()
     cs.store(name="base_train", node=TrainConfig)
     cs.store(name="base_eval", node=EvalConfig)
+    cs.store(name="base_convert", node=ConvertConfig)
     cs.store(name="base_sample", node=SampleConfig)
     for (group, name), node in GROUP_SCHEMAS.items():
         cs.store(group=group, name=f"base_{name}", node=node)

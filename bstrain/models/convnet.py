@@ -133,6 +133,10 @@ class SparseResNet(nn.Module):
         self.stages = nn.Sequential(*stages)
         self.head = nn.Linear(c, cfg.classes)
 
+    def shard_units(self) -> list[nn.Module]:
+        """The blocks FSDP shards one by one (``trainer.strategy=fsdp``): the residual blocks of the stages."""
+        return list(self.stages)
+
     def reset_parameters(self) -> None:
         """Initialises every parameter (and the batch norms' statistics) as the constructor does:
         for a model built on the meta device and then given memory with ``to_empty(device=...)``."""

@@ -254,6 +254,14 @@ class SparseLSTM(nn.Module):
     def sparse_layers(self) -> list[BlockSparseLinear]:
         return [m for m in self.modules() if isinstance(m, BlockSparseLinear)]
 
+    def shard_units(self) -> list[nn.Module]:
+        """The blocks FSDP shards one by one (``trainer.strategy=fsdp``): the recurrent layers. They
+        run at every timestep, so they stay gathered from the first step's forward to the backward
+        (``shard_reshard_after_forward``)."""
+        return [self.w_hm, *self.deep, self.w_mg]
+
+    shard_reshard_after_forward = False
+
     def block_sparse_layouts(self) -> dict[str, np.ndarray]:
         """{layer name: (C/bs, K/bs) layout}: shown in the run header and TensorBoard."""
         return dict(block_sparse_layouts(self))

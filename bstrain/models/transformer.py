@@ -23,6 +23,10 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
+try:
+    from torch.distributed.fsdp import FSDPModule
+except ImportError:                  # a torch built without torch.distributed: nothing is ever sharded
+    FSDPModule = ()
 from torch.utils.checkpoint import checkpoint
 
 from bstrain import layout as layouts
@@ -209,7 +213,10 @@ class Block(nn.Module):
             f = bias_gelu(F.linear(y, self.fc1.weight), self.fc1.bias, backend=self.backend)
         if isinstance(self.fc2, BlockSparseLinear):
             return h, *self.drop(self.fc2(f), None)
-        return h, *self.drop(F.linear(f, self.fc2.weight), self.fc2.bias)
+        r, c = self.drop(F.linear(f, self.fc2.weight), self.fc2.bias)
+        if c is not None and isinstance(self, FSDPModule):
+            c = c.clone()       # the next block adds it, after FSDP has freed this block's gathered parameters
+        return h, r, c
 
     def drop(self, r: torch.Tensor, c: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Residual dropout of a sublayer's output r (B, T, d) while training; its bias c, not yet
@@ -306,6 +313,10 @@ class SparseTransformer(nn.Module):
         if not isinstance(cfg.checkpoint, bool):
             raise ValueError(f"model.checkpoint: expected true or false, got {cfg.checkpoint!r}")
         return cfg
+
+    def shard_units(self) -> list[nn.Module]:
+        """The blocks FSDP shards one by one (``trainer.strategy=fsdp``): the transformer layers."""
+        return list(self.blocks)
 
     def block_sparse_layouts(self) -> dict[str, np.ndarray]:
         """{name: layout}: each layer's attention layout at the full context, and sparse FFN weights."""

@@ -15,21 +15,18 @@ from pathlib import Path
 
 import torch
 
-from bstrain.errors import UserError
+from bstrain.errors import CheckpointError  # noqa: F401 (defined in bstrain.errors; imported from here too)
 
 __all__ = ["CheckpointError", "KEYS", "capture", "restore", "check_model_entries", "save_checkpoint",
            "load_checkpoint", "find_checkpoint", "saved_config", "latest_checkpoint", "prune_checkpoints",
            "checkpoint_path"]
 
-_NAME = re.compile(r"^step_(\d+)\.pt$")
+_NAME = re.compile(r"^step_(\d+)\.(pt|dcp)$")      # a file, or a sharded (DCP) directory
 
 
-class CheckpointError(UserError):
-    """A checkpoint that is missing, truncated, corrupt or not one of ours."""
-
-
-def checkpoint_path(directory: str | Path, step: int) -> Path:
-    return Path(directory) / f"step_{step:08d}.pt"
+def checkpoint_path(directory: str | Path, step: int, sharded: bool = False) -> Path:
+    """``step_NNNNNNNN.pt``, or ``step_NNNNNNNN.dcp`` (a directory: bstrain/train/sharded.py)."""
+    return Path(directory) / f"step_{step:08d}.{'dcp' if sharded else 'pt'}"
 
 
 def save_checkpoint(path: str | Path, state: dict) -> Path:
@@ -59,12 +56,21 @@ def save_checkpoint(path: str | Path, state: dict) -> Path:
 
 def load_checkpoint(path: str | Path, map_location="cpu") -> dict:
     """Reads a checkpoint file, or the latest one in a directory (a run dir or its ckpt/)."""
+    from bstrain.train.sharded import is_sharded_checkpoint, read_full
     path = Path(path)
-    if path.is_dir():
+    if path.is_dir() and not is_sharded_checkpoint(path):
         found = find_checkpoint(path)
         if found is None:
-            raise CheckpointError(f"checkpoint: no step_*.pt file in {path} or {path / 'ckpt'}")
+            raise CheckpointError(f"checkpoint: no step_* checkpoint in {path} or {path / 'ckpt'}")
         path = found
+    if is_sharded_checkpoint(path):
+        try:
+            state = read_full(path)
+        except Exception as exc:
+            raise CheckpointError(f"checkpoint: cannot read the sharded checkpoint {path} ({type(exc).__name__}: "
+                                  f"{str(exc).splitlines()[0] if str(exc) else ''})") from None
+        state["path"] = str(path)
+        return state
     if not path.is_file():
         raise CheckpointError(f"checkpoint: {path} does not exist")
     try:
@@ -81,7 +87,10 @@ def load_checkpoint(path: str | Path, map_location="cpu") -> dict:
 def find_checkpoint(path: str | Path) -> Path | None:
     """A checkpoint file as it is, or the latest checkpoint in a directory (a run dir or its
     ckpt/); None when there is none."""
+    from bstrain.train.sharded import is_sharded_checkpoint
     path = Path(path)
+    if is_sharded_checkpoint(path):
+        return path
     if path.is_dir():
         return latest_checkpoint(path) or latest_checkpoint(path / "ckpt")
     return path if path.is_file() else None
@@ -90,8 +99,12 @@ def find_checkpoint(path: str | Path) -> Path | None:
 def saved_config(path: str | Path) -> dict | None:
     """The config a checkpoint was trained with, read without loading its tensors (a memory map);
     None when the file cannot be read that way (:func:`load_checkpoint` says why when the run loads it)."""
+    from bstrain.train.sharded import EXTRA, is_sharded_checkpoint
     try:
-        state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+        if is_sharded_checkpoint(path):
+            state = torch.load(Path(path) / EXTRA, map_location="cpu", weights_only=True)
+        else:
+            state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
     except Exception:
         return None
     return state.get("config") if isinstance(state, dict) else None
@@ -109,11 +122,14 @@ def latest_checkpoint(directory: str | Path) -> Path | None:
 def prune_checkpoints(directory: str | Path, keep: int) -> None:
     """Deletes all but the newest ``keep`` checkpoints, and stale temp files."""
     directory = Path(directory)
+    import shutil
     found = sorted((int(m.group(1)), p) for p in directory.iterdir() if (m := _NAME.match(p.name)))
     for _, p in found[:-keep] if keep > 0 else []:
-        p.unlink(missing_ok=True)
+        shutil.rmtree(p, ignore_errors=True) if p.is_dir() else p.unlink(missing_ok=True)
     for p in directory.glob("*.pt.tmp"):
         p.unlink(missing_ok=True)
+    for p in directory.glob("*.dcp.tmp"):
+        shutil.rmtree(p, ignore_errors=True)
 
 
 # --- what a checkpoint holds: written and read here only ---------------------------------------------
@@ -127,9 +143,10 @@ _LATER_KEYS = ("schedule",)
 """Entries that checkpoints of earlier versions lack and a resume does without."""
 
 
-def capture(run) -> dict | None:
+def capture(run, weights: bool = True) -> dict | None:
     """The checkpoint of a :class:`bstrain.train.run.Run`. Collective under DDP (the carried
-    states are gathered); returns the dict on rank 0 and None elsewhere."""
+    states are gathered); returns the dict on rank 0 and None elsewhere. ``weights=False`` leaves
+    the model and optimizer out (None): a sharded checkpoint writes them through DCP."""
     from omegaconf import OmegaConf
 
     from bstrain.train.distributed import gather
@@ -140,8 +157,8 @@ def capture(run) -> dict | None:
     device = run.device
     out = {
         "step": run.step,
-        "model": run.model.state_dict(),
-        "optimizer": run.optimizer.state_dict(),
+        "model": run.model.state_dict() if weights else None,
+        "optimizer": run.optimizer.state_dict() if weights else None,
         "scaler": run.scaler.state_dict(),
         "ema": run.ema.state_dict() if run.ema is not None else None,
         "task": run.task.state_dict(),
@@ -180,18 +197,34 @@ def check_model_entries(model: torch.nn.Module, saved: dict, path, adopt_layouts
                               f"resume with the config that wrote it")
 
 
+def _load_weights(run, ckpt: dict) -> None:
+    """The checkpoint's model and optimizer into the run's: as they are, or sharded under fsdp."""
+    from bstrain.train import sharded
+    check_model_entries(run.model, ckpt["model"], ckpt["path"])
+    before = [id(p) for p in run.model.parameters()]
+    by_name = ckpt.get("optimizer_fqn")                 # a sharded checkpoint read whole: keyed by name
+    if getattr(run, "strategy", "single") == "fsdp":
+        optim = by_name if by_name is not None else sharded.fqn_optimizer_state(run.model, run.optimizer,
+                                                                                ckpt["optimizer"])
+        sharded.load_full_into(run.model, run.optimizer, ckpt["model"], optim)
+    else:
+        run.model.load_state_dict(ckpt["model"])
+        if by_name is not None:
+            sharded.load_full_into(run.model, run.optimizer, ckpt["model"], by_name)
+        else:
+            run.optimizer.load_state_dict(ckpt["optimizer"])
+    if [id(p) for p in run.model.parameters()] != before:
+        raise RuntimeError("loading the checkpoint replaced a parameter the optimizer holds")
+
+
 def restore(run, ckpt: dict) -> None:
     """Loads a checkpoint into a freshly built run, checking the model's entries first. The
     carried state waits in ``run.pending_state`` until the first batch shows this rank's batch size."""
     if missing := [k for k in KEYS if k not in ckpt and k not in _LATER_KEYS]:
         raise CheckpointError(f"checkpoint {ckpt['path']}: no {', '.join(missing)} entries (written by an older "
                               f"bstrain?); it can be evaluated and sampled, not resumed")
-    check_model_entries(run.model, ckpt["model"], ckpt["path"])
-    before = [id(p) for p in run.model.parameters()]
-    run.model.load_state_dict(ckpt["model"])
-    if [id(p) for p in run.model.parameters()] != before:
-        raise RuntimeError("loading the checkpoint replaced a parameter the optimizer holds")
-    run.optimizer.load_state_dict(ckpt["optimizer"])
+    if ckpt["model"] is not None:                    # (None: a sharded checkpoint, loaded in place already)
+        _load_weights(run, ckpt)
     if ckpt["scaler"] and run.scaler.is_enabled():
         run.scaler.load_state_dict(ckpt["scaler"])
         run.scaler.set_growth_interval(run.cfg.trainer.loss_scale_window)     # this run's setting wins

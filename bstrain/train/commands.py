@@ -1,6 +1,8 @@
 """``eval`` and ``sample``: both rebuild the model, data and task from the config stored in a checkpoint."""
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
 from omegaconf import OmegaConf
 
@@ -9,7 +11,7 @@ from bstrain.train.checkpoint import check_model_entries, load_checkpoint
 from bstrain.train.distributed import World
 from bstrain.train.progress import log
 from bstrain.train.step import Forward, is_stateful
-from bstrain.train.run import PRECISIONS, instantiate, resolve_device, set_threads
+from bstrain.train.run import PRECISIONS, _without_shard, instantiate, resolve_device, set_threads
 
 
 def _required_ckpt(cfg) -> str:
@@ -42,7 +44,7 @@ def _load(cfg, data_path=None):
         train_cfg.data.path = data_path
     task = instantiate(train_cfg.task, "task")
     task.setup(instantiate(train_cfg.data, "data"), World(), int(train_cfg.trainer.seed))
-    model = instantiate(train_cfg.model, "model")
+    model = instantiate(_without_shard(train_cfg.model)[0], "model")
     weights = ckpt["model"]
     if ckpt.get("ema") is not None:                    # evaluate with the EMA weights when trained with them
         weights = {k.removeprefix("module."): v for k, v in ckpt["ema"].items() if k.startswith("module.")}
@@ -92,3 +94,36 @@ def sample(cfg) -> str:
     text = out.decode("utf-8", errors="replace")
     print(text)
     return text
+
+
+def convert_checkpoint(cfg) -> str:
+    """A checkpoint in the other format: a file (one process, DDP) as a sharded DCP directory
+    (``out=...dcp``), or a DCP directory as a file (``out=...pt``). The optimizer's state is keyed by
+    parameter index in a file and by name in DCP; the model the checkpoint's config builds (on the
+    meta device, no memory) gives the order."""
+    from bstrain.train import sharded
+    from bstrain.train.checkpoint import save_checkpoint
+    from bstrain.train.optim import make_optimizer
+    out = Path(str(cfg.out)) if not OmegaConf.is_missing(cfg, "out") and str(cfg.out).strip() else None
+    if out is None or out.suffix not in (".pt", ".dcp"):
+        raise UserError(f"out: expected the path to write, ending in .pt (a file) or .dcp (a sharded directory), "
+                        f"got {None if out is None else str(out)!r}")
+    if out.exists():
+        raise UserError(f"out: {out} exists; name a new path")
+    ckpt = load_checkpoint(_required_ckpt(cfg))
+    train_cfg = OmegaConf.create(upgrade_config(ckpt["config"]))
+    with torch.device("meta"):
+        model = instantiate(_without_shard(train_cfg.model)[0], "model")
+    optimizer = make_optimizer(model, train_cfg.optim, torch.device("cpu"), capturable=False)
+    names = sharded.parameter_order(model, optimizer)
+    by_name = ckpt.pop("optimizer_fqn", None)
+    extra = {k: v for k, v in ckpt.items() if k not in ("model", "optimizer", "path")}
+    if out.suffix == ".dcp":
+        optim = by_name if by_name is not None else sharded.optimizer_by_name(ckpt["optimizer"], names)
+        sharded.write_whole(out, ckpt["model"], optim, extra)
+    else:
+        optim = ckpt["optimizer"] if by_name is None else sharded.optimizer_by_index(by_name, names)
+        save_checkpoint(out, {**extra, "model": ckpt["model"], "optimizer": optim})
+    log.info("%s (step %d) written as %s", ckpt["path"], ckpt["step"], out)
+    print(f"wrote {out}")
+    return str(out)

@@ -29,12 +29,16 @@ def validate(run: Run, progress: Progress, board: Board, elapsed: float) -> None
                 valid = run.task.evaluate(forward, "valid", run.cfg.trainer.eval_batches, progress.active)
         finally:
             model.train()
-        board.scalars(run.step, {f"valid/{k}": v for k, v in valid.items()})
-        shown = ", ".join(f"{k} {v:.4f}" for k, v in valid.items() if isinstance(v, float))
-        log.info("step %d: %s %s", run.step, valid_label(run), shown)
-        run.valid_history.append((run.step, elapsed, valid.get(run.task.metric, valid["loss"])))
+        if run.world.main:
+            board.scalars(run.step, {f"valid/{k}": v for k, v in valid.items()})
+            shown = ", ".join(f"{k} {v:.4f}" for k, v in valid.items() if isinstance(v, float))
+            log.info("step %d: %s %s", run.step, valid_label(run), shown)
+            run.valid_history.append((run.step, elapsed, valid.get(run.task.metric, valid["loss"])))
         return valid
-    run.valid = broadcast(on_main(run.world, evaluate), run.world)
+    if run.strategy == "fsdp":              # every rank runs the sharded forward (its gathers are collective)
+        run.valid = broadcast(evaluate(), run.world)
+    else:
+        run.valid = broadcast(on_main(run.world, evaluate), run.world)
 
 
 def valid_label(run: Run) -> str:

@@ -18,7 +18,7 @@ from omegaconf import DictConfig, OmegaConf
 from bstrain.errors import UserError
 from bstrain.nn import set_grad_group
 from bstrain.train import checkpoint as ckpt_io
-from bstrain.train import checks, sparsity
+from bstrain.train import checks, fsdp, sharded, sparsity
 from bstrain.train.checkpoint import latest_checkpoint, load_checkpoint
 from bstrain.train.distributed import World, check_same_layouts
 from bstrain.train.optim import _match_graph_mode, make_optimizer
@@ -131,9 +131,9 @@ def _resume_path(cfg, run_dir: Path) -> Path | None:
                             f"with hydra.run.dir=... (or give trainer.resume=PATH)")
         return latest
     path = Path(value)
-    if path.is_dir():                                    # a run dir or its ckpt/: its latest checkpoint
+    if path.is_dir() and not sharded.is_sharded_checkpoint(path):   # a run dir or its ckpt/: its latest checkpoint
         path = latest_checkpoint(path) or latest_checkpoint(path / "ckpt") or path
-    if latest is None or not path.is_file():
+    if latest is None or not (path.is_file() or sharded.is_sharded_checkpoint(path)):
         return path                                      # (load_checkpoint names a missing file)
     if path.resolve().parent != (run_dir / "ckpt").resolve():
         raise UserError(f"trainer.resume={value}: run dir {run_dir} holds checkpoints of another run; resume into "
@@ -142,6 +142,28 @@ def _resume_path(cfg, run_dir: Path) -> Path | None:
         raise UserError(f"trainer.resume={value}: run dir {run_dir} holds a later checkpoint ({latest.name}); "
                         f"continuing an earlier one here would mix two runs: resume into a new directory")
     return path
+
+
+def _without_shard(node):
+    """(the model section without ``shard``, its ``shard`` list or None): ``model.shard`` names a
+    user model's FSDP units and is not the model's argument."""
+    if not OmegaConf.is_dict(node) or fsdp.SHARD_KEY not in node:
+        return node, None
+    spec = OmegaConf.to_container(node[fsdp.SHARD_KEY], resolve=True) if OmegaConf.is_config(node[fsdp.SHARD_KEY]) \
+        else node[fsdp.SHARD_KEY]
+    rest = OmegaConf.masked_copy(node, [k for k in node if k != fsdp.SHARD_KEY])
+    return rest, spec
+
+
+def _read_checkpoint(run, path: Path) -> dict:
+    """The checkpoint to restore: a sharded one into an fsdp run is loaded in place here, each rank
+    reading its own shards (its model and optimizer entries then None); anything else whole."""
+    if run.strategy == "fsdp" and sharded.is_sharded_checkpoint(path):
+        sharded.load_sharded_into(path, run.model, run.optimizer)
+        ckpt = sharded.read_extra(path)
+        ckpt["path"] = str(path)
+        return ckpt
+    return load_checkpoint(path)
 
 
 # --- the run -------------------------------------------------------------------------------------------
@@ -154,7 +176,7 @@ class Run:
     run_dir: Path
     task: Any
     model: torch.nn.Module
-    net: torch.nn.Module                  # the model, or DDP around it
+    net: torch.nn.Module                  # the model, or DDP around it (fsdp: the sharded model itself)
     forward: Forward
     optimizer: torch.optim.Optimizer
     scaler: torch.amp.GradScaler
@@ -176,6 +198,7 @@ class Run:
     skipped: Any = 0                      # fp16 steps skipped since the last log (a device tensor)
     sparsity: Any = None                  # the dynamic-sparsity policy (bstrain.sparsity), None if static
     first_batch: tuple | None = None      # the batch the start's check ran on: the first step trains on it
+    strategy: str = "single"              # single, ddp or fsdp (bstrain/train/fsdp.py)
 
     @property
     def step_mode(self) -> str:
@@ -184,8 +207,11 @@ class Run:
 
 
 
-def _distributed(model: torch.nn.Module, world: World, device: torch.device, graphed: bool) -> torch.nn.Module:
-    """The model, or DDP around it under torchrun."""
+def _distributed(model: torch.nn.Module, world: World, device: torch.device, graphed: bool, strategy: str = "ddp",
+                 amp_dtype: torch.dtype | None = None, shard_spec=None) -> torch.nn.Module:
+    """The model, DDP around it, or the model sharded in place (fsdp), by strategy."""
+    if strategy == "fsdp":
+        return fsdp.shard(model, world, device, amp_dtype, shard_spec)
     if not world.active:
         return model
     from torch.nn.parallel import DistributedDataParallel
@@ -207,19 +233,24 @@ def build(cfg: DictConfig, run_dir: Path, device: torch.device, world: World, se
     """
     settings = settings or check_config(cfg)
     t_cfg, amp_dtype = cfg.trainer, settings.amp_dtype
+    strategy = fsdp.resolve_strategy(t_cfg.get("strategy", "auto"), world)
+    fsdp.check_strategy(strategy, cfg)
     resume = _resume_path(cfg, run_dir)
     task = instantiate(cfg.task, "task")
     task.setup(instantiate(cfg.data, "data"), world, t_cfg.seed)
     checks.check_model_config(task, cfg.model)
     torch.manual_seed(t_cfg.seed)
-    model = instantiate(cfg.model, "model")
+    model_node, shard_spec = _without_shard(cfg.model)
+    model = instantiate(model_node, "model")
     if not isinstance(model, torch.nn.Module):
         raise UserError(f"model ({cfg.model._target_}): expected an nn.Module, got {type(model).__name__}")
     model = model.to(device)
     set_grad_group(model, t_cfg.group_size)
-    why_eager = eager_reason(settings.graph_mode, device)
+    why_eager = eager_reason(settings.graph_mode, device, strategy)
+    if strategy == "fsdp" and device.type == "cuda" and why_eager is not None:
+        log.info("step: eager (%s)", why_eager)
     graphed = why_eager is None
-    net = uncompiled = _distributed(model, world, device, graphed)
+    net = uncompiled = _distributed(model, world, device, graphed, strategy, amp_dtype, shard_spec)
     if compiled := bool(t_cfg.get("compile", False)):
         net = torch.compile(net)        # the model (and DDP around it); checkpoints keep using `model`
     optimizer = make_optimizer(model, cfg.optim, device, capturable=graphed)
@@ -233,7 +264,7 @@ def build(cfg: DictConfig, run_dir: Path, device: torch.device, world: World, se
         ema = AveragedModel(model, device=device)       # n_averaged on the device, where graphs count it
     forward = Forward(net, amp_dtype, device)
     run = Run(cfg, world, device, run_dir, task, model, net, forward, optimizer, scaler,
-              LRSchedule(cfg.optim, t_cfg.max_steps), ema, params=list(model.parameters()))
+              LRSchedule(cfg.optim, t_cfg.max_steps), ema, params=list(model.parameters()), strategy=strategy)
     run.sparsity = sparsity.make_policy(cfg, model, optimizer, ema, t_cfg.max_steps)
     forward_hooked = None
     if run.sparsity is not None and compiled:
@@ -244,7 +275,7 @@ def build(cfg: DictConfig, run_dir: Path, device: torch.device, world: World, se
                       ema_decay=cfg.optim.ema, world=world, policy=run.sparsity, forward_hooked=forward_hooked)
     run.stepper = Stepper(parts, settings.graph_mode, why_eager, compiled=compiled)
     if resume is not None:
-        ckpt_io.restore(run, load_checkpoint(resume))
+        ckpt_io.restore(run, _read_checkpoint(run, resume))
         _match_graph_mode(optimizer, graphed, device)
         log.info("resumed from %s at step %d", resume, run.step)
         if run.sparsity is not None:

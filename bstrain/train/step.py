@@ -70,7 +70,8 @@ class Forward:
 
 def clip_grads(params, grad_clip: float) -> torch.Tensor:
     """Global-norm clipping to ``grad_clip`` (0: none); returns the norm before clipping."""
-    return torch.nn.utils.clip_grad_norm_(params, grad_clip if grad_clip > 0 else float("inf"))
+    norm = torch.nn.utils.clip_grad_norm_(params, grad_clip if grad_clip > 0 else float("inf"))
+    return norm.full_tensor() if hasattr(norm, "full_tensor") else norm       # sharded (fsdp): the global norm
 
 
 def train_step(forward: Forward, loss_fn, x: torch.Tensor, y: torch.Tensor, state, optimizer: torch.optim.Optimizer,

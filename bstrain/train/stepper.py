@@ -41,13 +41,15 @@ class GraphMode(Enum):
         return cls(mode)
 
 
-def eager_reason(mode: GraphMode, device: torch.device) -> str | None:
-    """Why this run will not capture its step, or None where it will try: ``false``, or ``auto``
-    off a CUDA device (``true`` there is a UserError). Whether the model can be captured is found
-    at the first step."""
+def eager_reason(mode: GraphMode, device: torch.device, strategy: str = "single") -> str | None:
+    """Why this run will not capture its step, or None where it will try: ``false``, ``auto``
+    off a CUDA device or under fsdp (``true`` there is a UserError). Whether the model can be
+    captured is found at the first step."""
     if mode is GraphMode.false:
         return "trainer.cuda_graph=false"
     reason = check_graph_config(device)
+    if reason is None and strategy == "fsdp":
+        reason = "trainer.strategy=fsdp: FSDP's all-gathers and reduce-scatters run outside a whole-step CUDA graph"
     if reason is not None and mode is GraphMode.true:
         raise UserError(f"trainer.cuda_graph=true: {reason} (auto graphs where it can, false never)")
     return reason

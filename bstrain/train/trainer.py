@@ -39,12 +39,14 @@ from bstrain.train import sparsity
 from bstrain.train.checkpoint import checkpoint_path, prune_checkpoints, save_checkpoint
 from bstrain.train.distributed import barrier, broadcast, device_for, finish, init_world, on_main
 from bstrain.train.evaluate import valid_label, validate
+from bstrain.train.fsdp import class_name
 from bstrain.train.optim import _match_graph_mode, make_optimizer  # noqa: F401 (read from here by tests)
 from bstrain.train.progress import Board, Progress, log, remove_logging, setup_logging
 from bstrain.train.run import (PRECISIONS, Run, Settings, _run_dir, _value, build, check_config, instantiate,
                                resolve_device, set_threads)
 from bstrain.train.rundir import missing_dirs, remove_failed_start
 from bstrain.train.schedule import set_lr
+from bstrain.train.sharded import save_sharded
 from bstrain.train.step import is_stateful, unwrap
 from bstrain.train.stopping import _agree_to_stop, resume_hint, stop_on_signals
 from bstrain.train.window import Window, log_window
@@ -103,7 +105,13 @@ def one_step(run: Run, x: torch.Tensor, y: torch.Tensor, fresh: bool):
 
 # --- checkpoints ---------------------------------------------------------------------------------
 def save(run: Run) -> Path | None:
-    """A checkpoint of this step (collective under DDP; rank 0 writes); returns its path."""
+    """A checkpoint of this step (collective under DDP; rank 0 writes; under fsdp every rank writes
+    its shards, bstrain/train/sharded.py); returns its path."""
+    if run.strategy == "fsdp":
+        path = checkpoint_path(run.run_dir / "ckpt", run.step, sharded=True)
+        save_sharded(path, run.model, run.optimizer, ckpt_io.capture(run, weights=False), run.world)
+        on_main(run.world, lambda: prune_checkpoints(run.run_dir / "ckpt", run.cfg.trainer.keep_ckpts))
+        return path
     state = ckpt_io.capture(run)
     path = checkpoint_path(run.run_dir / "ckpt", run.step)
 
@@ -122,9 +130,9 @@ def _header(run: Run) -> dict:
     params = sum(p.numel() for p in run.model.parameters())
     sparse = ", ".join(f"{name} {lay.shape[0]}x{lay.shape[1]} blocks at density {lay.mean():.3f}"
                        for name, lay in layouts.items()) or "no block-sparse layers"
-    log.info("run dir %s | device %s x %d | precision %s | %s | %s parameters (%s) | %s", run.run_dir, run.device,
-             run.world.size, _value(run.cfg.trainer.precision), type(run.model).__name__, f"{params:,}", sparse,
-             run.task.describe())
+    log.info("run dir %s | device %s x %d%s | precision %s | %s | %s parameters (%s) | %s", run.run_dir, run.device,
+             run.world.size, f" | {run.strategy}" if run.world.active else "", _value(run.cfg.trainer.precision),
+             class_name(unwrap(run.model)), f"{params:,}", sparse, run.task.describe())
     return layouts
 
 

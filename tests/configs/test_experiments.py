@@ -53,3 +53,20 @@ def test_checkpoint_is_refused_in_one_line_where_a_model_lacks_it(name):
     with pytest.raises(Exception) as info:
         composed(*rewrite("train", [f"config={name}", "model.checkpoint=true"]))
     assert one_line(info.value).startswith("model.checkpoint: no such key; model has _target_, ")
+
+
+def test_transformer_fsdp_outgrows_ddp_on_one_h200():
+    """transformer_fsdp: fsdp by default, and with AdamW (16 bytes a parameter: fp32 weight,
+    gradient and two moments) more state than one H200's 141 GB before activations: DDP cannot
+    hold it, fsdp splits it."""
+    import torch
+
+    from bstrain.models.transformer import SparseTransformer
+    cfg = composed("config=transformer_fsdp", "data.path=/data/unused")
+    assert cfg.trainer.strategy == "fsdp" and cfg.trainer.precision == "bf16" and cfg.model.checkpoint
+    kwargs = {k: v for k, v in OmegaConf.to_container(cfg.model, resolve=True).items() if k != "_target_"}
+    with torch.device("meta"):
+        model = SparseTransformer(**kwargs)
+    params = sum(p.numel() for p in model.parameters())
+    assert params * 16 > 141e9, params
+    assert len(model.shard_units()) == cfg.model.n_layer == 48

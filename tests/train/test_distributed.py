@@ -14,13 +14,13 @@ import torch
 REPO = Path(__file__).parents[2]
 
 
-def torchrun(run: Path, tmp: Path, *extra, nproc: int = 2, extra_env=None):
+def torchrun(run: Path, tmp: Path, *extra, nproc: int = 2, extra_env=None, text: bool = True):
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
                **(extra_env or {}))
     args = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", "-m",
             "bstrain", "train", f"hydra.run.dir={run}", "trainer.progress=false",
             "trainer.eval_every=3", "trainer.ckpt_every=3", "trainer.log_every=1", "trainer.eval_batches=2",
-            "data.seq_len=16", *extra]
+            *(["data.seq_len=16"] if text else []), *extra]
     if not any(a.startswith("trainer.device=") for a in extra):
         args.append("trainer.device=cpu")
     return subprocess.run(args, env=env, capture_output=True, text=True, timeout=300, cwd=tmp)

@@ -116,3 +116,32 @@ class LimitLM(nn.Module):
         if x.shape[1] > self.limit:
             raise ValueError(f"x: expected at most {self.limit} positions, got {x.shape[1]}")
         return self.head(self.embed(x))
+
+
+class StackBlock(nn.Module):
+    """One residual block of :class:`StackLM`."""
+
+    def __init__(self, width: int):
+        super().__init__()
+        self.norm = nn.LayerNorm(width)
+        self.mix = BlockSparseLinear(width, width, block_size=16, density=0.5, seed=len(str(width)))
+
+    def forward(self, h):
+        return h + torch.relu(self.mix(self.norm(h)))
+
+
+class StackLM(nn.Module):
+    """A stateless byte LM of residual blocks (``blocks.0``, ``blocks.1``, ...): a user's model whose
+    FSDP units ``model.shard`` names."""
+
+    def __init__(self, width: int = 32, depth: int = 2):
+        super().__init__()
+        self.embed = nn.Embedding(256, width)
+        self.blocks = nn.ModuleList(StackBlock(width) for _ in range(depth))
+        self.head = nn.Linear(width, 256)
+
+    def forward(self, x):
+        h = self.embed(x)
+        for block in self.blocks:
+            h = block(h)
+        return self.head(h)

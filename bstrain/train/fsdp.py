@@ -1,0 +1,152 @@
+"""The run's parallel strategy, and FSDP2 for models that outgrow DDP.
+
+``trainer.strategy``: ``single`` (one process), ``ddp`` (torchrun; every process holds the whole
+model and DDP averages gradients) or ``fsdp`` (torchrun; PyTorch's FSDP2, ``fully_shard``: each
+process holds 1/N of the parameters, gradients and AdamW state, and gathers a block's parameters
+only while it runs). ``auto`` is ddp under torchrun with more than one process, else single.
+
+Under fsdp the model is sharded block by block, then at its root. The blocks (the units that
+gather together) are what the model's ``shard_units()`` returns (the built-in models: transformer
+layers, LSTM layers, ResNet stages) or, for a user's ``_target_`` model, the modules that
+``model.shard`` names: a list of module names as in ``named_modules()`` (shell patterns such as
+``blocks.*`` allowed) or class names (``Block``, or a class path ``my_pkg.Block``). A block-sparse
+weight ``(nnz, bs, bs)`` is sharded along its blocks. Mixed precision is FSDP's own
+``MixedPrecisionPolicy``: 16-bit parameters for compute, fp32 gradient reduction, fp32 master
+weights (and the trainer's autocast around the forward as in the other strategies).
+
+What fsdp does not do yet is refused at start with one line (:func:`check_strategy`).
+"""
+from __future__ import annotations
+
+import fnmatch
+import importlib
+
+import torch
+from torch import nn
+
+from bstrain.errors import UserError
+from bstrain.train.distributed import World, check_same_layouts
+
+STRATEGIES = ("auto", "single", "ddp", "fsdp")
+SHARD_KEY = "shard"
+"""The model-section key naming a user model's FSDP units (left out of the model's constructor)."""
+
+
+def resolve_strategy(value, world: World) -> str:
+    """single, ddp or fsdp for ``trainer.strategy`` in this world; UserError where they disagree."""
+    value = str(getattr(value, "value", value))
+    if value not in STRATEGIES:
+        raise UserError(f"trainer.strategy: expected one of {', '.join(STRATEGIES)}, got {value!r}")
+    if value == "auto":
+        return "ddp" if world.active else "single"
+    if value in ("ddp", "fsdp") and not world.active:
+        raise UserError(f"trainer.strategy={value}: needs more than one process (torchrun --nproc_per_node=N -m "
+                        f"bstrain train ...), got one; one process trains with trainer.strategy=single or auto (a "
+                        f"resumed run keeps its checkpoint's strategy unless the command line sets it)")
+    if value == "single" and world.active:
+        raise UserError(f"trainer.strategy=single: torchrun started {world.size} processes, each of which would "
+                        f"train alone; use trainer.strategy=ddp or fsdp (or auto)")
+    return value
+
+
+def check_strategy(strategy: str, cfg) -> None:
+    """UserError, in one line, for what fsdp cannot run yet."""
+    if strategy != "fsdp":
+        return
+    policy = str(getattr(cfg.get("sparsity", {}).get("policy", "static"), "value",
+                         cfg.get("sparsity", {}).get("policy", "static")))
+    refused = {
+        "sparsity.policy": (policy != "static", f"sparsity.policy={policy} (dynamic sparsity on sharded weights)"),
+        "optim.ema": (cfg.optim.ema > 0, f"optim.ema={cfg.optim.ema} (an EMA copy of sharded weights)"),
+        "trainer.precision": (str(getattr(cfg.trainer.precision, "value", cfg.trainer.precision)) == "fp16",
+                              "trainer.precision=fp16 (loss scaling of sharded gradients; bf16 needs none)"),
+    }
+    for key, (bad, what) in refused.items():
+        if bad:
+            raise UserError(f"trainer.strategy=fsdp: {what} is not supported yet; run it with trainer.strategy=ddp, "
+                            f"or leave {key} at its default")
+
+
+def _named_class(name: str):
+    """The class a dotted ``name`` imports, or None."""
+    if "." not in name:
+        return None
+    module, _, attr = name.rpartition(".")
+    try:
+        return getattr(importlib.import_module(module), attr, None)
+    except ImportError:
+        return None
+
+
+def _name_matches(name: str, pattern: str) -> bool:
+    """A module name against a pattern, part by dotted part (``blocks.*`` is ``blocks.0``, not
+    ``blocks.0.norm``)."""
+    parts, want = name.split("."), pattern.split(".")
+    return len(parts) == len(want) and all(fnmatch.fnmatchcase(p, w) for p, w in zip(parts, want))
+
+
+def shard_units(model: nn.Module, spec=None) -> list[nn.Module]:
+    """The modules to shard before the root: those ``spec`` names (a user's ``model.shard``),
+    else the model's own ``shard_units()``, else none (the root alone)."""
+    if spec is None:
+        own = getattr(model, "shard_units", None)
+        return list(own()) if callable(own) else []
+    if isinstance(spec, str):
+        spec = [spec]
+    units, names = [], dict(model.named_modules())
+    for entry in spec:
+        if not isinstance(entry, str) or not entry:
+            raise UserError(f"model.shard: expected a list of module names or class names, got {entry!r}")
+        cls = _named_class(entry)
+        hits = [m for n, m in names.items() if n and (_name_matches(n, entry) or
+                                                      (cls is not None and isinstance(m, cls)) or
+                                                      type(m).__name__ == entry)]
+        if not hits:
+            some = ", ".join(n for n in list(names)[1:6])
+            raise UserError(f"model.shard: {entry!r} matches no module of {type(model).__name__} (module names such "
+                            f"as {some}, or a class name)")
+        units += [m for m in hits if all(m is not u for u in units)]
+    return _inner_first(units)
+
+
+def _inner_first(units: list[nn.Module]) -> list[nn.Module]:
+    """Units ordered inner before outer: fully_shard must reach a nested unit before the one holding it."""
+    def depth(u):
+        return sum(1 for v in units if v is not u and any(u is m for m in v.modules()))
+    return sorted(units, key=depth, reverse=True)
+
+
+def shard(model: nn.Module, world: World, device: torch.device, amp_dtype: torch.dtype | None, spec=None) -> nn.Module:
+    """``fully_shard`` on each unit, then on the root (in place); returns the model.
+
+    The layouts are checked to agree across ranks first (a rank that drew another layout would
+    shard a different weight: one clear error instead)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    check_same_layouts(model, world)
+    mesh = init_device_mesh(device.type, (world.size,))
+    mp = MixedPrecisionPolicy(param_dtype=amp_dtype, reduce_dtype=torch.float32) if amp_dtype is not None else \
+        MixedPrecisionPolicy()
+    units = shard_units(model, spec)
+    if any(u is model for u in units):
+        raise UserError("model.shard: names the model itself; name its blocks (the root is sharded anyway)")
+    reshard = getattr(model, "shard_reshard_after_forward", True)
+    for unit in units:
+        fully_shard(unit, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard)
+    fully_shard(model, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard)
+    return model
+
+
+def is_sharded(model: nn.Module) -> bool:
+    """Whether ``model`` (or a module in it) is FSDP2-sharded."""
+    from torch.distributed.fsdp import FSDPModule
+    return any(isinstance(m, FSDPModule) for m in model.modules())
+
+
+def class_name(model: nn.Module) -> str:
+    """The model's own class name (``SparseLSTM``, not FSDP's ``FSDPSparseLSTM``)."""
+    from torch.distributed.fsdp import FSDPModule
+    cls = type(model)
+    if isinstance(model, FSDPModule):
+        cls = next((b for b in cls.__bases__ if b is not FSDPModule), cls)
+    return cls.__name__

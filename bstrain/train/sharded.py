@@ -1,0 +1,146 @@
+"""Sharded checkpoints: ``torch.distributed.checkpoint`` (DCP) directories for FSDP runs.
+
+Under ``trainer.strategy=fsdp`` a checkpoint is a directory ``step_NNNNNNNN.dcp/``:
+
+- the model's and the optimizer's state as DCP writes them, each rank its own shards, keyed by
+  parameter name (``get_state_dict``), so any number of processes can read them back;
+- ``extra.pt``: everything else the file checkpoints hold (:data:`bstrain.train.checkpoint.KEYS`:
+  step, loss scale, data position, every rank's RNG, carried states, metrics, config, schedule),
+  written by rank 0.
+
+Every rank writes into ``step_NNNNNNNN.dcp.tmp/``; rank 0 renames it when all have finished, so a
+run killed mid-write leaves the previous checkpoint whole. Reading:
+
+- an fsdp run of any size loads its own shards (:func:`load_sharded_into`: DCP reshards);
+- one process (``trainer.strategy=single``, ``python -m bstrain eval`` and ``sample``) reads the
+  whole state into memory (:func:`read_full`), as from a file checkpoint;
+- an fsdp run resuming a file checkpoint (one process or DDP wrote it) shards it as it loads
+  (:func:`load_full_into`).
+"""
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+import torch
+
+EXTRA = "extra.pt"
+SUFFIX = ".dcp"
+
+
+def is_sharded_checkpoint(path: str | Path) -> bool:
+    path = Path(path)
+    return path.is_dir() and path.name.endswith(SUFFIX) and (path / EXTRA).is_file()
+
+
+def _fqn_state(model, optimizer):
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+    msd, osd = get_state_dict(model, optimizer)
+    return {"model": msd, "optimizer": osd}
+
+
+def save_sharded(path: Path, model, optimizer, extra: dict | None, world) -> Path:
+    """Writes the checkpoint directory ``path`` (collective: every rank calls it); ``extra`` is
+    rank 0's dict of the other entries (None elsewhere)."""
+    import torch.distributed.checkpoint as dcp
+
+    from bstrain.train.distributed import barrier
+    tmp = path.with_name(path.name + ".tmp")
+    if world.main:
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+    barrier(world)
+    dcp.save(_fqn_state(model, optimizer), checkpoint_id=str(tmp))
+    if world.main:
+        with open(tmp / EXTRA, "wb") as f:
+            torch.save(extra, f)
+            f.flush()
+            os.fsync(f.fileno())
+        shutil.rmtree(path, ignore_errors=True)
+        os.replace(tmp, path)
+    barrier(world)
+    return path
+
+
+def read_extra(path: str | Path) -> dict:
+    return torch.load(Path(path) / EXTRA, map_location="cpu", weights_only=True)
+
+
+def read_full(path: str | Path) -> dict:
+    """The whole checkpoint in this process's memory, as a file checkpoint reads: the model's
+    state dict of full tensors, the optimizer's keyed by parameter name (``optimizer_fqn``), and
+    the extra entries. Needs no process group."""
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
+    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
+    state: dict = {}              # (what torch's dcp_to_torch_save does: every entry, whole, in one process)
+    _load_state_dict(state, storage_reader=FileSystemReader(str(path)), planner=_EmptyStateDictLoadPlanner(),
+                     no_dist=True)
+    out = read_extra(path)
+    out["model"] = state["model"]
+    out["optimizer"] = None
+    out["optimizer_fqn"] = state.get("optimizer")
+    return out
+
+
+def load_sharded_into(path: str | Path, model, optimizer) -> None:
+    """Loads the checkpoint's model and optimizer into a sharded (or plain) model and its
+    optimizer, each rank reading the shards it holds."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import set_state_dict
+    state = _fqn_state(model, optimizer)
+    dcp.load(state, checkpoint_id=str(path))
+    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+
+
+def parameter_order(model, optimizer) -> list[str]:
+    """The parameters' names in ``optimizer``'s order, the order its state dict numbers them in
+    (the same config builds the same groups in the same order)."""
+    names = {id(p): n for n, p in model.named_parameters()}
+    return [names[id(p)] for g in optimizer.param_groups for p in g["params"]]
+
+
+def optimizer_by_name(saved: dict, order: list[str]) -> dict:
+    """An optimizer state dict keyed by parameter index (``Optimizer.state_dict``) keyed by name."""
+    saved_order = [i for g in saved["param_groups"] for i in g["params"]]
+    if len(saved_order) != len(order):
+        from bstrain.errors import CheckpointError
+        raise CheckpointError(f"checkpoint: its optimizer holds {len(saved_order)} parameters, the model its config "
+                              f"builds {len(order)}; use the config that wrote it")
+    by_index = dict(zip(saved_order, order))
+    return {"state": {by_index[i]: s for i, s in saved["state"].items()},
+            "param_groups": [{**g, "params": [by_index[i] for i in g["params"]]} for g in saved["param_groups"]]}
+
+
+def optimizer_by_index(saved: dict, order: list[str]) -> dict:
+    """The inverse of :func:`optimizer_by_name`."""
+    index = {n: i for i, n in enumerate(order)}
+    return {"state": {index[n]: s for n, s in saved["state"].items()},
+            "param_groups": [{**g, "params": [index[n] for n in g["params"]]} for g in saved["param_groups"]]}
+
+
+def fqn_optimizer_state(model, optimizer, saved: dict) -> dict:
+    """A file checkpoint's optimizer state keyed by the names of ``model``'s parameters."""
+    return optimizer_by_name(saved, parameter_order(model, optimizer))
+
+
+def write_whole(path: Path, model_state: dict, optim_state: dict, extra: dict) -> Path:
+    """A sharded checkpoint directory written by one process from whole state dicts (a conversion)."""
+    import torch.distributed.checkpoint as dcp
+    tmp = path.with_name(path.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    dcp.save({"model": model_state, "optimizer": optim_state}, checkpoint_id=str(tmp), no_dist=True)
+    with open(tmp / EXTRA, "wb") as f:
+        torch.save(extra, f)
+    os.replace(tmp, path)
+    return path
+
+
+def load_full_into(model, optimizer, model_state: dict, optim_state: dict) -> None:
+    """Full (unsharded) state dicts, keyed by name, into a sharded model and its optimizer: each
+    rank keeps its shards."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
+    set_state_dict(model, optimizer, model_state_dict=model_state, optim_state_dict=optim_state,
+                   options=StateDictOptions(full_state_dict=True))
