@@ -160,7 +160,7 @@ def capture(run, weights: bool = True) -> dict | None:
         "model": run.model.state_dict() if weights else None,
         "optimizer": run.optimizer.state_dict() if weights else None,
         "scaler": run.scaler.state_dict(),
-        "ema": run.ema.state_dict() if run.ema is not None else None,
+        "ema": run.ema.state_dict() if run.ema is not None and weights else None,
         "task": run.task.state_dict(),
         "rng": {"cpu": torch.get_rng_state(),
                 "cuda": torch.cuda.get_rng_state(device) if device.type == "cuda" else None},
@@ -232,7 +232,11 @@ def restore(run, ckpt: dict) -> None:
         from bstrain.train.progress import log
         log.info("checkpoint %s: no fp16 loss scale in it; scaling starts at %g", ckpt["path"], run.scaler.get_scale())
     if run.ema is not None and ckpt.get("ema") is not None:
-        run.ema.load_state_dict(ckpt["ema"])
+        if getattr(run, "strategy", "single") == "fsdp":
+            from bstrain.train.sharded import load_full_ema
+            load_full_ema(run.ema, ckpt["ema"])
+        else:
+            run.ema.load_state_dict(ckpt["ema"])
     run.task.load_state_dict(ckpt["task"], run.world)
     torch.set_rng_state(ckpt["rng"]["cpu"])
     if run.device.type == "cuda" and ckpt["rng"].get("cuda") is not None:

@@ -14,6 +14,7 @@ weight ``(nnz, bs, bs)`` is sharded along its blocks. Mixed precision is FSDP's 
 ``MixedPrecisionPolicy``: 16-bit parameters for compute, fp32 gradient reduction, fp32 master
 weights (and the trainer's autocast around the forward as in the other strategies).
 
+fp16's loss scaler all-reduces its inf check (each rank sees only its shards of the gradients).
 What fsdp does not do yet is refused at start with one line (:func:`check_strategy`).
 """
 from __future__ import annotations
@@ -57,9 +58,6 @@ def check_strategy(strategy: str, cfg) -> None:
                          cfg.get("sparsity", {}).get("policy", "static")))
     refused = {
         "sparsity.policy": (policy != "static", f"sparsity.policy={policy} (dynamic sparsity on sharded weights)"),
-        "optim.ema": (cfg.optim.ema > 0, f"optim.ema={cfg.optim.ema} (an EMA copy of sharded weights)"),
-        "trainer.precision": (str(getattr(cfg.trainer.precision, "value", cfg.trainer.precision)) == "fp16",
-                              "trainer.precision=fp16 (loss scaling of sharded gradients; bf16 needs none)"),
     }
     for key, (bad, what) in refused.items():
         if bad:

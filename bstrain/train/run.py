@@ -155,11 +155,20 @@ def _without_shard(node):
     return rest, spec
 
 
+def _scaler(strategy: str) -> type:
+    """fp16's loss scaler: under fsdp each rank checks only its shards of the gradients for inf, so
+    the sharded scaler all-reduces the finding (every rank skips the step together)."""
+    if strategy == "fsdp":
+        from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+        return ShardedGradScaler
+    return torch.amp.GradScaler
+
+
 def _read_checkpoint(run, path: Path) -> dict:
     """The checkpoint to restore: a sharded one into an fsdp run is loaded in place here, each rank
     reading its own shards (its model and optimizer entries then None); anything else whole."""
     if run.strategy == "fsdp" and sharded.is_sharded_checkpoint(path):
-        sharded.load_sharded_into(path, run.model, run.optimizer)
+        sharded.load_sharded_into(path, run.model, run.optimizer, run.ema)
         ckpt = sharded.read_extra(path)
         ckpt["path"] = str(path)
         return ckpt
@@ -250,18 +259,20 @@ def build(cfg: DictConfig, run_dir: Path, device: torch.device, world: World, se
     if strategy == "fsdp" and device.type == "cuda" and why_eager is not None:
         log.info("step: eager (%s)", why_eager)
     graphed = why_eager is None
-    net = uncompiled = _distributed(model, world, device, graphed, strategy, amp_dtype, shard_spec)
-    if compiled := bool(t_cfg.get("compile", False)):
-        net = torch.compile(net)        # the model (and DDP around it); checkpoints keep using `model`
-    optimizer = make_optimizer(model, cfg.optim, device, capturable=graphed)
-    scaler = torch.amp.GradScaler(device.type, init_scale=2.0**16, growth_interval=t_cfg.loss_scale_window,
-                                  enabled=amp_dtype == torch.float16)
-    if scaler.is_enabled():
-        scaler._lazy_init_scale_growth_tracker(device)     # now: so that a skip at the first step is counted too
     ema = None
     if cfg.optim.ema > 0:
         from torch.optim.swa_utils import AveragedModel
         ema = AveragedModel(model, device=device)       # n_averaged on the device, where graphs count it
+        if strategy == "fsdp":                          # (FSDP's modules cannot be copied: copy, then shard both)
+            fsdp.shard(ema.module, world, device, amp_dtype, shard_spec)
+    net = uncompiled = _distributed(model, world, device, graphed, strategy, amp_dtype, shard_spec)
+    if compiled := bool(t_cfg.get("compile", False)):
+        net = torch.compile(net)        # the model (and DDP around it); checkpoints keep using `model`
+    optimizer = make_optimizer(model, cfg.optim, device, capturable=graphed)
+    scaler = _scaler(strategy)(device.type, init_scale=2.0**16, growth_interval=t_cfg.loss_scale_window,
+                               enabled=amp_dtype == torch.float16)
+    if scaler.is_enabled():
+        scaler._lazy_init_scale_growth_tracker(device)     # now: so that a skip at the first step is counted too
     forward = Forward(net, amp_dtype, device)
     run = Run(cfg, world, device, run_dir, task, model, net, forward, optimizer, scaler,
               LRSchedule(cfg.optim, t_cfg.max_steps), ema, params=list(model.parameters()), strategy=strategy)

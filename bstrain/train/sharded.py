@@ -34,15 +34,15 @@ def is_sharded_checkpoint(path: str | Path) -> bool:
     return path.is_dir() and path.name.endswith(SUFFIX) and (path / EXTRA).is_file()
 
 
-def _fqn_state(model, optimizer):
+def _fqn_state(model, optimizer, ema=None):
     from torch.distributed.checkpoint.state_dict import get_state_dict
     msd, osd = get_state_dict(model, optimizer)
-    return {"model": msd, "optimizer": osd}
+    return {"model": msd, "optimizer": osd, **({"ema": ema.state_dict()} if ema is not None else {})}
 
 
-def save_sharded(path: Path, model, optimizer, extra: dict | None, world) -> Path:
+def save_sharded(path: Path, model, optimizer, extra: dict | None, world, ema=None) -> Path:
     """Writes the checkpoint directory ``path`` (collective: every rank calls it); ``extra`` is
-    rank 0's dict of the other entries (None elsewhere)."""
+    rank 0's dict of the other entries (None elsewhere); ``ema``: the sharded EMA copy, if kept."""
     import torch.distributed.checkpoint as dcp
 
     from bstrain.train.distributed import barrier
@@ -51,7 +51,7 @@ def save_sharded(path: Path, model, optimizer, extra: dict | None, world) -> Pat
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
     barrier(world)
-    dcp.save(_fqn_state(model, optimizer), checkpoint_id=str(tmp))
+    dcp.save(_fqn_state(model, optimizer, ema), checkpoint_id=str(tmp))
     if world.main:
         with open(tmp / EXTRA, "wb") as f:
             torch.save(extra, f)
@@ -79,19 +79,25 @@ def read_full(path: str | Path) -> dict:
                      no_dist=True)
     out = read_extra(path)
     out["model"] = state["model"]
+    if "ema" in state:                                  # (written by fsdp; a converted file's EMA is in extra)
+        out["ema"] = state["ema"]
     out["optimizer"] = None
     out["optimizer_fqn"] = state.get("optimizer")
     return out
 
 
-def load_sharded_into(path: str | Path, model, optimizer) -> None:
-    """Loads the checkpoint's model and optimizer into a sharded (or plain) model and its
-    optimizer, each rank reading the shards it holds."""
+def load_sharded_into(path: str | Path, model, optimizer, ema=None) -> None:
+    """Loads the checkpoint's model, optimizer and EMA (when both keep one) into a sharded model,
+    its optimizer and EMA copy, each rank reading the shards it holds."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import set_state_dict
-    state = _fqn_state(model, optimizer)
+    keys = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    with_ema = ema is not None and any(k.startswith("ema.") for k in keys)
+    state = _fqn_state(model, optimizer, ema if with_ema else None)
     dcp.load(state, checkpoint_id=str(path))
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+    if with_ema:
+        ema.load_state_dict(state["ema"])
 
 
 def parameter_order(model, optimizer) -> list[str]:
@@ -126,12 +132,17 @@ def fqn_optimizer_state(model, optimizer, saved: dict) -> dict:
 
 
 def write_whole(path: Path, model_state: dict, optim_state: dict, extra: dict) -> Path:
-    """A sharded checkpoint directory written by one process from whole state dicts (a conversion)."""
+    """A sharded checkpoint directory written by one process from whole state dicts (a conversion);
+    the EMA, when ``extra`` holds one, goes with the model, as fsdp writes it."""
     import torch.distributed.checkpoint as dcp
     tmp = path.with_name(path.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
-    dcp.save({"model": model_state, "optimizer": optim_state}, checkpoint_id=str(tmp), no_dist=True)
+    extra = dict(extra)
+    ema = extra.pop("ema", None)
+    extra["ema"] = None
+    dcp.save({"model": model_state, "optimizer": optim_state, **({"ema": ema} if ema is not None else {})},
+             checkpoint_id=str(tmp), no_dist=True)
     with open(tmp / EXTRA, "wb") as f:
         torch.save(extra, f)
     os.replace(tmp, path)
@@ -144,3 +155,11 @@ def load_full_into(model, optimizer, model_state: dict, optim_state: dict) -> No
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
     set_state_dict(model, optimizer, model_state_dict=model_state, optim_state_dict=optim_state,
                    options=StateDictOptions(full_state_dict=True))
+
+
+def load_full_ema(ema, state: dict) -> None:
+    """A whole EMA state dict (``module.*`` and ``n_averaged``) into a sharded EMA copy."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+    set_model_state_dict(ema.module, {k.removeprefix("module."): v for k, v in state.items() if k.startswith("module.")},
+                         options=StateDictOptions(full_state_dict=True))
+    ema.n_averaged.copy_(state["n_averaged"])

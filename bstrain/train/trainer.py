@@ -109,7 +109,7 @@ def save(run: Run) -> Path | None:
     its shards, bstrain/train/sharded.py); returns its path."""
     if run.strategy == "fsdp":
         path = checkpoint_path(run.run_dir / "ckpt", run.step, sharded=True)
-        save_sharded(path, run.model, run.optimizer, ckpt_io.capture(run, weights=False), run.world)
+        save_sharded(path, run.model, run.optimizer, ckpt_io.capture(run, weights=False), run.world, run.ema)
         on_main(run.world, lambda: prune_checkpoints(run.run_dir / "ckpt", run.cfg.trainer.keep_ckpts))
         return path
     state = ckpt_io.capture(run)

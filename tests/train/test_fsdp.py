@@ -3,6 +3,8 @@ batch, sharded (DCP) checkpoints resume on the same world size and reshard onto 
 reads them, and what fsdp does not do yet is refused in one line."""
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 from omegaconf import OmegaConf
@@ -18,6 +20,12 @@ from tests.train.user_models import StackLM
 FSDP = "trainer.strategy=fsdp"
 
 
+def valid_losses(run) -> dict[int, float]:
+    """{step: validation loss} from a run's train.log."""
+    found = re.findall(r"step (\d+): valid(?: \(EMA weights\))? loss ([0-9.]+)", (run / "train.log").read_text())
+    return {int(k): float(v) for k, v in found}
+
+
 def same_curve(got: dict, want: dict, steps) -> None:
     assert sorted(got) == list(steps), got
     for step in steps:
@@ -25,19 +33,22 @@ def same_curve(got: dict, want: dict, steps) -> None:
 
 
 def test_fsdp_lstm_matches_one_process_and_its_checkpoints_reshard(tmp_path):
-    """2 fsdp ranks x batch 4 = 1 process x batch 8; the step-3 DCP checkpoint resumes on 2 fsdp
-    ranks (same size; the strategy comes with the checkpoint's config), on 1 process (2 -> 1, the
-    strategy given again), and the 1-process file checkpoint on 2 fsdp ranks (1 -> 2), each
-    continuing the same curve; eval reads the DCP checkpoint."""
+    """2 fsdp ranks x batch 4 = 1 process x batch 8, with an EMA of the weights (sharded too, and
+    what validation reads); the step-3 DCP checkpoint resumes on 2 fsdp ranks (same size; the
+    strategy comes with the checkpoint's config), on 1 process (2 -> 1, the strategy given again),
+    and the 1-process file checkpoint on 2 fsdp ranks (1 -> 2), each continuing the same training
+    and validation curves; convert, eval and sample read the DCP checkpoint."""
     one, two = tmp_path / "one", tmp_path / "two"
-    single = torchrun(one, tmp_path, *LSTM, "trainer.max_steps=6", "data.batch_size=8", nproc=1)
+    ema = "optim.ema=0.9"
+    single = torchrun(one, tmp_path, *LSTM, ema, "trainer.max_steps=6", "data.batch_size=8", nproc=1)
     assert single.returncode == 0, single.stderr[-3000:]
-    out = torchrun(two, tmp_path, *LSTM, "trainer.max_steps=6", "data.batch_size=4", FSDP)
+    out = torchrun(two, tmp_path, *LSTM, ema, "trainer.max_steps=6", "data.batch_size=4", FSDP)
     assert out.returncode == 0, out.stderr[-3000:]
-    want = losses(one)
+    want, want_valid = losses(one), valid_losses(one)
     same_curve(losses(two), want, range(1, 7))
+    same_curve(valid_losses(two), want_valid, (3, 6))
     log = (two / "train.log").read_text()
-    assert "x 2 |" in log and log.count(": valid loss") == 2
+    assert "x 2 | fsdp |" in log and log.count(": valid (EMA weights) loss") == 2
     ckpt = two / "ckpt" / "step_00000003.dcp"
     assert ckpt.is_dir() and (ckpt / "extra.pt").is_file() and (ckpt / ".metadata").is_file()
     assert not list((two / "ckpt").glob("*.tmp")), "no temp directory left behind"
@@ -49,12 +60,14 @@ def test_fsdp_lstm_matches_one_process_and_its_checkpoints_reshard(tmp_path):
         assert more.returncode == 0, (name, more.stderr[-3000:])
         assert "resumed from" in (run / "train.log").read_text()
         same_curve(losses(run), want, range(4, 7))
+        same_curve(valid_losses(run), want_valid, (6,))
     back = tmp_path / "back"
     back.mkdir()
     more = torchrun(back, tmp_path, *LSTM, "trainer.max_steps=6", "data.batch_size=4", FSDP,
                     f"trainer.resume={one / 'ckpt' / 'step_00000003.pt'}")
     assert more.returncode == 0, more.stderr[-3000:]
     same_curve(losses(back), want, range(4, 7))
+    same_curve(valid_losses(back), want_valid, (6,))
     check_conversions(tmp_path, ckpt, one / "ckpt" / "step_00000003.pt")
     ev = run_cli("eval", f"ckpt={two}", "batches=1", cwd=tmp_path)      # the latest, step_00000006.dcp
     assert ev.returncode == 0 and "bpb" in ev.stdout, ev.stderr[-2000:]
@@ -83,6 +96,25 @@ def check_conversions(tmp_path, dcp_dir, pt_file):
         moments = lambda o: sorted(float(s["exp_avg"].double().sum()) for s in o["state"].values())   # noqa: E731
         assert len(opt_a["state"]) == len(opt_b["state"]) > 0 and moments(opt_a) == moments(opt_b)
         assert (a["optimizer"] is None) != (b["optimizer"] is None), "one keyed by index, the other by name"
+        assert a["ema"].keys() == b["ema"].keys() and all(torch.equal(a["ema"][k], b["ema"][k]) for k in a["ema"])
+
+
+def test_fsdp_fp16_overflow_on_one_rank_skips_the_step_on_every_rank(tmp_path):
+    """Rank 1's loss overflows at its 3rd step: its shards of the gradients hold the inf, the
+    sharded scaler all-reduces the finding, both ranks skip and halve the scale."""
+    from bstrain.train.checkpoint import load_checkpoint
+    run, yaml = tmp_path / "fp16", tmp_path / "overflow.yaml"
+    yaml.write_text("model:\n  _target_: tests.train.user_models.OverflowLM\n  width: 32\n")
+    out = torchrun(run, tmp_path, f"config={yaml}", "trainer.max_steps=5", "data.batch_size=2", FSDP,
+                   "trainer.precision=fp16", "trainer.eval_every=0", "trainer.ckpt_every=0",
+                   extra_env={"BSTRAIN_TEST_OVERFLOW": "1:3"})
+    assert out.returncode == 0, out.stderr[-3000:]
+    ckpt = load_checkpoint(run / "ckpt" / "step_00000005.dcp")
+    steps = [int(st["step"]) for st in ckpt["optimizer_fqn"]["state"].values()]
+    assert steps and all(s == 4 for s in steps), ("one of 5 steps skipped", steps)
+    assert ckpt["scaler"]["scale"] == 2.0**15
+    assert "step 3: 1 of the last 1 steps skipped" in (run / "train.log").read_text()
+    assert all(torch.isfinite(v).all() for v in ckpt["model"].values() if v.is_floating_point())
 
 
 @pytest.mark.parametrize("model", ["transformer", "user"])
@@ -136,8 +168,7 @@ def test_strategy_resolution_and_refusals():
         resolve_strategy("zero", two)
     base = {"optim": {"ema": 0.0}, "trainer": {"precision": "fp32"}, "sparsity": {"policy": "static"}}
     check_strategy("fsdp", OmegaConf.create(base))
-    for key, value, what in (("sparsity.policy", "rigl", "sparsity.policy=rigl"), ("optim.ema", 0.99, "optim.ema=0.99"),
-                             ("trainer.precision", "fp16", "trainer.precision=fp16")):
+    for key, value, what in (("sparsity.policy", "rigl", "sparsity.policy=rigl"),):
         cfg = OmegaConf.create(base)
         OmegaConf.update(cfg, key, value)
         check_strategy("ddp", cfg)                      # ddp runs all of them
