@@ -92,9 +92,10 @@ def _check_no_aliases(weights: list[tuple[str, torch.Tensor]], arg: str) -> None
     moved, the memory twice: refused (tie them as one Parameter instead)."""
     seen: dict[int, tuple[str, int]] = {}
     for name, w in weights:
-        if w.is_meta or w.numel() == 0:
+        local = w.to_local() if hasattr(w, "to_local") else w          # a DTensor's own shard (FSDP)
+        if w.is_meta or local.numel() == 0:
             continue
-        first = seen.setdefault(w.data_ptr(), (name, id(w)))
+        first = seen.setdefault(local.data_ptr(), (name, id(w)))
         if first[1] != id(w):
             raise ValueError(f"{arg}: layers {first[0]} and {name} hold distinct weight tensors on the same memory; "
                              f"tie them as one Parameter (b.weight = a.weight) or give each its own")

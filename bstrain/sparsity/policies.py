@@ -12,7 +12,7 @@ from torch import nn
 
 from bstrain.sparsity.groups import _OpLayer, _check_ops_apart, _twin_layers, _weight_groups, sparse_layers
 from bstrain.sparsity.growth import _grow_balanced, _grow_within, _growth_limits, _top
-from bstrain.sparsity.remap import _check_optimizer, _move_blocks, _state_moves
+from bstrain.sparsity.remap import _check_optimizer, _move_blocks, _state_moves, _whole
 from bstrain.sparsity.scores import _all_reduce_mean, _block_norms, _GradRecord
 from bstrain.sparsity.tables import _share_tables, _switch
 
@@ -210,7 +210,7 @@ class DynamicSparsity:
         if balanced, each block column's smallest-norm share (a column's blocks can only be
         replaced within it: pruned by norm alone, the columns whose blocks start smallest, the
         longest, would lose most and take their blocks back)."""
-        w = layer.weight.detach()
+        w = _whole(layer.weight.detach())                                               # (FSDP: gathered)
         live_norm = _all_reduce_mean(w.float().flatten(1).norm(dim=1)).cpu()          # (nnz,) row-major order
         prune_score = torch.full(old.shape, math.inf)
         prune_score[torch.as_tensor(old)] = live_norm

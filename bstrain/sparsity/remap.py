@@ -6,10 +6,33 @@ import numpy as np
 import torch
 
 
+def _sharded(t) -> bool:
+    """Whether ``t`` is a DTensor (a weight or its optimizer state under FSDP2: blocks sharded
+    along dim 0 across the ranks)."""
+    return hasattr(t, "full_tensor") and hasattr(t, "device_mesh")
+
+
+def _whole(t: torch.Tensor) -> torch.Tensor:
+    """``t`` itself, or a sharded one gathered whole (collective: every rank calls it)."""
+    return t.full_tensor() if _sharded(t) else t
+
+
+def _write_whole(t: torch.Tensor, whole: torch.Tensor) -> None:
+    """Writes ``whole`` into ``t``: each rank its shard of a sharded ``t`` (every rank holds the
+    same ``whole``, so the shards agree)."""
+    if _sharded(t):
+        from torch.distributed.tensor import distribute_tensor
+        t.copy_(distribute_tensor(whole, t.device_mesh, t.placements))
+    else:
+        t.copy_(whole)
+
+
 def _move_blocks(old: np.ndarray, new: np.ndarray, tensors: list[tuple[torch.Tensor, float | None]]) -> None:
     """Moves the blocks (dim 0) of each tensor from layout ``old`` to ``new``: a surviving block
     to its place in the new row-major block order, bit for bit; a grown one starts at its
-    tensor's start value (None: the mean of the surviving blocks, zero if there are none)."""
+    tensor's start value (None: the mean of the surviving blocks, zero if there are none). A
+    sharded tensor (FSDP) is gathered, moved whole as in one process, and each rank keeps its
+    shard."""
     if int(new.sum()) != int(old.sum()):
         raise RuntimeError(f"sparsity: a new layout of {int(new.sum())} live blocks for a layer of {int(old.sum())}; "
                            f"please report this layout")
@@ -18,14 +41,15 @@ def _move_blocks(old: np.ndarray, new: np.ndarray, tensors: list[tuple[torch.Ten
     src = torch.as_tensor(old_id[new])                                   # new block i <- old src[i] (or -1)
     keep = src >= 0
     dst_idx, src_idx = torch.nonzero(keep).flatten(), src[keep]
-    for t, start in tensors:
+    for target, start in tensors:
+        t = _whole(target)
         kept = t[src_idx.to(t.device)]                                   # (survivors, *block dims)
         if start is None:
             moved = torch.empty_like(t).fill_(kept.mean()) if kept.numel() else torch.zeros_like(t)
         else:
             moved = torch.full_like(t, start)
         moved[dst_idx.to(t.device)] = kept
-        t.copy_(moved)
+        _write_whole(target, moved)
 
 
 def _is_scalar(value) -> bool:

@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from bstrain.train.distributed import broadcast, on_main
+from bstrain.train.fsdp import reshard
 from bstrain.train.graphs import GraphedForward
 from bstrain.train.progress import Board, Progress, log
 from bstrain.train.step import Forward
@@ -29,6 +30,8 @@ def validate(run: Run, progress: Progress, board: Board, elapsed: float) -> None
                 valid = run.task.evaluate(forward, "valid", run.cfg.trainer.eval_batches, progress.active)
         finally:
             model.train()
+            if run.strategy == "fsdp":
+                reshard(model)          # a forward without backward leaves units gathered that keep their gathers
         if run.world.main:
             board.scalars(run.step, {f"valid/{k}": v for k, v in valid.items()})
             shown = ", ".join(f"{k} {v:.4f}" for k, v in valid.items() if isinstance(v, float))

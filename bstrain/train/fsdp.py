@@ -15,7 +15,8 @@ weight ``(nnz, bs, bs)`` is sharded along its blocks. Mixed precision is FSDP's 
 weights (and the trainer's autocast around the forward as in the other strategies).
 
 fp16's loss scaler all-reduces its inf check (each rank sees only its shards of the gradients).
-What fsdp does not do yet is refused at start with one line (:func:`check_strategy`).
+Dynamic sparsity gathers each managed weight and its optimizer state whole at an update, moves
+the blocks as one process does, and each rank keeps its shard (bstrain/sparsity/remap.py).
 """
 from __future__ import annotations
 
@@ -48,21 +49,6 @@ def resolve_strategy(value, world: World) -> str:
         raise UserError(f"trainer.strategy=single: torchrun started {world.size} processes, each of which would "
                         f"train alone; use trainer.strategy=ddp or fsdp (or auto)")
     return value
-
-
-def check_strategy(strategy: str, cfg) -> None:
-    """UserError, in one line, for what fsdp cannot run yet."""
-    if strategy != "fsdp":
-        return
-    policy = str(getattr(cfg.get("sparsity", {}).get("policy", "static"), "value",
-                         cfg.get("sparsity", {}).get("policy", "static")))
-    refused = {
-        "sparsity.policy": (policy != "static", f"sparsity.policy={policy} (dynamic sparsity on sharded weights)"),
-    }
-    for key, (bad, what) in refused.items():
-        if bad:
-            raise UserError(f"trainer.strategy=fsdp: {what} is not supported yet; run it with trainer.strategy=ddp, "
-                            f"or leave {key} at its default")
 
 
 def _named_class(name: str):
@@ -148,3 +134,13 @@ def class_name(model: nn.Module) -> str:
     if isinstance(model, FSDPModule):
         cls = next((b for b in cls.__bases__ if b is not FSDPModule), cls)
     return cls.__name__
+
+
+def reshard(model: nn.Module) -> None:
+    """Frees every unit's gathered parameters: after a forward without backward (evaluation) the
+    units that keep their gathers from forward to backward (``shard_reshard_after_forward``) still
+    hold them, and their registered parameters are the gathered tensors, not the shards."""
+    from torch.distributed.fsdp import FSDPModule
+    for m in model.modules():
+        if isinstance(m, FSDPModule):
+            m.reshard()

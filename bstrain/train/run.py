@@ -243,7 +243,6 @@ def build(cfg: DictConfig, run_dir: Path, device: torch.device, world: World, se
     settings = settings or check_config(cfg)
     t_cfg, amp_dtype = cfg.trainer, settings.amp_dtype
     strategy = fsdp.resolve_strategy(t_cfg.get("strategy", "auto"), world)
-    fsdp.check_strategy(strategy, cfg)
     resume = _resume_path(cfg, run_dir)
     task = instantiate(cfg.task, "task")
     task.setup(instantiate(cfg.data, "data"), world, t_cfg.seed)
