@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from bstrain.errors import UserError
-from bstrain.train.checkpoint import load_checkpoint
+from bstrain.train.checkpoint import latest_checkpoint, load_checkpoint
 from bstrain.train.distributed import World
 from bstrain.train.fsdp import resolve_strategy, shard_units
 from tests.train.test_cli import one_line_error
@@ -78,7 +78,7 @@ def test_fsdp_lstm_matches_one_process_and_its_checkpoints_reshard(tmp_path):
 def check_conversions(tmp_path, dcp_dir, pt_file):
     """``python -m bstrain convert``: DCP -> file and file -> DCP keep every tensor, the optimizer's
     state under the other keying, and the other entries."""
-    from bstrain.train.checkpoint import load_checkpoint
+    from bstrain.train.checkpoint import latest_checkpoint, load_checkpoint
     as_file, as_dcp = tmp_path / "conv.pt", tmp_path / "conv.dcp"
     for src, dst in ((dcp_dir, as_file), (pt_file, as_dcp)):
         out = run_cli("convert", f"ckpt={src}", f"out={dst}", cwd=tmp_path)
@@ -127,7 +127,7 @@ def test_fsdp_dynamic_sparsity_matches_one_process(tmp_path, policy):
 def test_fsdp_fp16_overflow_on_one_rank_skips_the_step_on_every_rank(tmp_path):
     """Rank 1's loss overflows at its 3rd step: its shards of the gradients hold the inf, the
     sharded scaler all-reduces the finding, both ranks skip and halve the scale."""
-    from bstrain.train.checkpoint import load_checkpoint
+    from bstrain.train.checkpoint import latest_checkpoint, load_checkpoint
     run, yaml = tmp_path / "fp16", tmp_path / "overflow.yaml"
     yaml.write_text("model:\n  _target_: tests.train.user_models.OverflowLM\n  width: 32\n")
     out = torchrun(run, tmp_path, f"config={yaml}", "trainer.max_steps=5", "data.batch_size=2", FSDP,
@@ -157,15 +157,22 @@ def test_fsdp_matches_one_process(tmp_path, model):
                 "model.block_size=16", "model.window=16", "model.summary=2", "data.seq_len=32",
                 "model.checkpoint=true"]      # each block recomputed in backward: gathered again under fsdp
     one, two = tmp_path / "one", tmp_path / "two"
-    steps = ["trainer.max_steps=3", "trainer.eval_every=0", "trainer.ckpt_every=0"]
+    steps = ["trainer.max_steps=4", "trainer.eval_every=0", "trainer.ckpt_every=2"]
     single = torchrun(one, tmp_path, *args, *steps, "data.batch_size=4", nproc=1)
     assert single.returncode == 0, single.stderr[-3000:]
     compiled = ["trainer.compile=true"] if model == "user" else []     # the step under fsdp, eager and compiled
     out = torchrun(two, tmp_path, *args, *steps, "data.batch_size=2", FSDP, *compiled)
     assert out.returncode == 0, out.stderr[-3000:]
-    same_curve(losses(two), losses(one), range(1, 4))
-    assert (two / "ckpt" / "step_00000003.dcp").is_dir()
+    same_curve(losses(two), losses(one), range(1, 5))
+    assert latest_checkpoint(two / "ckpt") == two / "ckpt" / "step_00000004.dcp"     # what resume=true takes
     assert ("compiled: the first step took" in (two / "train.log").read_text()) == bool(compiled)
+    if model == "transformer":          # its step-2 DCP checkpoint on one process: the single run's curve
+        back = tmp_path / "back"
+        back.mkdir()
+        more = torchrun(back, tmp_path, *args, *steps, "data.batch_size=4", "trainer.strategy=auto",
+                        f"trainer.resume={two / 'ckpt' / 'step_00000002.dcp'}", nproc=1)
+        assert more.returncode == 0, more.stderr[-3000:]
+        same_curve(losses(back), losses(one), range(3, 5))
     if model == "user":                                 # model.shard is not the model's argument in eval either
         ev = run_cli("eval", f"ckpt={two}", "batches=1", cwd=tmp_path)
         assert ev.returncode == 0 and "bpb" in ev.stdout, ev.stderr[-2000:]
