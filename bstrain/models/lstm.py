@@ -255,12 +255,10 @@ class SparseLSTM(nn.Module):
         return [m for m in self.modules() if isinstance(m, BlockSparseLinear)]
 
     def shard_units(self) -> list[nn.Module]:
-        """The blocks FSDP shards one by one (``trainer.strategy=fsdp``): the recurrent layers. They
-        run at every timestep, so they stay gathered from the first step's forward to the backward
-        (``shard_reshard_after_forward``)."""
-        return [self.w_hm, *self.deep, self.w_mg]
-
-    shard_reshard_after_forward = False
+        """No blocks of its own for FSDP (``trainer.strategy=fsdp``): the recurrent layers run at every
+        timestep, and a unit of each would gather its weight and reduce its gradient once per
+        timestep; the whole model is one unit (gathered once a step, reduced once)."""
+        return []
 
     def block_sparse_layouts(self) -> dict[str, np.ndarray]:
         """{layer name: (C/bs, K/bs) layout}: shown in the run header and TensorBoard."""

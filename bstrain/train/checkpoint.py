@@ -74,7 +74,7 @@ def load_checkpoint(path: str | Path, map_location="cpu") -> dict:
     if not path.is_file():
         raise CheckpointError(f"checkpoint: {path} does not exist")
     try:
-        state = torch.load(path, map_location=map_location, weights_only=True)
+        state = torch.load(path, map_location=map_location, weights_only=True, mmap=True)   # (read as needed)
     except Exception as exc:  # truncated zip, garbage, or a pickle that needs code: all unreadable
         raise CheckpointError(f"checkpoint: cannot read {path} ({type(exc).__name__}); "
                               f"the file is truncated, corrupt or not a bstrain checkpoint") from None

@@ -7,12 +7,14 @@ only while it runs). ``auto`` is ddp under torchrun with more than one process, 
 
 Under fsdp the model is sharded block by block, then at its root. The blocks (the units that
 gather together) are what the model's ``shard_units()`` returns (the built-in models: transformer
-layers, LSTM layers, ResNet stages) or, for a user's ``_target_`` model, the modules that
+layers and ResNet blocks; the LSTM, whose layers run at every timestep, is one unit) or, for a
+user's ``_target_`` model, the modules that
 ``model.shard`` names: a list of module names as in ``named_modules()`` (shell patterns such as
 ``blocks.*`` allowed) or class names (``Block``, or a class path ``my_pkg.Block``). A block-sparse
 weight ``(nnz, bs, bs)`` is sharded along its blocks. Mixed precision is FSDP's own
 ``MixedPrecisionPolicy``: 16-bit parameters for compute, fp32 gradient reduction, fp32 master
-weights (and the trainer's autocast around the forward as in the other strategies).
+weights (and the trainer's autocast around the forward as in the other strategies); batch norms
+are units of their own that keep fp32 parameters.
 
 fp16's loss scaler all-reduces its inf check (each rank sees only its shards of the gradients).
 Dynamic sparsity gathers each managed weight and its optimizer state whole at an update, moves
@@ -77,6 +79,8 @@ def shard_units(model: nn.Module, spec=None) -> list[nn.Module]:
         return list(own()) if callable(own) else []
     if isinstance(spec, str):
         spec = [spec]
+    if not isinstance(spec, (list, tuple)):
+        raise UserError(f"model.shard: expected a list of module names or class names, got {spec!r}")
     units, names = [], dict(model.named_modules())
     for entry in spec:
         if not isinstance(entry, str) or not entry:
@@ -113,11 +117,14 @@ def shard(model: nn.Module, world: World, device: torch.device, amp_dtype: torch
         MixedPrecisionPolicy()
     units = shard_units(model, spec)
     if any(u is model for u in units):
-        raise UserError("model.shard: names the model itself; name its blocks (the root is sharded anyway)")
-    reshard = getattr(model, "shard_reshard_after_forward", True)
+        raise UserError(f"model.shard: expected the model's blocks (the root is sharded anyway), got the model "
+                        f"itself ({type(model).__name__})")
+    if amp_dtype is not None:       # batch norms keep fp32 parameters, as their fp32 running statistics need
+        for norm in (m for m in model.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)):
+            fully_shard(norm, mesh=mesh, mp_policy=MixedPrecisionPolicy())
     for unit in units:
-        fully_shard(unit, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard)
-    fully_shard(model, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard)
+        fully_shard(unit, mesh=mesh, mp_policy=mp)
+    fully_shard(model, mesh=mesh, mp_policy=mp)
     return model
 
 
@@ -137,9 +144,9 @@ def class_name(model: nn.Module) -> str:
 
 
 def reshard(model: nn.Module) -> None:
-    """Frees every unit's gathered parameters: after a forward without backward (evaluation) the
-    units that keep their gathers from forward to backward (``shard_reshard_after_forward``) still
-    hold them, and their registered parameters are the gathered tensors, not the shards."""
+    """Frees every unit's gathered parameters: after a forward without backward (evaluation, the
+    start's check of the first batch) the root keeps its gathers, and its registered parameters
+    are the gathered tensors, not the shards."""
     from torch.distributed.fsdp import FSDPModule
     for m in model.modules():
         if isinstance(m, FSDPModule):

@@ -149,10 +149,9 @@ def _without_shard(node):
     user model's FSDP units and is not the model's argument."""
     if not OmegaConf.is_dict(node) or fsdp.SHARD_KEY not in node:
         return node, None
-    spec = OmegaConf.to_container(node[fsdp.SHARD_KEY], resolve=True) if OmegaConf.is_config(node[fsdp.SHARD_KEY]) \
-        else node[fsdp.SHARD_KEY]
-    rest = OmegaConf.masked_copy(node, [k for k in node if k != fsdp.SHARD_KEY])
-    return rest, spec
+    whole = OmegaConf.to_container(node, resolve=True)       # (interpolations resolved while the root is there)
+    spec = whole.pop(fsdp.SHARD_KEY)
+    return OmegaConf.create(whole), spec
 
 
 def _scaler(strategy: str) -> type:
@@ -293,4 +292,6 @@ def build(cfg: DictConfig, run_dir: Path, device: torch.device, world: World, se
     if run.step < t_cfg.max_steps:                  # the model against the data, before the run dir fills
         run.first_batch = task.next_batch(device)
         checks.check_first_batch(model, task, run.first_batch, amp_dtype, device, cfg)
+        if strategy == "fsdp":
+            fsdp.reshard(model)                     # (a forward without backward keeps the root's gathers)
     return run

@@ -5,8 +5,8 @@ Under ``trainer.strategy=fsdp`` a checkpoint is a directory ``step_NNNNNNNN.dcp/
 - the model's and the optimizer's state as DCP writes them, each rank its own shards, keyed by
   parameter name (``get_state_dict``), so any number of processes can read them back;
 - ``extra.pt``: everything else the file checkpoints hold (:data:`bstrain.train.checkpoint.KEYS`:
-  step, loss scale, data position, every rank's RNG, carried states, metrics, config, schedule),
-  written by rank 0.
+  step, loss scale, data position, rank 0's RNG as under DDP, every rank's carried states,
+  metrics, config, schedule), written by rank 0.
 
 Every rank writes into ``step_NNNNNNNN.dcp.tmp/``; rank 0 renames it when all have finished, so a
 run killed mid-write leaves the previous checkpoint whole. Reading:
@@ -64,7 +64,8 @@ def save_sharded(path: Path, model, optimizer, extra: dict | None, world, ema=No
 
 
 def read_extra(path: str | Path) -> dict:
-    return torch.load(Path(path) / EXTRA, map_location="cpu", weights_only=True)
+    """The entries besides the tensors DCP holds; its model and optimizer entries None (in DCP)."""
+    return {**torch.load(Path(path) / EXTRA, map_location="cpu", weights_only=True), "model": None, "optimizer": None}
 
 
 def read_full(path: str | Path) -> dict:
@@ -86,12 +87,32 @@ def read_full(path: str | Path) -> dict:
     return out
 
 
+def check_entries(path, keys: dict, model) -> None:
+    """CheckpointError naming the first model entry whose name or shape the checkpoint's DCP
+    metadata (``keys``: its state_dict_metadata) does not share with ``model``."""
+    from bstrain.errors import CheckpointError
+    saved = {k.removeprefix("model."): tuple(getattr(v, "size", ())) for k, v in keys.items() if k.startswith("model.")}
+    own = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+    for name, shape in own.items():
+        if name not in saved:
+            raise CheckpointError(f"checkpoint {path}: it lacks {name!r}, which the model this config builds has; "
+                                  f"resume with the config that wrote it")
+        if saved[name] != shape:
+            raise CheckpointError(f"checkpoint {path}: {name} has shape {saved[name]} there and {shape} in the model "
+                                  f"this config builds (a changed model.* key?); resume with the config that wrote it")
+    if extra := [k for k in saved if k not in own]:
+        raise CheckpointError(f"checkpoint {path}: it holds {extra[0]!r}, which the model this config builds lacks; "
+                              f"resume with the config that wrote it")
+
+
 def load_sharded_into(path: str | Path, model, optimizer, ema=None) -> None:
     """Loads the checkpoint's model, optimizer and EMA (when both keep one) into a sharded model,
-    its optimizer and EMA copy, each rank reading the shards it holds."""
+    its optimizer and EMA copy, each rank reading the shards it holds; the model's entries are
+    checked against the checkpoint's first (one line naming the first that differs)."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import set_state_dict
     keys = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    check_entries(path, keys, model)
     with_ema = ema is not None and any(k.startswith("ema.") for k in keys)
     state = _fqn_state(model, optimizer, ema if with_ema else None)
     dcp.load(state, checkpoint_id=str(path))
@@ -116,12 +137,22 @@ def optimizer_by_name(saved: dict, order: list[str]) -> dict:
                               f"builds {len(order)}; use the config that wrote it")
     by_index = dict(zip(saved_order, order))
     return {"state": {by_index[i]: s for i, s in saved["state"].items()},
-            "param_groups": [{**g, "params": [by_index[i] for i in g["params"]]} for g in saved["param_groups"]]}
+            "param_groups": [{**_plain(g), "params": [by_index[i] for i in g["params"]]} for g in saved["param_groups"]]}
+
+
+def _plain(group: dict) -> dict:
+    """A param group's settings with 0-dim tensors as numbers: a graphed run keeps ``lr`` as a
+    device tensor, which DCP would store as a tensor where an eager optimizer holds a float."""
+    return {k: (v.item() if isinstance(v, torch.Tensor) and v.dim() == 0 else v) for k, v in group.items()}
 
 
 def optimizer_by_index(saved: dict, order: list[str]) -> dict:
     """The inverse of :func:`optimizer_by_name`."""
     index = {n: i for i, n in enumerate(order)}
+    if missing := [n for g in saved["param_groups"] for n in g["params"] if n not in index]:
+        from bstrain.errors import CheckpointError
+        raise CheckpointError(f"checkpoint: its optimizer holds {missing[0]!r}, which the model its config builds "
+                              f"lacks; use the config that wrote it")
     return {"state": {index[n]: s for n, s in saved["state"].items()},
             "param_groups": [{**g, "params": [index[n] for n in g["params"]]} for g in saved["param_groups"]]}
 

@@ -8,7 +8,7 @@ import re
 import pytest
 import torch
 
-from bstrain.errors import UserError
+from bstrain.errors import CheckpointError, UserError
 from bstrain.train.checkpoint import latest_checkpoint, load_checkpoint
 from bstrain.train.distributed import World
 from bstrain.train.fsdp import resolve_strategy, shard_units
@@ -69,6 +69,21 @@ def test_fsdp_lstm_matches_one_process_and_its_checkpoints_reshard(tmp_path):
     same_curve(losses(back), want, range(4, 7))
     same_curve(valid_losses(back), want_valid, (6,))
     check_conversions(tmp_path, ckpt, one / "ckpt" / "step_00000003.pt")
+    conv = tmp_path / "from_converted"             # the single run's checkpoint converted to DCP, under fsdp
+    conv.mkdir()
+    more = torchrun(conv, tmp_path, *LSTM, "trainer.max_steps=6", "data.batch_size=4", FSDP,
+                    f"trainer.resume={tmp_path / 'conv.dcp'}")
+    assert more.returncode == 0, more.stderr[-3000:]
+    same_curve(losses(conv), want, range(4, 7))
+    # a DCP checkpoint of another model is refused in one line, naming the first entry that differs
+    import torch.distributed.checkpoint as dcp
+
+    from bstrain.models.lstm import SparseLSTM
+    from bstrain.train.sharded import check_entries
+    keys = dcp.FileSystemReader(str(ckpt)).read_metadata().state_dict_metadata
+    check_entries(ckpt, keys, SparseLSTM(hidden=64, embed=16, block_size=16))
+    with pytest.raises(CheckpointError, match=r"embedding has shape \(256, 16\) there and \(256, 32\) in the model"):
+        check_entries(ckpt, keys, SparseLSTM(hidden=64, embed=32, block_size=16))
     ev = run_cli("eval", f"ckpt={two}", "batches=1", cwd=tmp_path)      # the latest, step_00000006.dcp
     assert ev.returncode == 0 and "bpb" in ev.stdout, ev.stderr[-2000:]
     sample = run_cli("sample", f"ckpt={two / 'ckpt' / 'step_00000006.dcp'}", "prompt=ab", "length=4", cwd=tmp_path)
@@ -218,6 +233,8 @@ def test_shard_units_by_name_pattern_and_class():
         shard_units(model, ["layers.*"])
     with pytest.raises(UserError, match=r"model.shard: expected a list of module names or class names, got 3"):
         shard_units(model, [3])
+    with pytest.raises(UserError, match=r"model.shard: expected a list of module names or class names, got 3"):
+        shard_units(model, 3)
 
 
 def test_fsdp_on_one_process_is_refused_in_one_line(tmp_path):
