@@ -1,4 +1,4 @@
-"""The timers and the environment record that the scripts under scripts/ share.
+"""The timers, the environment record and the report writer that the scripts under scripts/ share.
 
 - :func:`bench`: median ms of a call, ``triton.testing.do_bench`` on the GPU (a few timed calls for
   ``--cpu-smoke`` runs, which check that a script works and time nothing worth reading).
@@ -7,10 +7,13 @@
   ended by one synchronize: what eager code that calls the op pays, host included.
 - :func:`environment`: device, torch (and triton) versions and the date, for the header line and
   the JSON of a result file; :func:`software`: "torch X, triton Y".
+- :func:`write_report`: a result table as NAME.md and its data as NAME.json in the output folder.
 """
 from __future__ import annotations
 
 import datetime
+import json
+import os
 import statistics
 import time
 
@@ -82,3 +85,13 @@ def environment(cpu_smoke: bool, triton: bool = False) -> dict:
         env["triton"] = triton_version()
     env["date"] = str(datetime.date.today())
     return env
+
+
+def write_report(out: str, name: str, lines: list[str], data: dict, quiet: bool = False) -> None:
+    """``lines`` as ``out/NAME.md``, ``data`` as ``out/NAME.json``; the table printed unless ``quiet``."""
+    with open(os.path.join(out, f"{name}.md"), "w") as f:
+        f.write("\n".join(lines) + "\n")
+    with open(os.path.join(out, f"{name}.json"), "w") as f:
+        json.dump(data, f, indent=1)
+    if not quiet:
+        print("\n".join(lines))

@@ -167,6 +167,7 @@ def _read_checkpoint(run, path: Path) -> dict:
     """The checkpoint to restore: a sharded one into an fsdp run is loaded in place here, each rank
     reading its own shards (its model and optimizer entries then None); anything else whole."""
     if run.strategy == "fsdp" and sharded.is_sharded_checkpoint(path):
+        ckpt_io.check_model_entries(run.model, sharded.model_entries(path), path)    # one line, before DCP's own
         sharded.load_sharded_into(path, run.model, run.optimizer, run.ema)
         ckpt = sharded.read_extra(path)
         ckpt["path"] = str(path)

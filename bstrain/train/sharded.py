@@ -87,32 +87,21 @@ def read_full(path: str | Path) -> dict:
     return out
 
 
-def check_entries(path, keys: dict, model) -> None:
-    """CheckpointError naming the first model entry whose name or shape the checkpoint's DCP
-    metadata (``keys``: its state_dict_metadata) does not share with ``model``."""
-    from bstrain.errors import CheckpointError
-    saved = {k.removeprefix("model."): tuple(getattr(v, "size", ())) for k, v in keys.items() if k.startswith("model.")}
-    own = {k: tuple(v.shape) for k, v in model.state_dict().items()}
-    for name, shape in own.items():
-        if name not in saved:
-            raise CheckpointError(f"checkpoint {path}: it lacks {name!r}, which the model this config builds has; "
-                                  f"resume with the config that wrote it")
-        if saved[name] != shape:
-            raise CheckpointError(f"checkpoint {path}: {name} has shape {saved[name]} there and {shape} in the model "
-                                  f"this config builds (a changed model.* key?); resume with the config that wrote it")
-    if extra := [k for k in saved if k not in own]:
-        raise CheckpointError(f"checkpoint {path}: it holds {extra[0]!r}, which the model this config builds lacks; "
-                              f"resume with the config that wrote it")
+def model_entries(path: str | Path) -> dict:
+    """The model entries a checkpoint directory holds, as meta tensors of their shapes (no data
+    read): what :func:`bstrain.train.checkpoint.check_model_entries` compares with a model."""
+    import torch.distributed.checkpoint as dcp
+    keys = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    return {k.removeprefix("model."): torch.empty(tuple(v.size), device="meta")
+            for k, v in keys.items() if k.startswith("model.")}
 
 
 def load_sharded_into(path: str | Path, model, optimizer, ema=None) -> None:
     """Loads the checkpoint's model, optimizer and EMA (when both keep one) into a sharded model,
-    its optimizer and EMA copy, each rank reading the shards it holds; the model's entries are
-    checked against the checkpoint's first (one line naming the first that differs)."""
+    its optimizer and EMA copy, each rank reading the shards it holds."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import set_state_dict
     keys = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
-    check_entries(path, keys, model)
     with_ema = ema is not None and any(k.startswith("ema.") for k in keys)
     state = _fqn_state(model, optimizer, ema if with_ema else None)
     dcp.load(state, checkpoint_id=str(path))

@@ -19,7 +19,6 @@ NAME.json to --out, rewritten after every row (a cut-off run keeps what it measu
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 
@@ -29,7 +28,7 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 from bstrain import layout as L  # noqa: E402
 from bstrain.ops.transformer import BlocksparseTransformer  # noqa: E402
-from scripts._timing import bench, environment  # noqa: E402
+from scripts._timing import bench, environment, write_report  # noqa: E402
 
 
 def masks(S: int, bs: int):
@@ -180,12 +179,7 @@ def report(rows: list[dict], extra: dict, out: str, name: str, quiet: bool = Fal
     errors = sorted({r["flex_error"] for r in rows if r.get("flex_error")})
     if errors:
         lines += ["", "FlexAttention errors:", *[f"- `{e}`" for e in errors]]
-    with open(os.path.join(out, f"{name}.md"), "w") as f:
-        f.write("\n".join(lines) + "\n")
-    with open(os.path.join(out, f"{name}.json"), "w") as f:
-        json.dump({"rows": rows, **extra}, f, indent=1)
-    if not quiet:
-        print("\n".join(lines))
+    write_report(out, name, lines, {"rows": rows, **extra}, quiet)
 
 
 def main() -> None:

@@ -16,7 +16,6 @@ Writes conv.md, conv.json and conv.png (with matplotlib) to --out.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 
@@ -25,7 +24,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 from bstrain.nn import BlockSparseConv2d  # noqa: E402
-from scripts._timing import bench, environment  # noqa: E402  (median ms: do_bench on CUDA, timed calls on CPU)
+from scripts._timing import bench, environment, write_report  # noqa: E402  (median ms: do_bench on CUDA, timed calls on CPU)
 
 
 def gpu_ms(fn, reps: int = 20) -> float:
@@ -152,11 +151,7 @@ def report(rows, extra, args) -> None:
         lines += ["", "fwd+bwd under torch.compile(mode=\"reduce-overhead\", fullgraph=True), channels-last, 25% live, "
                   "block 64 (do_bench median):", "", "| method | fwd+bwd ms |", "|---|---|"]
         lines += [f"| {r['method']} | {r.get('compiled_fb_ms', r.get('error'))} |" for r in extra["compiled"]]
-    with open(os.path.join(args.out, "conv.md"), "w") as f:
-        f.write("\n".join(lines) + "\n")
-    with open(os.path.join(args.out, "conv.json"), "w") as f:
-        json.dump({"rows": rows, **extra}, f, indent=1)
-    print("\n".join(lines))
+    write_report(args.out, "conv", lines, {"rows": rows, **extra})
     try:
         import matplotlib
         matplotlib.use("Agg")

@@ -36,7 +36,6 @@ from __future__ import annotations
 import argparse
 import copy
 import datetime
-import json
 import os
 import sys
 
@@ -44,7 +43,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 from bstrain.nn import BlockSparseLinear  # noqa: E402
-from scripts._timing import environment, wall_per_call  # noqa: E402
+from scripts._timing import environment, wall_per_call, write_report  # noqa: E402
 
 
 REPEATS = 5
@@ -221,11 +220,7 @@ def report_host(rows: list[dict], extra: dict, out: str) -> None:
         lines.append(f"| {r['case']} | {r.get('sparse_us')} | {r.get('dense_us')} | {r.get('ratio', '-')} | {met} | "
                      f"{r.get('sparse_gpu_us', '-')} | {r.get('dense_gpu_us', '-')} | {r.get('direct_launches_per_call')} |")
     lines += ["", "Dense twins: `nn.Conv2d` (cuDNN) at the same shape; `F.scaled_dot_product_attention(is_causal=True)`."]
-    with open(os.path.join(out, "eager_host.md"), "w") as f:
-        f.write("\n".join(lines) + "\n")
-    with open(os.path.join(out, "eager_host.json"), "w") as f:
-        json.dump({"rows": rows, **extra}, f, indent=1)
-    print("\n".join(lines))
+    write_report(out, "eager_host", lines, {"rows": rows, **extra})
 
 
 def measure_lstm(args) -> list[dict]:
@@ -276,11 +271,7 @@ def report(rows: list[dict], lstm: list[dict], extra: dict, out: str) -> None:
         by = {r["mode"]: r["step_ms"] for r in lstm}
         if "eager" in by and "graph" in by:
             lines += ["", f"Eager / graphed: {by['eager'] / by['graph']:.2f}"]
-    with open(os.path.join(out, "eager.md"), "w") as f:
-        f.write("\n".join(lines) + "\n")
-    with open(os.path.join(out, "eager.json"), "w") as f:
-        json.dump({"rows": rows, "lstm": lstm, **extra}, f, indent=1)
-    print("\n".join(lines))
+    write_report(out, "eager", lines, {"rows": rows, "lstm": lstm, **extra})
 
 
 def main() -> None:

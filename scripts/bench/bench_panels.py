@@ -13,7 +13,6 @@ Writes panels.md and panels.json to --out.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 
@@ -79,11 +78,7 @@ def report(rows: list[dict], extra: dict, out: str) -> None:
     for r in rows:
         lines.append(f"| {r['layout']} | {r['bs']} | {r['density']:.3f} | {r['one_block_ms']} | {r['panels_ms']} | {r['panels_speedup']} "
                      f"| {r['one_block_frac_dense_rate']} | {r['panels_frac_dense_rate']} |")
-    with open(os.path.join(out, "panels.md"), "w") as f:
-        f.write("\n".join(lines) + "\n")
-    with open(os.path.join(out, "panels.json"), "w") as f:
-        json.dump({"rows": rows, **extra}, f, indent=1)
-    print("\n".join(lines))
+    _timing.write_report(out, "panels", lines, {"rows": rows, **extra})
 
 
 def main() -> None:

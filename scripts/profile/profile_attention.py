@@ -14,7 +14,6 @@ attention_profile.md and .json to --out.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 from collections import defaultdict
@@ -26,7 +25,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 from scripts.bench.bench_attention import inputs  # noqa: E402
 from bstrain import layout as L  # noqa: E402
 from bstrain.ops.transformer import BlocksparseTransformer  # noqa: E402
-from scripts._timing import environment  # noqa: E402
+from scripts._timing import environment, write_report  # noqa: E402
 
 PRODUCTS = {"_attn_fwd": 2, "_attn_bwd_dq": 3, "_attn_bwd_dkdv": 4, "_attn_bwd": 5}
 
@@ -104,11 +103,7 @@ def report(rows: list[dict], extra: dict, out: str) -> None:
     for r in rows:
         lines.append(f"| {r['run']} | {r['S']} | {r['D']} | {r['block']} | `{r['kernel']}` | {r['ms']} | "
                      f"{r['products'] or '-'} | {r['tflops'] if r['tflops'] is not None else '-'} |")
-    with open(os.path.join(out, "attention_profile.md"), "w") as f:
-        f.write("\n".join(lines) + "\n")
-    with open(os.path.join(out, "attention_profile.json"), "w") as f:
-        json.dump({"rows": rows, **extra}, f, indent=1)
-    print("\n".join(lines))
+    write_report(out, "attention_profile", lines, {"rows": rows, **extra})
 
 
 def main() -> None:

@@ -76,14 +76,12 @@ def test_fsdp_lstm_matches_one_process_and_its_checkpoints_reshard(tmp_path):
     assert more.returncode == 0, more.stderr[-3000:]
     same_curve(losses(conv), want, range(4, 7))
     # a DCP checkpoint of another model is refused in one line, naming the first entry that differs
-    import torch.distributed.checkpoint as dcp
-
     from bstrain.models.lstm import SparseLSTM
-    from bstrain.train.sharded import check_entries
-    keys = dcp.FileSystemReader(str(ckpt)).read_metadata().state_dict_metadata
-    check_entries(ckpt, keys, SparseLSTM(hidden=64, embed=16, block_size=16))
+    from bstrain.train.checkpoint import check_model_entries
+    from bstrain.train.sharded import model_entries
+    check_model_entries(SparseLSTM(hidden=64, embed=16, block_size=16), model_entries(ckpt), ckpt)
     with pytest.raises(CheckpointError, match=r"embedding has shape \(256, 16\) there and \(256, 32\) in the model"):
-        check_entries(ckpt, keys, SparseLSTM(hidden=64, embed=32, block_size=16))
+        check_model_entries(SparseLSTM(hidden=64, embed=32, block_size=16), model_entries(ckpt), ckpt)
     ev = run_cli("eval", f"ckpt={two}", "batches=1", cwd=tmp_path)      # the latest, step_00000006.dcp
     assert ev.returncode == 0 and "bpb" in ev.stdout, ev.stderr[-2000:]
     sample = run_cli("sample", f"ckpt={two / 'ckpt' / 'step_00000006.dcp'}", "prompt=ab", "length=4", cwd=tmp_path)
