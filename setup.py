@@ -9,7 +9,7 @@ setup(
     python_requires=">=3.10",
     # Only bstrain.* goes to site-packages: no top-level kernels/ops/models packages.
     packages=find_packages(include=["bstrain", "bstrain.*"]),
-    package_data={"bstrain": ["configs/**/*.yaml"]},
+    package_data={"bstrain": ["configs/**/*.yaml", "measurements/*.csv"]},
     install_requires=["torch>=2.3", "numpy", "hydra-core>=1.3", "tensorboard", "tqdm"],
     # Triton is optional: the kernels on a GPU need >= 3.6, the CPU interpreter tests >= 3.9.
     # Without it every op runs its PyTorch path and the kernel tests skip.

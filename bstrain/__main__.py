@@ -1,4 +1,5 @@
-"""``python -m bstrain {train,eval,sample,convert} [config=NAME|PATH] [key=value ...]``.
+"""``python -m bstrain {train,eval,sample,convert} [config=NAME|PATH] [key=value ...]``, and
+``python -m bstrain advise in_features=N out_features=N ...`` (:mod:`bstrain.advise`, no Hydra).
 
 Each command is a thin Hydra entry over a plain function (train(cfg) -> dict, ...). ``config=``
 names an experiment in bstrain/configs/config/ or gives the path of your own YAML file.
@@ -26,6 +27,7 @@ commands:
   eval     evaluate a checkpoint: ckpt=PATH [split=valid|test]
   sample   generate text: ckpt=PATH [prompt=...|prompt_file=PATH] [length=N] [temperature=T]
   convert  a checkpoint in the other format: ckpt=PATH out=NEW.dcp (sharded, DCP) or out=NEW.pt (a file)
+  advise   block sizes and densities for a layer, from measurements: in_features=N out_features=N [tokens=N]
 
 Hydra overrides work as usual, e.g. trainer.max_steps=100 trainer.precision=bf16
 hydra.run.dir=runs/mine. `python -m bstrain COMMAND --help` lists every key."""
@@ -177,6 +179,10 @@ def main() -> None:
         print(USAGE)
         return
     command = sys.argv.pop(1)
+    if command == "advise":                     # no Hydra: a table from bstrain/measurements/
+        from bstrain.advise import main as advise
+        advise(sys.argv[1:])
+        return
     if command not in COMMANDS:
         sys.exit(f"unknown command {command!r}\n\n{USAGE}")
     if any(a in ("-h", "--help") for a in sys.argv[1:]):

@@ -49,3 +49,35 @@ def test_timing_helpers_on_the_cpu():
     assert len(calls) == 2 + 4 * 3
     env = _timing.environment(cpu_smoke=True)
     assert list(env) == ["device", "torch", "date"] and env["device"] == "cpu (smoke)"
+
+
+_SHRINK = {   # issue 40's GPU-sized pairs made CPU-sized: the script's and the configs' smoke
+    "transformer": ("wide", ["model.context=128", "data.seq_len=128", "data.batch_size=2", "model.d_model=64",
+                             "model.n_layer=1", "model.n_head=2", "model.window=32", "model.summary=16",
+                             "model.block_size=16", "model.ffn_block_size=16", "data.max_bytes=200000"]),
+    "lstm": ("wide", ["model.hidden=128", "model.embed=32", "model.block_size=16", "data.seq_len=16",
+                      "data.batch_size=4", "trainer.eval_batches=2", "data.max_bytes=200000"]),
+    "convnet": ("sparse", ["model.widths='16,32'", "model.depth=1", "model.block_size=8", "data.batch_size=8",
+                           "data.synthetic_size=64"]),
+}
+
+
+def test_bench_sparse_weights_cpu_smoke(tmp_path, monkeypatch, capsys):
+    """transformer_wide, lstm_wide and the convnet pair train through the script (3 steps each, shrunk),
+    and the report writes its table and one plot per family."""
+    corpus = str(REPO / "bstrain" / "**" / "*.py")
+    script = str(REPO / "scripts" / "bench" / "bench_sparse_weights.py")
+    for family, (which, shrink) in _SHRINK.items():
+        monkeypatch.setattr(sys, "argv", [
+            "bench_sparse_weights.py", "curve", "--family", family, "--which", which, "--seconds", "60",
+            "--out", str(tmp_path), "--runs", str(tmp_path / "runs"), "--corpus", corpus, "--extra", *shrink,
+            "trainer.precision=fp32", "trainer.max_steps=3", "trainer.eval_every=3"])
+        runpy.run_path(script, run_name="__main__")
+    monkeypatch.setattr(sys, "argv", ["bench_sparse_weights.py", "report", "--out", str(tmp_path)])
+    runpy.run_path(script, run_name="__main__")
+    table = (tmp_path / "sparse_weights.md").read_text()
+    for family, (which, _) in _SHRINK.items():
+        data = __import__("json").loads((tmp_path / f"sparse_weights_{family}_{which}.json").read_text())
+        assert data["steps"] == 3 and data["valid_history"] and data["throughput"] > 0
+        assert f"| {which} |" in table
+    assert "bpb" in table and "acc" in table and "tokens/s" in table and "images/s" in table
