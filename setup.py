@@ -13,5 +13,5 @@ setup(
     install_requires=["torch>=2.3", "numpy", "hydra-core>=1.3", "tensorboard", "tqdm"],
     # Triton is optional: the kernels on a GPU need >= 3.6, the CPU interpreter tests >= 3.9.
     # Without it every op runs its PyTorch path and the kernel tests skip.
-    extras_require={"test": ["pytest>=7", "pytest-xdist"], "triton": ["triton>=3.6"]},
+    extras_require={"test": ["pytest>=7", "pytest-xdist", "transformers>=5", "safetensors"], "triton": ["triton>=3.6"]},
 )

@@ -24,6 +24,7 @@ LAYERS = {
     "bstrain.nn": 3,
     "bstrain.sparsity": 4,              # dynamic sparsity edits the nn modules' layouts
     "bstrain.models": 4,
+    "bstrain.hf": 4,                    # saving and loading sparsified Hugging Face models
     "bstrain.data": 4,                  # at the side: data and configs serve the trainer
     "bstrain.configs": 4,               # (the schema names the built-in models' configs)
     "bstrain.train": 5,

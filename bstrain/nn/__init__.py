@@ -7,14 +7,17 @@
 ``LayerNorm``          ``nn.LayerNorm`` over the fused kernel (segments, fused ReLU, fp32 params)
 =====================  =========================================================================
 
-``sparsify(model, include, density=...)`` swaps a model's ``nn.Linear`` and ``nn.Conv2d`` layers
-for these; ``block_sparse_layouts(model)`` lists every layout. Whole models live in
+``sparsify(model, include, density=...)`` swaps a model's ``nn.Linear``, ``nn.Conv2d`` and Hugging
+Face ``Conv1D`` layers for these (``register_sparsifiable`` adds a layer type);
+``block_sparse_layouts(model)`` lists every layout; :mod:`bstrain.hf` saves and loads a sparsified
+Hugging Face model. Whole models live in
 :mod:`bstrain.models`.
 """
 from bstrain.nn.attention import BlockSparseAttention
 from bstrain.nn.conv import BlockSparseConv2d
-from bstrain.nn.linear import BlockSparseLinear, block_sparse_layouts, set_grad_group, sparsify
+from bstrain.nn.convert import SparsifyResult, register_sparsifiable, sparsify
+from bstrain.nn.linear import BlockSparseLinear, block_sparse_layouts, set_grad_group
 from bstrain.nn.norm import LayerNorm
 
 __all__ = ["BlockSparseLinear", "BlockSparseConv2d", "BlockSparseAttention", "LayerNorm", "sparsify",
-           "set_grad_group", "block_sparse_layouts"]
+           "SparsifyResult", "register_sparsifiable", "set_grad_group", "block_sparse_layouts"]

@@ -1,21 +1,35 @@
-"""``BlockSparseLinear``, and helpers that convert dense models: ``sparsify`` (and ``sparsify_candidates``,
-the layers it would replace), ``set_grad_group``."""
+"""``BlockSparseLinear``, ``linear_parts`` (the dense linear layers it converts from),
+``block_sparse_layouts`` and ``set_grad_group``; ``sparsify`` lives in :mod:`bstrain.nn.convert`."""
 from __future__ import annotations
 
 import contextlib
-import warnings
-from collections.abc import Callable, Iterator
+import sys
+from collections.abc import Iterator
 
 import numpy as np
 import torch
 from torch import nn
 
 from bstrain import layout as layouts
+from bstrain._deprecated import moved
 from bstrain.nn._sparse import BlockLayoutModule, bias_arg, layout_of, size_arg, sparsify_candidates
 from bstrain.ops.matmul import BlocksparseMatMul, check_block_size, compute_dtype
 
-__all__ = ["BlockSparseLinear", "SparsifyResult", "block_sparse_layouts", "set_grad_group", "sparsify",
-           "sparsify_candidates"]
+__all__ = ["BlockSparseLinear", "block_sparse_layouts", "linear_parts", "set_grad_group", "sparsify_candidates"]
+
+__getattr__ = moved("bstrain.nn.linear", "bstrain.nn.convert", ("sparsify", "SparsifyResult"))
+
+
+def linear_parts(layer: nn.Module) -> tuple[int, int, torch.Tensor, torch.Tensor | None]:
+    """(C, K, weight as a (C, K) view, bias) of a dense linear layer: an ``nn.Linear`` (its
+    (K, C) weight transposed) or Hugging Face's ``Conv1D`` (GPT-2's; y = x·W + b with a (C, K)
+    weight, so no transpose), which transformers defines: recognised without importing it."""
+    if isinstance(layer, nn.Linear):
+        return layer.in_features, layer.out_features, layer.weight.t(), layer.bias
+    hf = sys.modules.get("transformers.pytorch_utils")
+    if hf is not None and isinstance(layer, hf.Conv1D):
+        return layer.weight.shape[0], layer.weight.shape[1], layer.weight, layer.bias
+    raise TypeError(f"linear: expected an nn.Linear or transformers' Conv1D, got {type(layer).__name__}")
 
 
 class BlockSparseLinear(BlockLayoutModule):
@@ -143,36 +157,36 @@ class BlockSparseLinear(BlockLayoutModule):
         return self.op.to_dense(self.weight).t()
 
     def to_dense(self) -> nn.Linear:
-        """An nn.Linear computing the same function on (*, C) inputs, on this layer's device and dtype."""
+        """An nn.Linear computing the same function on (*, C) inputs, on this layer's device and dtype
+        (also for a layer made from a Hugging Face ``Conv1D``: its weight is the Conv1D's transposed)."""
         return self._filled(nn.Linear(self.in_features, self.out_features, bias=self.bias is not None,
                                       device=self.weight.device, dtype=self.weight.dtype))
 
     @classmethod
-    def from_dense(cls, linear: nn.Linear, *, block_size: int = 32, density: float | None = None,
+    def from_dense(cls, linear: nn.Module, *, block_size: int = 32, density: float | None = None,
                    layout=None, feature_axis: int = 1) -> "BlockSparseLinear":
-        """A block-sparse copy of ``linear``: its weights on the live blocks, its bias.
+        """A block-sparse copy of ``linear`` (an ``nn.Linear``, or Hugging Face's ``Conv1D``, whose
+        transposed weight is read as it is stored): its weights on the live blocks, its bias.
 
         The live blocks are ``layout``, or, with ``density``, the round(density·blocks) blocks of
         largest L2 norm in the dense weight (magnitude pruning at block granularity).
         """
-        if not isinstance(linear, nn.Linear):
-            raise TypeError(f"linear: expected an nn.Linear, got {type(linear).__name__}")
+        C, K, weight, bias = linear_parts(linear)                 # weight: (C, K)
         bs = check_block_size(block_size)
-        C, K = linear.in_features, linear.out_features
         norms = None
         if layout is None:
             if C % bs or K % bs:
                 raise ValueError(f"linear: expected in/out features that are multiples of block_size={bs}, "
                                  f"got {C} and {K}")
-            norms = linear.weight.detach().float().t().reshape(C // bs, bs, K // bs, bs).square().sum((1, 3))
+            norms = weight.detach().float().reshape(C // bs, bs, K // bs, bs).square().sum((1, 3))
         layout = layout_of(norms, density, layout)
-        layer = cls(C, K, linear.bias is not None, block_size=bs, layout=layout, feature_axis=feature_axis,
-                    device=linear.weight.device, dtype=linear.weight.dtype)
+        layer = cls(C, K, bias is not None, block_size=bs, layout=layout, feature_axis=feature_axis,
+                    device=weight.device, dtype=weight.dtype)
         layer.requested_density = density
         with torch.no_grad():
-            layer.weight.copy_(layer.op.from_dense(linear.weight.t()))
-            if linear.bias is not None:
-                layer.bias.copy_(linear.bias)
+            layer.weight.copy_(layer.op.from_dense(weight))
+            if bias is not None:
+                layer.bias.copy_(bias)
         return layer
 
     # --- layout (bstrain.nn._sparse.BlockLayoutModule: state dicts, .to()) ------------------------------
@@ -221,87 +235,3 @@ def set_grad_group(module: nn.Module, group_size: int) -> int:
     for layer in layers:
         layer.group_size = group_size
     return len(layers)
-
-
-class SparsifyResult(list):
-    """What :func:`sparsify` returns: the list of names it replaced (it compares and prints as that
-    list), and ``skipped``, {name: why} of each chosen layer it left dense under ``errors="skip"``
-    (every name of the layer; empty otherwise)."""
-
-    def __init__(self, replaced=(), skipped: dict[str, str] | None = None):
-        super().__init__(replaced)
-        self.skipped = dict(skipped or {})
-
-
-def _check_linear(name: str, linear: nn.Linear, block_size: int) -> None:
-    """A ValueError naming ``name`` when ``linear`` has no BlockSparseLinear equivalent."""
-    if linear.in_features % block_size or linear.out_features % block_size:
-        raise ValueError(f"{name}: expected in/out features that are multiples of block_size={block_size}, "
-                         f"got {linear.in_features} and {linear.out_features}")
-
-
-def _sparse_layer(dense: nn.Module, block_size: int, density: float, keep_weights: bool, balanced: bool) -> nn.Module:
-    """The block-sparse layer :func:`sparsify` puts in place of ``dense`` (an nn.Linear or nn.Conv2d)."""
-    from bstrain.nn.conv import BlockSparseConv2d
-    if type(dense) is nn.Conv2d:
-        return BlockSparseConv2d.sparsified(dense, block_size=block_size, density=density, keep_weights=keep_weights)
-    if keep_weights:
-        return BlockSparseLinear.from_dense(dense, block_size=block_size, density=density)
-    return BlockSparseLinear(dense.in_features, dense.out_features, dense.bias is not None, block_size=block_size,
-                             density=density, balanced=balanced, device=dense.weight.device, dtype=dense.weight.dtype)
-
-
-def sparsify(model: nn.Module, include: str | Callable[[str, nn.Module], bool], *, block_size: int = 32,
-             density: float, keep_weights: bool = True, balanced: bool = True,
-             errors: str = "raise") -> SparsifyResult:
-    """Replaces, in place, the ``nn.Linear`` and ``nn.Conv2d`` layers of ``model`` chosen by ``include``
-    with :class:`BlockSparseLinear` and :class:`bstrain.nn.BlockSparseConv2d`.
-
-    Layers are replaced per module object, as ``torch.nn.utils.parametrize`` works: a layer
-    registered under several names (``model.dec = model.enc``, twice in an ``nn.ModuleList``,
-    under two parents) is chosen when ``include`` chooses any of its names, and one block-sparse
-    layer then takes every registration, so the sharing stays. To keep such a layer dense, choose
-    none of its names. A layer whose parameter is tied to another module's (``b.weight =
-    a.weight``, a head tied to an ``nn.Embedding``) cannot be converted: a copy would untie them.
-    Only layers of exactly these types are candidates (subclasses such as
-    ``nn.MultiheadAttention``'s ``out_proj``, whose weight their owner reads, are left alone).
-
-    Args:
-        include: a glob on qualified module names (``"blocks.*.mlp.*"``, ``"*"``), or a function
-            ``(name, layer) -> bool``, asked for each name of a layer.
-        density: fraction of live blocks of each new layer.
-        keep_weights: True keeps the largest-norm blocks of the dense weights and the biases
-            (``from_dense``); False draws a fresh layout and initialises it.
-        balanced: for linear layers without keep_weights, draw a balanced layout (the default) or
-            an independent one; conv layouts are always balanced.
-        errors: what a chosen layer that cannot be converted (features or channels not multiples
-            of block_size, a grouped conv, a tied parameter) does: "raise" (the default) raises a
-            ValueError naming it before any layer is replaced; "skip" leaves it dense, warns once
-            listing the skipped layers and why, and records them in the result's ``skipped``.
-    Returns the names replaced, in module order, every name of a layer registered under several
-    (a list: a :class:`SparsifyResult`, whose ``skipped`` is {name: why} under ``errors="skip"``).
-    """
-    from bstrain.nn.conv import _check_convertible
-    if errors not in ("raise", "skip"):
-        raise ValueError(f"errors: expected 'raise' or 'skip', got {errors!r}")
-    if isinstance(block_size, (bool, np.bool_)) or not isinstance(block_size, (int, np.integer)) or block_size < 1:
-        raise ValueError(f"block_size: expected a positive int, got {block_size!r}")
-    block_size, density = int(block_size), layouts.check_density(density)
-    chosen, problems = sparsify_candidates(model, include, block_size,
-                                           {nn.Linear: _check_linear, nn.Conv2d: _check_convertible})
-    if nn.Linear in {type(m) for _, m in chosen} | {type(m) for m, _, _ in problems}:
-        check_block_size(block_size)                     # the Linear kernels' sizes; conv takes any
-    if problems and errors == "raise":
-        raise ValueError(problems[0][2])
-    new: dict[int, nn.Module] = {}                       # one replacement per layer object
-    for _, m in chosen:
-        if id(m) not in new:
-            new[id(m)] = _sparse_layer(m, block_size, density, keep_weights, balanced)
-    for name, m in chosen:                               # built all first: a failed build replaces nothing
-        parent, _, child = name.rpartition(".")
-        setattr(model.get_submodule(parent) if parent else model, child, new[id(m)])
-    skipped = {name: why for _, names, why in problems for name in names}
-    if skipped:
-        warnings.warn(f"sparsify left {len(problems)} chosen layer(s) dense (errors='skip'): "
-                      + "; ".join(why for *_, why in problems), stacklevel=2)
-    return SparsifyResult([name for name, _ in chosen], skipped)
