@@ -21,6 +21,8 @@ def flash_status() -> tuple[bool, str]:
     try:
         if importlib.util.find_spec("flash_attn.cute") is None:
             return False, "FLASH absent: flash-attn-4 (flash_attn.cute) is not installed (scripts/gpu/stage_fa4.sh)"
+    except ModuleNotFoundError:
+        return False, "FLASH absent: flash-attn-4 (flash_attn.cute) is not installed (scripts/gpu/stage_fa4.sh)"
     except (ImportError, ValueError) as exc:
         return False, f"FLASH absent: flash_attn.cute does not import ({type(exc).__name__}: {exc})"
     try:
