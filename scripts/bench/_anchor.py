@@ -182,18 +182,39 @@ def make_anchor(cfg, mode: str, flex_block: int, backend: str, device, x, y, arg
     net = torch.compile(model, mode=None if compile_mode == "default" else compile_mode) if compile_mode else model
     params = list(model.parameters())
     update = lambda: anchor_update(params, opt, o.grad_clip)            # noqa: E731
+    choices = {k: v for k, v in how.items() if not k.startswith("_")} | flex
     if how["_compiled_opt"]:
-        update = torch.compile(update, mode=None if compile_mode == "default" else compile_mode)
+        update = CompiledOrEager(update, compile_mode, choices)
     step = lambda: anchor_train_step(net, update, opt, x, y, amp)         # noqa: E731
     if how["_graph"]:
         step = GraphedStep(step)
     what = f"{m.attention} w{m.window} s{m.summary}" if mode == "layers" else f"window {m.window}"
-    choices = {k: v for k, v in how.items() if not k.startswith("_")} | flex
     info = {"model": anchor_name(mode, flex_block, backend), "mode": mode, "anchor": choices,
             "attention": f"Flex {backend}, {what}" if cuda else f"SDPA + dense mask, {what} (CPU)",
             "block_size": flex_block, "live_block_density": density, "params": sum(p.numel() for p in params),
-            "module": model, "step_mode": f"compile {choices['compile']}; {choices['graph']}; {choices['optimizer']}"}
+            "module": model}
     return step, info
+
+
+class CompiledOrEager:
+    """The update under torch.compile; where its first call fails to compile (Dynamo refusing the
+    fused optimizer, say) the eager update instead, and ``choices["optimizer"]`` says so: the anchor
+    is measured all the same, and the row records how."""
+
+    def __init__(self, update, mode: str | None, choices: dict):
+        self.eager, self.choices, self.first, self.mode, self.compiled = update, choices, True, mode, None
+
+    def __call__(self) -> None:
+        if not self.first:
+            return self.fn()
+        self.first = False
+        try:
+            self.fn = self.compiled or torch.compile(self.eager, mode=None if self.mode == "default" else self.mode)
+            return self.fn()
+        except Exception as exc:               # before any state changed: Dynamo fails while it traces
+            self.fn = self.eager
+            self.choices["optimizer"] += f" -> eager: compile failed ({type(exc).__name__}: {str(exc)[:120]})"
+            return self.eager()
 
 
 def anchor_name(mode: str, flex_block: int, backend: str) -> str:

@@ -203,6 +203,8 @@ def measure_shape(shape: str, overrides: list[str], args, work: Path) -> list[di
             continue
         if runs[name] is not None:                        # the trainer's: graph, or eager where it could not capture
             row["step_mode"] = runs[name].step_mode
+        elif "anchor" in row:                             # its optimizer may have fallen back to eager
+            row["step_mode"] = "; ".join(f"{row['anchor'][k]}" for k in ("compile", "graph", "optimizer"))
         if args.profile and name in steps:
             row["profile"] = whole_step_profile(steps[name], device)
         rates = [args.steps * B * T / t for t in seconds[name]]

@@ -81,7 +81,7 @@ def lm_data(args) -> list[str]:
     if args.cpu_smoke:
         return []
     from scripts.bench.bench_lstm import site_packages_glob
-    return [f"data.path={args.corpus or site_packages_glob()}", "data.max_bytes=67108864"]
+    return [f"data.path={args.corpus or site_packages_glob()}", "data.name=bytes", "data.max_bytes=67108864"]
 
 
 def scaling(args) -> tuple[list[dict], list[str]]:
@@ -101,7 +101,7 @@ def scaling(args) -> tuple[list[dict], list[str]]:
 
 
 def fsdp(args) -> tuple[list[dict], list[str]]:
-    over = ["config=transformer_fsdp", *lm_data(args), "data.name=bytes", *LOG, "trainer.ckpt_every=0", f"trainer.log_every={args.log_every}",
+    over = ["config=transformer_fsdp", *lm_data(args), *LOG, "trainer.ckpt_every=0", f"trainer.log_every={args.log_every}",
             f"trainer.max_steps={args.steps}", f"model.n_layer={args.layers}", *args.override]
     rows = []
     for name, extra in (("sparse", []), ("dense twin", ["model.attention=dense"])):
@@ -173,8 +173,10 @@ def main() -> None:
     ap.add_argument("--nproc", type=int, default=4, help="fsdp: GPUs")
     ap.add_argument("--layers", type=int, default=48, help="fsdp: model.n_layer (48: 9.7B; 24 fits 2 GPUs)")
     ap.add_argument("--to", type=ints, default=[1, 4], help="resume: process counts to resume on")
-    ap.add_argument("--base", default="config=transformer_enwik8", help="resume, rigl: the config")
-    ap.add_argument("--global-batch", type=int, default=8, help="resume, rigl: sequences a step over all GPUs")
+    ap.add_argument("--base", default=None, help="resume, rigl: the config (config=transformer_enwik8, "
+                                                  "config=lstm_enwik8: block-sparse weights for RigL to move)")
+    ap.add_argument("--global-batch", type=int, default=0, help="resume, rigl: sequences a step over all GPUs "
+                                                                "(0: resume 8, rigl 64)")
     ap.add_argument("--steps", type=int, default=0, help="training steps (resume: the checkpoint's step); 0: "
                                                         "scaling 60, fsdp 30, resume 10, rigl 30")
     ap.add_argument("--log-every", type=int, default=5)
@@ -182,6 +184,8 @@ def main() -> None:
     ap.add_argument("--cpu-smoke", action="store_true", help="CPU processes (gloo), tiny runs")
     args = ap.parse_args()
     args.steps = args.steps or {"scaling": 60, "fsdp": 30, "resume": 10, "rigl": 30}[args.what]
+    args.base = args.base or {"rigl": "config=lstm_enwik8"}.get(args.what, "config=transformer_enwik8")
+    args.global_batch = args.global_batch or {"rigl": 64}.get(args.what, 8)
     need = {"scaling": max(args.nprocs), "fsdp": args.nproc, "resume": max(2, *args.to), "rigl": 2}[args.what]
     if not args.cpu_smoke and torch.cuda.device_count() < need:
         raise SystemExit(f"bench_multigpu {args.what}: needs {need} GPUs, found {torch.cuda.device_count()}")

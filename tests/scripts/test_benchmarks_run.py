@@ -26,6 +26,7 @@ def test_bench_lm_anchor_cpu_smoke(tmp_path, monkeypatch, capsys):
     assert "bstrain sparse / anchor (layers" in table and "bstrain sparse / dense twin" in table
     assert "failed" not in table and "**check" not in table
     assert "bstrain sparse / strongest anchor (layers): anchor (layers, Flex block 32)" in table
+    assert "| none; no graph (off); eager clip + AdamW foreach |" in table
     data = json.loads((tmp_path / "lm_anchor.json").read_text())
     anchors = [r for r in data["rows"] if r["model"].startswith("anchor")]
     assert [r["anchor"] for r in anchors] == [{"compile": "none", "graph": "no graph (off)",          # the CPU smoke's

@@ -68,6 +68,21 @@ def test_anchor_graph_on_refuses_a_self_graphing_compile_and_is_off_on_the_cpu()
     assert anchor_choices(_args(anchor_graph="on"), torch.device("cpu"))["graph"] == "no graph (off (CPU))"
 
 
+def test_anchor_update_falls_back_to_eager_where_it_does_not_compile_and_says_so():
+    from scripts.bench._anchor import CompiledOrEager
+    calls, choices = [], {"optimizer": "torch.compile(clip + AdamW fused, capturable)"}
+    update = CompiledOrEager(lambda: calls.append("eager"), "max-autotune-no-cudagraphs", choices)
+
+    def refuses():
+        raise RuntimeError("Unsupported: fused optimizer")
+    update.compiled = refuses
+    update()
+    update()
+    assert calls == ["eager", "eager"]
+    assert choices["optimizer"] == ("torch.compile(clip + AdamW fused, capturable) -> eager: compile failed "
+                                    "(RuntimeError: Unsupported: fused optimizer)")
+
+
 def test_bench_attention_cpu_smoke_has_the_new_columns(tmp_path, monkeypatch):
     monkeypatch.setattr(sys, "argv", ["bench_attention.py", "--cpu-smoke", "--layouts", "causal,strided",
                                       "--out", str(tmp_path)])
