@@ -102,10 +102,11 @@ def text_chunks(data: np.ndarray, chunk_bytes: int = CHUNK_BYTES) -> Iterator[st
         end = min(start + chunk_bytes, n)
         piece = bytes(data[start:end])
         cut = len(piece)
-        if end < n:
-            cut = piece.rfind(b"\n") + 1 or cut
-            while cut == len(piece) and cut > 1 and (int(data[start + cut]) & 0xC0) == 0x80:
-                cut -= 1                              # (only without a newline: back to a character start)
+        if end < n and b"\n" in piece:
+            cut = piece.rfind(b"\n") + 1
+        elif end < n:                                 # no newline: back to the start of a character
+            while cut > 1 and (int(data[start + cut]) & 0xC0) == 0x80:
+                cut -= 1
         yield piece[:cut].decode("utf-8", errors="replace")
         start += cut
 
