@@ -8,13 +8,15 @@
 =====================  =========================================================================
 
 ``sparsify(model, include, density=...)`` swaps a model's ``nn.Linear`` and ``nn.Conv2d`` layers
-for these; ``block_sparse_layouts(model)`` lists every layout. Whole models live in
+for these; ``block_sparse_layouts(model)`` lists every layout; ``sync_layouts(model)`` has every
+layer take its ``layout`` buffer now (each does when it next runs). Whole models live in
 :mod:`bstrain.models`.
 """
+from bstrain.nn._sparse import sync_layouts
 from bstrain.nn.attention import BlockSparseAttention
 from bstrain.nn.conv import BlockSparseConv2d
 from bstrain.nn.linear import BlockSparseLinear, block_sparse_layouts, set_grad_group, sparsify
 from bstrain.nn.norm import LayerNorm
 
 __all__ = ["BlockSparseLinear", "BlockSparseConv2d", "BlockSparseAttention", "LayerNorm", "sparsify",
-           "set_grad_group", "block_sparse_layouts"]
+           "set_grad_group", "block_sparse_layouts", "sync_layouts"]
