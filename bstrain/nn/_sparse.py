@@ -1,6 +1,7 @@
-"""What every block-sparse module shares: its layout in the state dict, one adoption path for a
-loaded layout, and layout tables warmed when the module moves to a device; and the search for the
-dense layers ``sparsify`` replaces (``sparsify_candidates``), which linear and conv layers share."""
+"""What every block-sparse module shares: its ``layout`` buffer as the layout it computes with
+(taken whenever it was written), and layout tables warmed when the module moves to a device;
+and the search for the dense layers ``sparsify`` replaces (``sparsify_candidates``), which linear
+and conv layers share."""
 from __future__ import annotations
 
 import fnmatch
