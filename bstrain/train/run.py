@@ -232,7 +232,15 @@ def _distributed(model: torch.nn.Module, world: World, device: torch.device, gra
     if not world.active:
         return model
     from torch.nn.parallel import DistributedDataParallel
+
+    from bstrain.nn._sparse import layout_buffers
     check_same_layouts(model, world)
+    # the layouts agree across ranks and change together: DDP's broadcast of rank 0's buffers at every
+    # forward would bump their version counters and have each layer read its layout back every step
+    layouts = layout_buffers(model)
+    ignored = set(getattr(model, "_ddp_params_and_buffers_to_ignore", ()))
+    DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(
+        model, sorted(ignored | {name for name, b in model.named_buffers() if id(b) in layouts}))
     side = torch.cuda.Stream(device) if graphed else None
     with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
         # a graph that captures DDP's all-reduce needs DDP built on a side stream (torch.cuda.graphs docs)
