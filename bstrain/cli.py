@@ -256,9 +256,9 @@ def _arguments(target: str) -> tuple[list[str], bool] | None:
     ``**kwargs``); None when it cannot be imported or has no signature."""
     import inspect
 
-    from hydra.utils import get_object
+    from hydra._internal.utils import _locate      # what instantiate() calls (hydra.utils.get_object logs failures)
     try:
-        params = list(inspect.signature(get_object(target)).parameters.values())
+        params = list(inspect.signature(_locate(target)).parameters.values())
     except Exception:           # not importable from here, or no signature: the error then says how to add one
         return None
     named = [p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
