@@ -5,7 +5,8 @@ names an experiment in bstrain/configs/config/ or gives the path of your own YAM
 
 Errors: a user's error (a misspelled key, a value of the wrong type, an override Hydra cannot
 parse, a :class:`bstrain.errors.UserError` for data, config or checkpoint problems) is printed as
-one line and exits with status 1; a run stopped by SIGINT/SIGTERM prints one line saying how to
+one line and exits with status 1 (an exception raised in a user model's constructor too, its
+traceback in the run's train.log); a run stopped by SIGINT/SIGTERM prints one line saying how to
 resume and exits with 130; anything else is a bug and keeps its traceback. Hydra reports nothing
 itself (HYDRA_FULL_ERROR=1): every error comes here, see :func:`bstrain.cli.one_line`.
 """
@@ -121,9 +122,9 @@ def _hydra_command(config_name: str, fn):
 
 
 def _train(cfg):
+    from bstrain.errors import UserCodeError
     from bstrain.train import rundir
     from bstrain.train.trainer import train
-    from bstrain.errors import UserCodeError
     try:
         return train(cfg)
     except BaseException as exc:   # a start that stops leaves no run dir of its own behind (one that trained keeps

@@ -9,6 +9,10 @@ composes on the config saved in the checkpoint it resumes; ``trainer.run_dir`` a
 
 After (:func:`one_line`): a misspelled key, a value of the wrong type, an override Hydra cannot
 parse or a :class:`bstrain.errors.UserError` become one line naming the key; None means a bug.
+A user's ``_target_`` model section lists only some of its constructor's arguments, so Hydra
+refuses ``model.NAME=VALUE`` for another one: :func:`with_constructor_argument` gives the command
+line again with ``+model.NAME=VALUE`` when the constructor takes NAME, and :func:`one_line` names
+the closest argument when it does not.
 """
 from __future__ import annotations
 

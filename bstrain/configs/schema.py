@@ -231,8 +231,8 @@ class SparsifyConfig:
                 "block-sparse; null: off"})
     density: float = _field(0.25, "fraction of live blocks of each new layer, in (0, 1]",
                             (lambda v: 0 < v <= 1, "in (0, 1]"))
-    block_size: int = _field(32, "block size of the new layers (linear: 16, 32, 64 or 128; it must divide their "
-                                 "features or channels)", _AT_LEAST_1)
+    block_size: int = _field(32, "block size of the new layers (linear: 8, 16, 32, 64 or 128); it must divide their "
+                                 "features or channels", _AT_LEAST_1)
     keep_weights: bool = field(default=True, metadata={
         "help": "keep the largest-norm blocks of the initialised dense weights; false: draw a layout and initialise"})
     balanced: bool = field(default=True, metadata={
