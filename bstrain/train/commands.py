@@ -1,4 +1,5 @@
-"""``eval`` and ``sample``: both rebuild the model, data and task from the config stored in a checkpoint."""
+"""``eval``, ``sample`` and ``convert``: each rebuilds the model (sparsified as the run's was) and eval
+and sample the data and task, from the config stored in a checkpoint."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -11,7 +12,8 @@ from bstrain.train.checkpoint import check_model_entries, load_checkpoint
 from bstrain.train.distributed import World
 from bstrain.train.progress import log
 from bstrain.train.step import Forward, is_stateful
-from bstrain.train.run import PRECISIONS, _without_shard, instantiate, resolve_device, set_threads
+from bstrain.train.model import build_model, instantiate
+from bstrain.train.run import PRECISIONS, resolve_device, set_threads
 
 
 def _required_ckpt(cfg) -> str:
@@ -44,7 +46,7 @@ def _load(cfg, data_path=None):
         train_cfg.data.path = data_path
     task = instantiate(train_cfg.task, "task")
     task.setup(instantiate(train_cfg.data, "data"), World(), int(train_cfg.trainer.seed))
-    model = instantiate(_without_shard(train_cfg.model)[0], "model")
+    model, _ = build_model(train_cfg, rebuild=True)        # sparsified as the run was (cfg.sparsify)
     weights = ckpt["model"]
     if ckpt.get("ema") is not None:                    # evaluate with the EMA weights when trained with them
         weights = {k.removeprefix("module."): v for k, v in ckpt["ema"].items() if k.startswith("module.")}
@@ -113,7 +115,7 @@ def convert_checkpoint(cfg) -> str:
     ckpt = load_checkpoint(_required_ckpt(cfg))
     train_cfg = OmegaConf.create(upgrade_config(ckpt["config"]))
     with torch.device("meta"):
-        model = instantiate(_without_shard(train_cfg.model)[0], "model")
+        model, _ = build_model(train_cfg, rebuild=True)
     optimizer = make_optimizer(model, train_cfg.optim, torch.device("cpu"), capturable=False)
     names = sharded.parameter_order(model, optimizer)
     by_name = ckpt.pop("optimizer_fqn", None)

@@ -42,10 +42,16 @@ def error_line(*argv) -> str:
     (["model.hiden=3"], "model.hiden: no such key; did you mean model.hidden?"),
     ([f"config={REPO / 'examples' / 'my_lm.yaml'}", "model.widht=3"],
      "model.widht: no such key; did you mean model.width?"),
+    ([f"config={REPO / 'examples' / 'my_lm.yaml'}", "model.kernal=3"],      # an argument the YAML leaves out
+     "model.kernal: no such key; did you mean model.kernel?"),
+    ([f"config={REPO / 'examples' / 'my_lm.yaml'}", "model.xyzzy=3"],
+     "model.xyzzy: no such key; my_lm.ConvLM takes width, kernel, density, block_size"),
     (["model.widht=3"], "model.widht: no such key; model has _target_, hidden, embed, depth, sparse, block_size, "
                         "density, layout, layout_seed, layer_norm, init"),
-], ids=["section-key", "no-section", "model-key", "user-model", "no-match"])
-def test_a_misspelled_key_is_one_line_naming_the_closest(argv, want):
+], ids=["section-key", "no-section", "model-key", "user-model", "user-model-argument", "user-model-no-match",
+        "no-match"])
+def test_a_misspelled_key_is_one_line_naming_the_closest(argv, want, monkeypatch):
+    monkeypatch.syspath_prepend(str(REPO / "examples"))        # as `cd examples` makes my_lm importable
     assert error_line(*argv) == want
 
 
