@@ -72,9 +72,12 @@ def is_bstrain_class(target) -> bool:
 
 
 def _glob_for(target) -> str:
-    """The narrowest glob a user would write for a target's package: ``shutil.*`` for ``shutil.copyfile``."""
+    """The glob a user would write for a target: its package's (``shutil.*`` for ``shutil.copyfile``),
+    or the path itself for a ``bstrain.*`` path that is not one of its classes (``bstrain.*`` would
+    trust every function any bstrain module imports)."""
     text = str(target)
-    return f"{text.split('.')[0]}.*" if "." in text else text
+    package = text.split(".")[0]
+    return f"{package}.*" if "." in text and package != "bstrain" else text
 
 
 def check_config(config: dict, source, trusted: Sequence[str] = (), overridden: Collection[str] = ()) -> None:
