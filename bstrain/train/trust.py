@@ -33,7 +33,8 @@ from torch.distributed.checkpoint import FileSystemReader
 
 from bstrain.errors import CheckpointError
 
-__all__ = ["check_config", "globs", "is_bstrain_class", "CheckedReader", "read_metadata", "refusals_unwrapped"]
+__all__ = ["check_config", "untrusted", "trust_argument", "globs", "is_bstrain_class", "CheckedReader", "read_metadata",
+           "refusals_unwrapped"]
 
 
 # --- _target_s of a stored config ---------------------------------------------------------------------
@@ -89,23 +90,29 @@ def check_config(config: dict, source, trusted: Sequence[str] = (), overridden: 
         trusted: the user's globs (``trust=[...]``).
         overridden: the dotted keys of the ``_target_``s the user set on the command line.
     """
-    refused = []
     for key, value in _leaves(config):
         if isinstance(value, str) and "${" in value:
             # bstrain stores configs resolved; an interpolation (oc.create ...) could make a _target_ on the way
             raise CheckpointError(f"checkpoint {source}: its config's {key} holds an interpolation ({value!r}); "
                                   f"bstrain stores configs resolved, so this one was edited; nothing was built")
-        if key.rpartition(".")[2] != "_target_" or key in overridden or is_bstrain_class(value):
-            continue
-        if not any(isinstance(value, str) and fnmatch.fnmatchcase(value, g) for g in trusted):
-            refused.append((key, value))
-    if refused:
+    if refused := untrusted(config, trusted, overridden):
         (key, target), more = refused[0], refused[1:]
         also = f" (and {', '.join(f'{k}: {v}' for k, v in more)})" if more else ""
-        wanted = ",".join(dict.fromkeys(_glob_for(v) for _, v in refused))
         raise CheckpointError(f"checkpoint {source}: its config's {key} is {target}{also}, code from outside bstrain "
                               f"that loading it would run; nothing was built. If you trust the checkpoint's author, "
-                              f"add 'trust=[{wanted}]'")
+                              f"add {trust_argument(refused)}")
+
+
+def untrusted(config: dict, trusted: Sequence[str] = (), overridden: Collection[str] = ()) -> list[tuple[str, object]]:
+    """(dotted key, value) of each ``_target_`` in ``config`` that :func:`check_config` refuses."""
+    return [(key, value) for key, value in _leaves(config)
+            if key.rpartition(".")[2] == "_target_" and key not in overridden and not is_bstrain_class(value)
+            and not any(isinstance(value, str) and fnmatch.fnmatchcase(value, g) for g in trusted)]
+
+
+def trust_argument(refused: list[tuple[str, object]]) -> str:
+    """``'trust=[shutil.*,transformers.*]'``: the argument that trusts the targets :func:`untrusted` lists."""
+    return f"'trust=[{','.join(dict.fromkeys(_glob_for(v) for _, v in refused))}]'"
 
 
 # --- DCP's pickles ------------------------------------------------------------------------------------

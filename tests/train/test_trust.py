@@ -156,6 +156,16 @@ def test_resume_on_a_saved_config_is_checked_before_hydra_runs(genuine, tmp_path
     rewrite("train", [f"trainer.resume={ckpt}", "config=lstm_tiny"])                 # the user's config: not read
 
 
+def test_the_resume_hint_trusts_the_runs_own_targets(tmp_path):
+    from omegaconf import OmegaConf
+
+    from bstrain.train.stopping import resume_hint
+    ours = OmegaConf.create({"model": {"_target_": "bstrain.models.lstm.SparseLSTM"}})
+    assert resume_hint(tmp_path, ours) == resume_hint(tmp_path)
+    theirs = OmegaConf.create({"model": {"_target_": "my_lm.ConvLM", "config": {"_target_": "transformers.X"}}})
+    assert resume_hint(tmp_path, theirs) == resume_hint(tmp_path) + " 'trust=[my_lm.*,transformers.*]'"
+
+
 def test_resume_takes_only_a_train_configs_sections_from_a_checkpoint(genuine):
     """A saved ``hydra`` or ``defaults`` entry would reconfigure Hydra itself (its callbacks, its
     search path): the YAML a resume composes on leaves them out, and the saved ``trust``."""
