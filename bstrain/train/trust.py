@@ -142,13 +142,17 @@ def _admitted(module: str, name: str) -> bool:
     return False
 
 
+class _Refused(pickle.UnpicklingError):
+    """A global the metadata unpickler does not admit (the message is its dotted name)."""
+
+
 class _MetadataUnpickler(pickle.Unpickler):
     """An unpickler that refuses every global but DCP's metadata classes (the pattern of Python's
     pickle docs, "Restricting Globals")."""
 
     def find_class(self, module: str, name: str):
         if not _admitted(module, name):
-            raise pickle.UnpicklingError(f"{module}.{name}")
+            raise _Refused(f"{module}.{name}")
         return super().find_class(module, name)
 
 
@@ -156,7 +160,7 @@ def read_metadata(stream, path):
     """A DCP ``Metadata`` from ``stream`` (the file ``path``); CheckpointError naming a refused global."""
     try:
         return _MetadataUnpickler(stream).load()
-    except pickle.UnpicklingError as exc:
+    except _Refused as exc:
         raise CheckpointError(f"checkpoint: {path} holds the global {exc}, which DCP metadata never does; "
                               f"refused, nothing of it was run") from None
 
