@@ -38,6 +38,8 @@ hydra.run.dir=runs/mine. `python -m bstrain COMMAND --help` lists every key."""
 def _type_name(tp) -> str:
     if isinstance(tp, type) and issubclass(tp, enum.Enum):
         return "choice"
+    if typing.get_origin(tp) is list:
+        return "list"
     args = [a for a in typing.get_args(tp) if a is not type(None)]
     return (_type_name(args[0]) + " or null") if args else getattr(tp, "__name__", str(tp))
 
@@ -49,7 +51,8 @@ def _rows(prefix: str, schema) -> list[tuple[str, str, str, str]]:
     for f in dataclasses.fields(schema):
         if f.name == "_target_":
             continue
-        default = f.default if f.default is not dataclasses.MISSING else "(required)"
+        default = f.default if f.default is not dataclasses.MISSING else (
+            f.default_factory() if f.default_factory is not dataclasses.MISSING else "(required)")
         default = getattr(default, "value", default)
         default = {"???": "(required)", None: "null", True: "true", False: "false"}.get(default, default) \
             if isinstance(default, (str, bool, type(None))) else default
@@ -102,6 +105,7 @@ def _help(command: str) -> str:
                _rows("sparsify.", schema.SparsifyConfig)]
     for section, node in (("optim", schema.OptimConfig), ("trainer", schema.TrainerConfig)):
         blocks += [f"\n{section}", _rows(f"{section}.", node)]
+    blocks += ["\ntrust", [r for r in _rows("", schema.TrainConfig) if r[0] == "trust"]]
     blocks.append("\nHydra: hydra.run.dir=DIR (the run directory); `--cfg job` prints the composed config.")
     return _table(blocks)
 

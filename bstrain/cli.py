@@ -4,8 +4,8 @@ and how it reports a user's error after.
 Before (:func:`rewrite`): ``config=PATH.yaml`` becomes a config Hydra can find; a sample prompt
 goes through a temporary file; the value of a path key (``data.path=~/src/**/*.py``) has ``~``
 expanded and is quoted for Hydra's override grammar; ``trainer.resume`` without ``config=``
-composes on the config saved in the checkpoint it resumes; ``trainer.run_dir`` and
-``hydra.run.dir`` name the same directory.
+composes on the config saved in the checkpoint it resumes, once its ``_target_``s are trusted
+(bstrain/train/trust.py); ``trainer.run_dir`` and ``hydra.run.dir`` name the same directory.
 
 After (:func:`one_line`): a misspelled key, a value of the wrong type, an override Hydra cannot
 parse or a :class:`bstrain.errors.UserError` become one line naming the key; None means a bug.
@@ -103,14 +103,36 @@ def _builtin_option(group: str, node: dict) -> str | None:
                 None)
 
 
+def _sections(saved: dict) -> dict:
+    """The sections of a saved config that a train config has (model, data, task, optim ...), and
+    nothing else: no ``defaults`` list, ``hydra`` settings or ``trust`` of the checkpoint's author."""
+    import dataclasses
+
+    from bstrain.configs.schema import TrainConfig
+    return {f.name: saved[f.name] for f in dataclasses.fields(TrainConfig) if f.name in saved and f.name != "trust"}
+
+
 def _resumed_config(saved: dict) -> str:
     """An experiment YAML that rebuilds a checkpoint's config: its group options (so the schemas
     type and check its keys again), then its values. The run directory comes from this command."""
     from omegaconf import OmegaConf
+    saved = _sections(saved)
     defaults = [{"/model": m}] if (m := _builtin_option("model", saved.get("model"))) else []
     defaults += [{f"override /{g}": _builtin_option(g, saved.get(g))} for g in ("data", "task")]
     trainer = {**saved.get("trainer", {}), "run_dir": None, "resume": "false"}
     return "# @package _global_\n" + OmegaConf.to_yaml({"defaults": defaults, **saved, "trainer": trainer})
+
+
+def _check_trust(saved: dict, path, args: dict[str, str]) -> None:
+    """A resume on a checkpoint's config builds its ``_target_``s: each must be bstrain's, set on
+    this command line (``model._target_=...``) or matched by its ``trust=[...]`` (bstrain/train/trust.py)."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    from bstrain.train import trust
+    value = args.get("trust")
+    trusted = trust.globs(OverridesParser.create().parse_override(f"trust={value}").value()) if value else []
+    overridden = {k.lstrip("+~") for k in args if k.endswith("._target_")}
+    trust.check_config(_sections(saved), path, trusted, overridden)
 
 
 def _resume_config(args: dict[str, str]) -> list[str]:
@@ -129,6 +151,7 @@ def _resume_config(args: dict[str, str]) -> list[str]:
     saved = saved_config(path) if path is not None else None
     if not isinstance(saved, dict) or "_target_" not in (saved.get("model") or {}):
         return []                                        # a checkpoint from before _target_ configs
+    _check_trust(saved, path, args)
     return _search_path_config("resumed_run", _resumed_config(saved))
 
 

@@ -16,7 +16,7 @@ import dataclasses
 import typing
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Any, Optional
+from typing import Any, List, Optional
 
 from omegaconf import MISSING
 
@@ -250,6 +250,13 @@ class SparsifyConfig:
                 "warning"})
 
 
+def _trust(what: str):
+    """The ``trust`` key: globs of the ``_target_`` paths outside bstrain that a checkpoint's stored
+    config may build (bstrain/train/trust.py)."""
+    return field(default_factory=list, metadata={"help": f"{what}: the _target_ paths outside bstrain its stored "
+                                                         f"config may build, as globs, e.g. [my_package.*]"})
+
+
 @dataclass
 class TrainConfig:
     model: Any = MISSING
@@ -259,6 +266,7 @@ class TrainConfig:
     sparsify: SparsifyConfig = field(default_factory=SparsifyConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    trust: List[str] = _trust("resuming on a checkpoint's saved config (trainer.resume without config=)")
 
 
 @dataclass
@@ -270,6 +278,7 @@ class EvalConfig:
     data_path: Optional[str] = field(default=None, metadata={"help": "evaluate on this data.path instead of the "
                                                                      "checkpoint's"})
     threads: int = field(default=0, metadata={"help": "CPU threads; 0: half the available cores"})
+    trust: List[str] = _trust("the checkpoint")
 
 
 @dataclass
@@ -277,6 +286,7 @@ class ConvertConfig:
     ckpt: str = field(default="???", metadata={"help": "checkpoint file, DCP directory or run dir (required)"})
     out: str = field(default="???", metadata={"help": "the new checkpoint: PATH.pt (a file) or PATH.dcp (a "
                                                       "sharded DCP directory, as trainer.strategy=fsdp writes)"})
+    trust: List[str] = _trust("the checkpoint")
 
 
 @dataclass
@@ -290,6 +300,7 @@ class SampleConfig:
     seed: int = field(default=0, metadata={"help": "sampling seed"})
     device: Device = field(default=Device.auto, metadata={"help": "auto | cpu | cuda"})
     threads: int = field(default=0, metadata={"help": "CPU threads; 0: half the available cores"})
+    trust: List[str] = _trust("the checkpoint")
 
 
 GROUP_SCHEMAS = {("model", "lstm"): LSTMModel, ("model", "transformer"): TransformerModel,

@@ -36,7 +36,8 @@ def stop_on_signals(run: Run):
             signal.signal(s, h)
         last = latest_checkpoint(run.run_dir / "ckpt") if run.world.main else None
         raise RunAborted(f"stopped by a second {name} at step {run.step}, without a new checkpoint; "
-                         + (f"the last one is {last}; {resume_hint(run.run_dir)}" if last else "none was written"))
+                         + (f"the last one is {last}; {resume_hint(run.run_dir, run.cfg)}" if last
+                            else "none was written"))
     for s in old:
         signal.signal(s, ask)
     try:
@@ -46,10 +47,17 @@ def stop_on_signals(run: Run):
             signal.signal(s, h)
 
 
-def resume_hint(run_dir: Path) -> str:
-    """How to continue a run: the run dir is all it takes (resuming reads the checkpoint's config)."""
+def resume_hint(run_dir: Path, config=None) -> str:
+    """How to continue a run: the run dir is all it takes (resuming reads the checkpoint's config),
+    and ``trust=[...]`` for the ``_target_``s of ``config`` (the run's) outside bstrain."""
     import shlex
-    return f"continue with python -m bstrain train trainer.resume=true {shlex.quote(f'hydra.run.dir={run_dir}')}"
+
+    from omegaconf import OmegaConf
+
+    from bstrain.train import trust
+    refused = trust.untrusted(OmegaConf.to_container(config, resolve=True)) if config is not None else []
+    return (f"continue with python -m bstrain train trainer.resume=true {shlex.quote(f'hydra.run.dir={run_dir}')}"
+            + (f" {trust.trust_argument(refused)}" if refused else ""))
 
 
 def _agree_to_stop(run: Run, log_step: bool, out_of_time: bool) -> str | None:

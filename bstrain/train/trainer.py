@@ -234,7 +234,7 @@ def fit(run: Run) -> dict:
                         path = save(run)
                 if reason not in (None, "time"):
                     raise RunInterrupted(f"stopped by {reason} at step {run.step}; checkpoint {path}; "
-                                         f"{resume_hint(run.run_dir)}")
+                                         f"{resume_hint(run.run_dir, run.cfg)}")
     except BaseException:
         board.close()                                   # no writer thread left behind
         raise
