@@ -1,11 +1,10 @@
-"""Block-sparse matmul below the seed's class: the references, the layout tables, the custom ops
-``torch.ops.bstrain.bsmm``, ``bsmm_dx`` and ``bsmm_dw`` (traced calls), and the eager
-``autograd.Function`` (:class:`bstrain.ops.matmul.BlocksparseMatMul` calls them; the names
-are re-exported there).
+"""Block-sparse matmul below the seed's class: the references, the layout tables, and the kernel pair
+from which :func:`~bstrain.ops._dispatch.kernel_op` makes the custom ops ``torch.ops.bstrain.bsmm``,
+``bsmm_dx`` and ``bsmm_dw`` (traced calls) and the eager ``autograd.Function``
+(:class:`bstrain.ops.matmul.BlocksparseMatMul` calls them; the names are re-exported there).
 
-In this file's order: the references → the layout tables → the custom ops (fake, autograd;
-each one's backward is the others: forward and dX are the same product on the transposed layout)
-→ the eager ``autograd.Function``.
+In this file's order: the references → the layout tables → the kernel pair (fake, autograd; the
+second derivatives beside: forward and dX are the same product on the transposed layout).
 """
 from __future__ import annotations
 
