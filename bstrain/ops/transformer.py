@@ -167,7 +167,8 @@ class BlocksparseTransformer:
         try:
             if torch.compiler.is_compiling():       # dynamic shapes: the widths (head dims) are constants of
                 for x in (q, k, v):                 # the graph, as for the kernels; the batch is what varies
-                    torch._dynamo.mark_static(x, 2)
+                    if isinstance(x, Tensor) and x.dim() == 3:
+                        torch._dynamo.mark_static(x, 2)
             B, T, HD = q.shape
             Bk, Tk, HDk = k.shape
             Bv, Tv, HDv = v.shape
