@@ -194,6 +194,8 @@ class TrainerConfig:
         "help": "auto: ddp when torchrun starts more than one process, else single | single | ddp (every process "
                 "holds the whole model) | fsdp (FSDP2: parameters, gradients and optimizer state sharded across "
                 "the processes)"})
+    nproc: int = _field(1, "processes to train on (DDP, or trainer.strategy): this command starts them itself, one "
+                           "per GPU or on the CPU (gloo); under torchrun, torchrun's count applies", _AT_LEAST_1)
 
 
 class Policy(str, Enum):

@@ -53,3 +53,28 @@ def remove_failed_start(run_dir: str | Path, created: list[Path]) -> bool:
         if parent != run_dir and parent.is_dir() and not any(parent.iterdir()):
             parent.rmdir()
     return not run_dir.exists()
+
+
+def remove_empty(created: list[Path]) -> None:
+    """The directories in ``created`` (deepest first) that are empty: what Hydra made for a rank
+    other than 0, whose run directory is rank 0's."""
+    for p in created:
+        try:
+            p.rmdir()
+        except OSError:                 # not empty (another rank's run dir), or gone
+            break
+
+
+def append_to_log(run_dir: str | Path, message: str | None, rank: int = 0) -> None:
+    """``message`` at the end of run_dir/train.log, as the run's own lines read, when the run
+    directory is there: how the run ended (an error, the interruption and how to resume), printed
+    after the run's logging closed."""
+    log = Path(run_dir) / "train.log"
+    if message is None or not Path(run_dir).is_dir():
+        return
+    import logging
+    level = logging.WARNING if message.startswith("interrupted") else logging.ERROR
+    record = logging.LogRecord("bstrain", level, __file__, 0, message, None, None)
+    line = logging.Formatter(f"%(asctime)s [rank{rank}] %(levelname)s %(message)s").format(record)
+    with open(log, "a", encoding="utf-8") as f:
+        f.write(line + "\n")

@@ -47,9 +47,18 @@ def stop_on_signals(run: Run):
 
 
 def resume_hint(run_dir: Path) -> str:
-    """How to continue a run: the run dir is all it takes (resuming reads the checkpoint's config)."""
+    """How to continue a run: the run dir is all it takes (resuming reads the checkpoint's config),
+    started as this run was, on as many processes (``trainer.nproc=N``, or torchrun's options)."""
+    import os
     import shlex
-    return f"continue with python -m bstrain train trainer.resume=true {shlex.quote(f'hydra.run.dir={run_dir}')}"
+    command = "python -m bstrain train"
+    if os.environ.get("BSTRAIN_NPROC"):                 # bstrain.train.launch's workers
+        command += f" trainer.nproc={os.environ['BSTRAIN_NPROC']}"
+    elif "TORCHELASTIC_RUN_ID" in os.environ:           # torchrun's
+        local, world = os.environ.get("LOCAL_WORLD_SIZE", "1"), os.environ.get("WORLD_SIZE", "1")
+        nodes = "--standalone" if local == world else f"--nnodes={int(world) // max(1, int(local))}"
+        command = f"torchrun {nodes} --nproc_per_node={local} -m bstrain train"
+    return f"continue with {command} trainer.resume=true {shlex.quote(f'hydra.run.dir={run_dir}')}"
 
 
 def _agree_to_stop(run: Run, log_step: bool, out_of_time: bool) -> str | None:
