@@ -1,7 +1,8 @@
 """A training run: its config checked once (:func:`check_config`), its parts built from the
-config (:func:`build`: data and task, model, optimizer, scaler, EMA, the sparsity policy and the
-:class:`bstrain.train.stepper.Stepper`, then the checkpoint it resumes from), and what it holds
-(:class:`Run`). The loop that trains it is :func:`bstrain.train.trainer.fit`.
+config (:func:`build`: data and task, model (sparsified by the ``sparsify`` section), optimizer,
+scaler, EMA, the sparsity policy and the :class:`bstrain.train.stepper.Stepper`, then the
+checkpoint it resumes from), and what it holds (:class:`Run`). The loop that trains it is
+:func:`bstrain.train.trainer.fit`.
 """
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ from bstrain.train import checkpoint as ckpt_io
 from bstrain.train import checks, fsdp, sharded, sparsity
 from bstrain.train.checkpoint import latest_checkpoint, load_checkpoint
 from bstrain.train.distributed import World, check_same_layouts
+from bstrain.train.model import build_model, instantiate
 from bstrain.train.optim import _match_graph_mode, make_optimizer
 from bstrain.train.progress import log
 from bstrain.train.schedule import LRSchedule
@@ -85,27 +87,6 @@ def check_config(cfg) -> Settings:
 
 
 
-def instantiate(node, key: str):
-    """Builds the ``key`` section from its ``_target_``; the user's mistakes (an unknown class, a
-    wrong or missing argument, a value the constructor rejects) become one-line UserErrors."""
-    from hydra.errors import InstantiationException
-    from hydra.utils import instantiate as hydra_instantiate
-    if not OmegaConf.is_dict(node) or "_target_" not in node:
-        raise UserError(f"{key}: expected a mapping with a _target_ (a class path such as my_package.MyModel), "
-                        f"got {OmegaConf.to_container(node) if OmegaConf.is_config(node) else node!r}")
-    try:
-        return hydra_instantiate(node, _convert_="all")
-    except InstantiationException as exc:
-        cause = exc.__cause__
-        if isinstance(cause, UserError):
-            raise cause from None
-        if cause is None or isinstance(cause, (ValueError, ImportError)) or (
-                isinstance(cause, TypeError) and "argument" in str(cause)):
-            msg = " ".join(str(cause or exc).split())
-            raise UserError(f"{key} ({node._target_}): {msg}") from None
-        raise
-
-
 def _run_dir(cfg) -> Path:
     if cfg.trainer.run_dir:
         return Path(cfg.trainer.run_dir)
@@ -150,16 +131,6 @@ def _fill_vocab_size(cfg: DictConfig, data) -> None:
     node = cfg.get("data")
     if OmegaConf.is_dict(node) and node.get("vocab_size", 0) is None and getattr(data, "tokenizer", None) is not None:
         node.vocab_size = data.vocab_size
-
-
-def _without_shard(node):
-    """(the model section without ``shard``, its ``shard`` list or None): ``model.shard`` names a
-    user model's FSDP units and is not the model's argument."""
-    if not OmegaConf.is_dict(node) or fsdp.SHARD_KEY not in node:
-        return node, None
-    whole = OmegaConf.to_container(node, resolve=True)       # (interpolations resolved while the root is there)
-    spec = whole.pop(fsdp.SHARD_KEY)
-    return OmegaConf.create(whole), spec
 
 
 def _scaler(strategy: str) -> type:
@@ -232,7 +203,15 @@ def _distributed(model: torch.nn.Module, world: World, device: torch.device, gra
     if not world.active:
         return model
     from torch.nn.parallel import DistributedDataParallel
+
+    from bstrain.nn._sparse import layout_buffers
     check_same_layouts(model, world)
+    # the layouts agree across ranks and change together: DDP's broadcast of rank 0's buffers at every
+    # forward would bump their version counters and have each layer read its layout back every step
+    layouts = layout_buffers(model)
+    ignored = set(getattr(model, "_ddp_params_and_buffers_to_ignore", ()))
+    DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(
+        model, sorted(ignored | {name for name, b in model.named_buffers() if id(b) in layouts}))
     side = torch.cuda.Stream(device) if graphed else None
     with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
         # a graph that captures DDP's all-reduce needs DDP built on a side stream (torch.cuda.graphs docs)
@@ -258,10 +237,7 @@ def build(cfg: DictConfig, run_dir: Path, device: torch.device, world: World, se
     _fill_vocab_size(cfg, data)
     checks.check_model_config(task, cfg.model)
     torch.manual_seed(t_cfg.seed)
-    model_node, shard_spec = _without_shard(cfg.model)
-    model = instantiate(model_node, "model")
-    if not isinstance(model, torch.nn.Module):
-        raise UserError(f"model ({cfg.model._target_}): expected an nn.Module, got {type(model).__name__}")
+    model, shard_spec = build_model(cfg)            # sparsified (cfg.sparsify) before anything wraps or copies it
     model = model.to(device)
     set_grad_group(model, t_cfg.group_size)
     why_eager = eager_reason(settings.graph_mode, device, strategy)

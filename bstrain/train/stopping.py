@@ -36,7 +36,8 @@ def stop_on_signals(run: Run):
             signal.signal(s, h)
         last = latest_checkpoint(run.run_dir / "ckpt") if run.world.main else None
         raise RunAborted(f"stopped by a second {name} at step {run.step}, without a new checkpoint; "
-                         + (f"the last one is {last}; {resume_hint(run.run_dir)}" if last else "none was written"))
+                         + (f"the last one is {last}; {resume_hint(run.run_dir, run.cfg)}" if last
+                            else "none was written"))
     for s in old:
         signal.signal(s, ask)
     try:
@@ -46,11 +47,16 @@ def stop_on_signals(run: Run):
             signal.signal(s, h)
 
 
-def resume_hint(run_dir: Path) -> str:
+def resume_hint(run_dir: Path, config=None) -> str:
     """How to continue a run: the run dir is all it takes (resuming reads the checkpoint's config),
-    started as this run was, on as many processes (``trainer.nproc=N``, or torchrun's options)."""
+    started as this run was, on as many processes (``trainer.nproc=N``, or torchrun's options), and
+    ``trust=[...]`` for the ``_target_``s of ``config`` (the run's) outside bstrain."""
     import os
     import shlex
+
+    from omegaconf import OmegaConf
+
+    from bstrain.train import trust
     command = "python -m bstrain train"
     if os.environ.get("BSTRAIN_NPROC"):                 # bstrain.train.launch's workers
         command += f" trainer.nproc={os.environ['BSTRAIN_NPROC']}"
@@ -58,7 +64,9 @@ def resume_hint(run_dir: Path) -> str:
         local, world = os.environ.get("LOCAL_WORLD_SIZE", "1"), os.environ.get("WORLD_SIZE", "1")
         nodes = "--standalone" if local == world else f"--nnodes={int(world) // max(1, int(local))}"
         command = f"torchrun {nodes} --nproc_per_node={local} -m bstrain train"
-    return f"continue with {command} trainer.resume=true {shlex.quote(f'hydra.run.dir={run_dir}')}"
+    refused = trust.untrusted(OmegaConf.to_container(config, resolve=True)) if config is not None else []
+    return (f"continue with {command} trainer.resume=true {shlex.quote(f'hydra.run.dir={run_dir}')}"
+            + (f" {trust.trust_argument(refused)}" if refused else ""))
 
 
 def _agree_to_stop(run: Run, log_step: bool, out_of_time: bool) -> str | None:
