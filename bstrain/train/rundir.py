@@ -67,10 +67,10 @@ def remove_empty(created: list[Path]) -> None:
 
 def append_to_log(run_dir: str | Path, message: str | None, rank: int = 0) -> None:
     """``message`` at the end of run_dir/train.log, as the run's own lines read, when the run
-    directory is there: how the run ended (an error, the interruption and how to resume), printed
+    has a log: how the run ended (an error, the interruption and how to resume), printed
     after the run's logging closed."""
     log = Path(run_dir) / "train.log"
-    if message is None or not Path(run_dir).is_dir():
+    if message is None or not log.is_file():        # (a start that never logged writes no log for it)
         return
     import logging
     level = logging.WARNING if message.startswith("interrupted") else logging.ERROR
