@@ -140,8 +140,7 @@ def _rank() -> int:
 def _train(cfg):
     """Trains, in this process or on ``trainer.nproc`` workers. Rank 0 (or the launcher) leaves no run
     dir of its own making that holds nothing but what a start writes (a start that failed, or a
-    finished run resumed), and writes the closing message into train.log; other ranks remove the
-    directory their own Hydra made when it stayed empty (rank 0's is the run's)."""
+    finished run resumed), and writes the closing message into train.log."""
     from hydra.core.hydra_config import HydraConfig
 
     from bstrain.errors import UserCodeError
@@ -151,16 +150,14 @@ def _train(cfg):
         result = _train_or_launch(cfg, run_dir)
     except BaseException as exc:
         if _rank() != 0:
-            rundir.remove_empty(created)
+            pass                            # (its Hydra dir is a temporary one, see _away_from_the_run_dir)
         elif isinstance(exc, SystemExit):
             rundir.remove_failed_start(run_dir, created)
         elif isinstance(exc, UserCodeError) or not rundir.remove_failed_start(run_dir, created):
             # (a user's constructor's traceback is in train.log already: that run dir stays)
             rundir.append_to_log(run_dir, _closing_line(exc) or "".join(traceback.format_exception(exc)).rstrip())
         raise
-    if _rank() != 0:
-        rundir.remove_empty(created)
-    else:
+    if _rank() == 0:
         rundir.remove_failed_start(run_dir, created)
     return result
 
@@ -250,6 +247,8 @@ def run(command: str, argv: list[str]) -> None:
     try:
         _TRAIN_ARGV[:] = argv
         args: list[str] | None = rewrite(command, argv)
+        if _rank() != 0 and command == "train":
+            args = _away_from_the_run_dir(args)
         os.environ["HYDRA_FULL_ERROR"] = "1"          # Hydra raises its errors, for _exit_if_users
         while True:
             sys.argv[1:] = args
@@ -263,6 +262,19 @@ def run(command: str, argv: list[str]) -> None:
     except BaseException as exc:
         _exit_if_users(exc)
         raise
+
+
+def _away_from_the_run_dir(args: list[str]) -> list[str]:
+    """A rank other than 0 lets its Hydra make an empty temporary directory, not one beside rank
+    0's (runs/DATE/TIME can differ by a second between ranks); the trainer takes rank 0's run dir
+    (``trainer.run_dir``, or the one rank 0 broadcasts)."""
+    import atexit
+    import shutil
+    import tempfile
+    scratch = tempfile.mkdtemp(prefix="bstrain-rank-")
+    atexit.register(shutil.rmtree, scratch, ignore_errors=True)
+    kept = [a for a in args if a.partition("=")[0] not in ("hydra.run.dir", "hydra.output_subdir")]
+    return [*kept, f"hydra.run.dir={scratch}", "hydra.output_subdir=null"]
 
 
 def _unknown_command(command: str) -> str:

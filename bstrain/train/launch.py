@@ -39,14 +39,14 @@ def worker_argv(argv: list[str], run_dir: str) -> list[str]:
 
 @contextlib.contextmanager
 def _quiet_agent():
-    """The agent's INFO and WARNING lines (configs, rendezvous, "received death signal") off the
+    """The agent's INFO, WARNING and ERROR lines (configs, rendezvous, "received death signal") off the
     console: what the user needs, the workers print. (Each of torch's elastic loggers has its own
     level, so each is raised.)"""
     loggers = [logging.getLogger(name) for name in list(logging.root.manager.loggerDict)
                if name.startswith("torch.distributed")]
     levels = [logger.level for logger in loggers]
     for logger in loggers:
-        logger.setLevel(logging.ERROR)
+        logger.setLevel(logging.CRITICAL)
     try:
         yield
     finally:

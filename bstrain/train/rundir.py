@@ -55,16 +55,6 @@ def remove_failed_start(run_dir: str | Path, created: list[Path]) -> bool:
     return not run_dir.exists()
 
 
-def remove_empty(created: list[Path]) -> None:
-    """The directories in ``created`` (deepest first) that are empty: what Hydra made for a rank
-    other than 0, whose run directory is rank 0's."""
-    for p in created:
-        try:
-            p.rmdir()
-        except OSError:                 # not empty (another rank's run dir), or gone
-            break
-
-
 def append_to_log(run_dir: str | Path, message: str | None, rank: int = 0) -> None:
     """``message`` at the end of run_dir/train.log, as the run's own lines read, when the run
     has a log: how the run ended (an error, the interruption and how to resume), printed
