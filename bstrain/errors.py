@@ -2,7 +2,7 @@
 
 - :class:`UserError`: a data, config or checkpoint problem the user can fix (exit status 1). It
   is a ``ValueError`` so that library callers catching ``ValueError`` keep working.
-  :class:`CheckpointError` is the one a checkpoint raises (missing, truncated, corrupt, foreign).
+  :class:`DataError` is the one data raises, :class:`CheckpointError` the one a checkpoint raises (missing, truncated, corrupt, foreign).
   :class:`UserCodeError`: an exception raised by the user's own code at start (a model's
   constructor), in one line; its traceback is in the run's train.log, so the run dir is kept.
 - :class:`RunInterrupted`: SIGINT or SIGTERM stopped a run after it wrote a checkpoint (exit
@@ -17,6 +17,10 @@ from __future__ import annotations
 
 class UserError(ValueError):
     """A data, config or checkpoint problem, stated in one line that names what to change."""
+
+
+class DataError(UserError):
+    """A data problem (a bad path, too small a file, a tokenizer that does not parse)."""
 
 
 class CheckpointError(UserError):

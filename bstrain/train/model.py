@@ -10,7 +10,6 @@ to the run's train.log.
 """
 from __future__ import annotations
 
-import difflib
 import logging
 import os
 import warnings
@@ -97,8 +96,8 @@ def build_model(cfg, rebuild: bool = False) -> tuple[torch.nn.Module, list | Non
 
 def sparsify_model(model: torch.nn.Module, section, target: str, rebuild: bool = False) -> list[str]:
     """:func:`bstrain.nn.sparsify` with the ``sparsify`` section's keys; returns the names it
-    replaced and logs how many. Its ValueErrors, and a glob that matches nothing, are UserErrors
-    naming the ``sparsify.*`` key."""
+    replaced and logs how many. Its ValueErrors (a glob that matches nothing among them) are
+    UserErrors naming the ``sparsify.*`` key; its warnings go to train.log too."""
     from bstrain.nn import sparsify
     opts = {k: _value(section.get(k)) for k in _SPARSIFY_KEYS}
     include = str(opts.pop("include"))
@@ -112,8 +111,6 @@ def sparsify_model(model: torch.nn.Module, section, target: str, rebuild: bool =
             raise UserError(_sparsify_line(" ".join(str(exc).split()))) from None
     for w in caught:                                 # errors=skip's warning: into train.log as well
         log.warning("sparsify.include=%s: %s", include, w.message)
-    if not replaced and not replaced.skipped:
-        _chose_nothing(model, include, target, opts["errors"])
     log.info("sparsify.include=%s: %d layer(s) of %s made block-sparse (density %g, block size %d)", include,
              len(replaced), target, opts["density"], opts["block_size"])
     return list(replaced)
@@ -123,18 +120,7 @@ def _sparsify_line(msg: str) -> str:
     """sparsify's ValueError as a line naming the sparsify.* key: its own argument name, or for a
     layer it cannot convert, block_size when that is why, else include (which chose the layer)."""
     name, colon, _ = msg.partition(":")
-    if colon and name in _SPARSIFY_KEYS:
+    if colon and name.partition("=")[0] in _SPARSIFY_KEYS:      # "density: ..." or "include='x': ..."
         return f"sparsify.{msg}"
     key = "sparsify.block_size" if "block_size" in msg else "sparsify.include"
     return f"{key}: {msg} (sparsify.errors=skip leaves such layers dense)"
-
-
-def _chose_nothing(model: torch.nn.Module, include: str, target: str, errors: str) -> None:
-    """A glob that chose no layer: an error naming the closest candidates, or a warning under skip."""
-    names = [n for n, m in model.named_modules() if type(m) in (torch.nn.Linear, torch.nn.Conv2d)]
-    close = difflib.get_close_matches(include, names, n=3, cutoff=0.3) or names[:3]
-    msg = (f"sparsify.include: {include!r} matches no nn.Linear or nn.Conv2d of the model ({target}); "
-           + (f"its names include {', '.join(close)}" if close else "it has none"))
-    if errors != "skip":
-        raise UserError(msg)
-    log.warning("%s", msg)

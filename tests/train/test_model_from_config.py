@@ -70,7 +70,9 @@ def test_sparsify_from_config_trains_resumes_and_evaluates_alike(model, tmp_path
                              f"trainer.resume={tmp_path / 'whole' / 'ckpt' / 'step_00000002.pt'}"))
     assert resumed["valid_loss"] == whole["valid_loss"]
     assert resumed["train_loss"] == whole["train_loss"]
-    evaluated = evaluate_checkpoint(composed(f"ckpt={tmp_path / 'whole'}", "batches=2", "device=cpu", name="eval"))
+    trust = ["trust=[my_lm.*]"] if model == "user-convlm" else []         # a user's class: trusted by name
+    evaluated = evaluate_checkpoint(composed(f"ckpt={tmp_path / 'whole'}", "batches=2", "device=cpu", *trust,
+                                             name="eval"))
     assert evaluated["loss"] == whole["valid_loss"] and evaluated["step"] == 4
 
 
@@ -89,15 +91,17 @@ def test_convert_rebuilds_the_sparsified_model_on_meta(tmp_path):
     argv, glob, replaced = MODELS["user-convlm"]
     train(composed(*argv, f"sparsify.include={glob}", "sparsify.block_size=16", *RUN, "trainer.max_steps=2",
                    f"trainer.run_dir={tmp_path / 'run'}"))
-    out = convert_checkpoint(composed(f"ckpt={tmp_path / 'run'}", f"out={tmp_path / 'c.dcp'}", name="convert"))
-    back = convert_checkpoint(composed(f"ckpt={out}", f"out={tmp_path / 'back.pt'}", name="convert"))
+    trust = "trust=[my_lm.*]"
+    out = convert_checkpoint(composed(f"ckpt={tmp_path / 'run'}", f"out={tmp_path / 'c.dcp'}", trust, name="convert"))
+    back = convert_checkpoint(composed(f"ckpt={out}", f"out={tmp_path / 'back.pt'}", trust, name="convert"))
     ckpt, again = load_checkpoint(tmp_path / "run"), load_checkpoint(back)
     assert torch.equal(again["model"]["head.layout"], ckpt["model"]["head.layout"])
     assert torch.equal(again["model"]["head.weight"], ckpt["model"]["head.weight"])
 
 
 @pytest.mark.parametrize("args, want", [
-    (["sparsify.include=blocks.*.mlp*"], "sparsify.include: 'blocks.*.mlp*' matches no nn.Linear or nn.Conv2d"),
+    (["sparsify.include=blocks.*.mlp*"], "sparsify.include='blocks.*.mlp*': expected a glob matching module names of SparseTransformer, it "
+                                       "matches none; the closest are"),
     (["sparsify.include=blocks.*.fc*", "sparsify.density=1.5"], "sparsify.density: expected in (0, 1], got 1.5"),
     (["sparsify.include=blocks.*.fc*", "sparsify.block_size=48"], "sparsify.block_size: expected one of"),
     (["sparsify.include=blocks.0.fc1", "sparsify.block_size=128"],

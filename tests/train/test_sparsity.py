@@ -302,3 +302,11 @@ def test_the_update_line_says_why_fewer_were_replaced_than_planned():
     info = _info(BlockSparseLinear(64, 64, block_size=16, layout=full), 0.3)
     assert info["blocks"] == {"live": 15, "planned": 4, "pruned": 1, "replaced": 1}
     assert describe_update(info).endswith("; 3 of them not pruned: too few dead blocks to grow")
+
+
+def test_layers_a_balanced_update_cannot_move_are_named_in_the_log(tmp_path, caplog):
+    from bstrain.train.sparsity import make_policy
+    from tests.test_sparsity_balanced import model
+    make_policy(_cfg(tmp_path, "fixed", balanced=True), model(), None, None, 8)
+    assert re.search(r"sparsity=rigl: RigL\(balanced=True\): a balanced update can never move a block of layers "
+                     r"'0' \(its layout is the only one .*\); '1' \(an update prunes 1 of its 2 live blocks", caplog.text)
