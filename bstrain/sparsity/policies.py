@@ -47,9 +47,11 @@ class DynamicSparsity:
         model: holds the block-sparse layers (a ValueError if none).
         optimizer: its state of each layer's weight follows the moves (None: no optimizer state).
         every: optimizer steps between updates (>= 1).
-        fraction: share of a layer's live blocks replaced at the first update, in (0, 1).
-        stop: the last step that may update (None: never stop); the share decays by a cosine to
-            0 at ``stop``.
+        fraction: share of a layer's live blocks replaced at step 0 of the decay, in (0, 1): the
+            update at step t replaces ``fraction * (1 + cos(pi * t / stop)) / 2`` of them (RigL's
+            schedule), so the first update, at step ``every``, already replaces less.
+        stop: the last step that may update (None: never stop, and every update replaces
+            ``fraction``); the share decays by a cosine to 0 at ``stop``.
         balanced: keep each row's and each column's live-block counts, as
             :func:`bstrain.layout.balanced` draws them: each column's smallest-norm share of blocks
             is pruned, and blocks grow where the pruning left a row and a column short.

@@ -155,6 +155,10 @@ def test_run_directories_and_resume(tmp_path):
     done = run("train", *SMALL, f"hydra.run.dir={a}", "trainer.max_steps=4", "trainer.resume=true", cwd=tmp_path)
     assert done.returncode == 0 and "nan" not in done.stderr, done.stderr[-2000:]
     assert "run already finished: step 4 of trainer.max_steps=4" in done.stderr
+    again = run("train", *SMALL, f"trainer.resume={a / 'ckpt' / 'step_00000004.pt'}", "trainer.max_steps=4",
+                cwd=tmp_path)
+    assert again.returncode == 0 and "run already finished" in again.stderr, again.stderr[-2000:]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a"], "a run that finished at once leaves no run dir"
 
 
 TINY_TRANSFORMER = ["config=transformer_tiny", "model.d_model=32", "model.n_layer=1", "model.context=32",
