@@ -254,7 +254,9 @@ def test_meta_device_then_load_or_to_empty():
     empty = BlockSparseLinear(64, 96, block_size=16, density=0.4, device="meta").to_empty(device="cpu")
     empty.reset_parameters()
     assert torch.equal(empty.layout, torch.as_tensor(empty.op.layout)) and torch.isfinite(empty.weight).all()
-    assert empty(x).shape == (3, 96)
+    assert empty.weight.std() > 0, "reset_parameters drew the live blocks"
+    ref = x.double() @ dense_weight(empty.op.layout, empty.weight) + empty.bias.detach().double()
+    torch.testing.assert_close(empty(x).double(), ref, rtol=1e-5, atol=1e-5)
 
 
 def test_dense_conversion_round_trip():
