@@ -186,13 +186,14 @@ def test_bf16_runs(make_cfg):
 
 
 @pytest.mark.parametrize("bad, match", [
-    (dict(data__path="/definitely/missing.txt"), "missing.txt"),
+    (dict(data__path="{tmp}/missing.txt"), "missing.txt"),
     (dict(optim__lr=-1.0), r"optim.lr: expected > 0, got -1.0"),
     (dict(trainer__keep_ckpts=0), r"trainer.keep_ckpts: expected >= 1, got 0"),
     (dict(data__seq_len=0), r"data.seq_len: expected an int >= 1, got 0"),
     (dict(optim__lr="${oops}"), r"optim.lr: Interpolation key 'oops' not found"),
 ])
-def test_bad_config_values(make_cfg, bad, match):
+def test_bad_config_values(make_cfg, bad, match, tmp_path):
+    bad = {k: v.replace("{tmp}", str(tmp_path)) if isinstance(v, str) else v for k, v in bad.items()}
     with pytest.raises(UserError, match=match):
         train(make_cfg(**bad))
 
@@ -481,11 +482,11 @@ def test_compiled_model_on_cuda_follows_the_eager_trajectory(make_cfg):
 
 def test_a_failed_start_leaves_no_run_dir(make_cfg, tmp_path):
     with pytest.raises(UserError, match="missing.txt"):
-        train(make_cfg(data__path="/definitely/missing.txt", run="new/run"))
+        train(make_cfg(data__path=str(tmp_path / "missing.txt"), run="new/run"))
     assert not (tmp_path / "new").exists(), "neither the run dir nor the parent this start made"
     (tmp_path / "mine").mkdir()
     with pytest.raises(UserError, match="missing.txt"):
-        train(make_cfg(data__path="/definitely/missing.txt", run="mine"))
+        train(make_cfg(data__path=str(tmp_path / "missing.txt"), run="mine"))
     assert (tmp_path / "mine").is_dir(), "a directory that was there stays"
 
 
