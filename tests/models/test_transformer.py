@@ -161,6 +161,7 @@ def test_fused_glue_keeps_the_stream_in_the_autocast_dtype(monkeypatch, dropout)
     m.eval()
     with torch.autocast("cpu", dtype=torch.bfloat16):
         y = m(x)
+    # bf16 keeps 8 mantissa bits (rel 4e-3 a rounding) through every layer: an autocast check, not a precision one
     torch.testing.assert_close(y.float(), m(x), rtol=0.1, atol=0.1)
 
 
