@@ -4,7 +4,7 @@ command for the output a user sees."""
 from __future__ import annotations
 
 import dataclasses
-import math
+import re
 from pathlib import Path
 
 import pytest
@@ -98,7 +98,8 @@ def test_the_readme_glob_example_trains(make_cfg, monkeypatch, tmp_path):
     argv = rewrite("train", ["data.path=~/src/**/*.py", "data.max_bytes=100000"])
     out = train(make_cfg(*argv, trainer__max_steps=2, trainer__eval_every=0))
     assert out["data"].startswith(f"byte LM on {tmp_path}/src/**/*.py: "), out["data"]
-    assert math.isfinite(out["train_loss"])
+    sizes = [int(n.replace(",", "")) for n in re.findall(r"[\d,]+", out["data"].split(": ")[-1])[:3]]
+    assert sum(sizes) == sum(f.stat().st_size for f in tmp_path.glob("src/**/*.py")), "every file, sub/ too"
 
 
 def _transformer(run_dir, steps):
