@@ -31,13 +31,14 @@ class Advice:
     rate: fwd + dX + dW useful FLOP/s as a fraction of dense cuBLAS's (time per useful FLOP is 1/rate).
     speedup: dense time / sparse time at this shape, = rate / density; equally, how many times
         wider the layer can be at the dense layer's GPU time.
-    measured: False when density or tokens lie outside the measured range (the nearest is used).
+    in_range: density and tokens lie within the measured ones (interpolated between them); False:
+        outside, and the nearest measurement stands in.
     """
     block_size: int
     density: float
     rate: float
     speedup: float
-    measured: bool
+    in_range: bool
 
 
 def _table(device: str, dtype: str) -> dict[tuple[int, int, float], float]:
@@ -127,7 +128,7 @@ def format_advice(rows: list[Advice], top: int | None = None) -> str:
     lines = ["block  density  rate vs dense  speedup (= width at dense's time)",
              "-----  -------  -------------  ---------------------------------"]
     for a in rows[:top]:
-        note = "" if a.measured else "  (outside the measured range: nearest used)"
+        note = "" if a.in_range else "  (outside the measured range: nearest used)"
         lines.append(f"{a.block_size:>5}  {a.density:>7.3g}  {a.rate:>13.3f}  {a.speedup:>10.2f}x{note}")
     return "\n".join(lines)
 

@@ -65,10 +65,14 @@ def _reapply(model: nn.Module, record: dict, path) -> None:
     except (KeyError, TypeError):
         raise ValueError(f"{path}/config.json: {RECORD_KEY}: expected records with keys replaced, block_size, "
                          f"density and balanced (written by bstrain.nn.sparsify), got {record!r}") from None
-    replaced = sparsify(model, lambda name, _layer: name in wanted, keep_weights=False, **kwargs)
-    if set(replaced) != wanted:
+    names = {n for n, _ in model.named_modules()}
+    prefix = getattr(model, "base_model_prefix", "")
+    if not wanted <= names and prefix and {f"{prefix}.{n}" for n in wanted} <= names:
+        wanted = {f"{prefix}.{n}" for n in wanted}        # sparsify was called on the base model (model.transformer)
+    if not wanted <= names:
         raise ValueError(f"{path}/config.json: {RECORD_KEY} names layers this {type(model).__name__} does not have: "
-                         f"{sorted(wanted - set(replaced))[:3]}; load with the model class that was saved")
+                         f"{sorted(wanted - names)[:3]}; load with the model class that was saved")
+    sparsify(model, lambda name, _layer: name in wanted, keep_weights=False, **kwargs)
 
 
 def from_pretrained(model_class: type, path: str | os.PathLike) -> nn.Module:

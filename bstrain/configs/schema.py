@@ -239,7 +239,7 @@ OnError = Enum("OnError", [("raise", "raise"), ("skip", "skip")], type=str, modu
 class SparsifyConfig:
     """bstrain.nn.sparsify on the model just built (any model: a shipped one or a user's _target_)."""
     include: Optional[str] = field(default=None, metadata={
-        "help": "a glob on qualified module names ('*', 'blocks.*.fc*'): its nn.Linear and nn.Conv2d layers become "
+        "help": "a glob on qualified module names ('*', 'blocks.*.fc*'): its nn.Linear, nn.Conv2d and Hugging Face Conv1D layers become "
                 "block-sparse; null: off"})
     density: float = _field(0.25, "fraction of live blocks of each new layer, in (0, 1]",
                             (lambda v: 0 < v <= 1, "in (0, 1]"))

@@ -180,6 +180,9 @@ def _spill_files(files: list[Path], root: Path, max_bytes: int, path, spill: Pat
         try:
             for split, chunk in _chunks(files, root, max_bytes):
                 outs[split].write(chunk)
+        except BaseException:               # a half-written copy of the corpus is not left behind
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
         finally:
             for out in outs:
                 out.close()
@@ -193,11 +196,16 @@ def _spill_files(files: list[Path], root: Path, max_bytes: int, path, spill: Pat
     if not all(sizes):                      # too few files to hold out whole ones: split the bytes
         whole = folder / "all.bin"
         if not whole.exists():
-            with open(f"{whole}.tmp-{os.getpid()}", "wb") as out:
-                for n in names:
-                    with open(n, "rb") as f:
-                        shutil.copyfileobj(f, out)
-            os.replace(f"{whole}.tmp-{os.getpid()}", whole)
+            part = f"{whole}.tmp-{os.getpid()}"
+            try:
+                with open(part, "wb") as out:
+                    for n in names:
+                        with open(n, "rb") as f:
+                            shutil.copyfileobj(f, out)
+                os.replace(part, whole)
+            finally:
+                if os.path.exists(part):
+                    os.unlink(part)
         data = np.memmap(whole, dtype=np.uint8, mode="r")
         return _split(data, _proportional_cuts(len(data)))
     return tuple(np.memmap(n, dtype=np.uint8, mode="r") for n in names)

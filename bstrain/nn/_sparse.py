@@ -96,7 +96,8 @@ class BlockLayoutModule(nn.Module):
 
     The ``layout`` buffer is the truth: whatever writes it (``load_state_dict``, a loader that
     assigns or copies tensors, DCP, ``.to()``) changes what the layer computes. The op is switched
-    when the layer next runs (or in the load path): a forward compares the buffer's identity and
+    when the layer next runs eagerly or is traced (or in the load path); a graph compiled before
+    the write keeps its layout until :func:`sync_layouts` (dynamo sees no tensor's version). A forward compares the buffer's identity and
     version counter with those the op was last built from (host-only), and reads the buffer only
     when they differ. A layout of the weight's live-block count is taken in place (the weight
     Parameter an optimizer holds stays); another count is an error naming the layer, unless
@@ -277,6 +278,9 @@ class BlockLayoutModule(nn.Module):
         was_synced = before is not None and self._layout_in_sync(before)
         out = super()._apply(_keeps_block_format(fn), recurse)
         buf = self._buffers.get("layout")
+        if buf is not None and buf.is_inference():     # moved under inference_mode: made a normal tensor,
+            with torch.inference_mode(False):          # or every later call would read it back (no version)
+                self._buffers["layout"] = buf = buf.clone()
         if buf is not None and not buf.is_meta:
             if was_meta:
                 self._write_layout_buffer(self._op_layout())

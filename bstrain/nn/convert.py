@@ -18,7 +18,6 @@ from bstrain import layout as layouts
 from bstrain.nn._sparse import sparsify_candidates
 from bstrain.nn.conv import BlockSparseConv2d, _check_convertible
 from bstrain.nn.linear import BlockSparseLinear, linear_parts
-from bstrain.ops.matmul import check_block_size
 
 __all__ = ["SparsifyResult", "register_sparsifiable", "sparsify"]
 
@@ -30,6 +29,7 @@ RECORD_KEY = "bstrain_sparsify"          # the PretrainedConfig attribute sparsi
 class _Entry:
     to_sparse: Callable[..., nn.Module]
     check: Callable[[str, nn.Module, int], None] | None
+    block_sizes: tuple[int, ...] | None      # the block sizes its sparse layer takes; None: any
 
 
 _REGISTRY: dict[type | str, _Entry] = {}
@@ -40,7 +40,8 @@ def _type_name(cls: type) -> str:
 
 
 def register_sparsifiable(cls: type | str, *, to_sparse: Callable[..., nn.Module],
-                          check: Callable[[str, nn.Module, int], None] | None = None) -> None:
+                          check: Callable[[str, nn.Module, int], None] | None = None,
+                          block_sizes: tuple[int, ...] | None = None) -> None:
     """Lets :func:`sparsify` convert layers of exactly type ``cls`` (not its subclasses).
 
     Args:
@@ -52,12 +53,14 @@ def register_sparsifiable(cls: type | str, *, to_sparse: Callable[..., nn.Module
         check: ``(name, layer, block_size) -> None`` raising a ValueError that starts with
             ``name`` when ``layer`` cannot be converted; ``sparsify`` then raises it before
             replacing anything, or skips the layer under ``errors="skip"``.
+        block_sizes: the block sizes ``to_sparse`` can build (None: any); another is refused
+            whatever ``errors`` says, as an argument of the call rather than a layer's problem.
     """
     if not (isinstance(cls, type) or (isinstance(cls, str) and "." in cls)):
         raise TypeError(f"cls: expected a layer class or its qualified name ('package.module.Class'), got {cls!r}")
     if not callable(to_sparse) or not (check is None or callable(check)):
         raise TypeError("to_sparse, check: expected functions (check may be None)")
-    _REGISTRY[cls] = _Entry(to_sparse, check)
+    _REGISTRY[cls] = _Entry(to_sparse, check, None if block_sizes is None else tuple(block_sizes))
 
 
 def _entry(cls: type) -> _Entry | None:
@@ -87,8 +90,8 @@ def _conv_to_sparse(conv: nn.Conv2d, *, block_size: int, density: float, keep_we
     return BlockSparseConv2d.sparsified(conv, block_size=block_size, density=density, keep_weights=keep_weights)
 
 
-register_sparsifiable(nn.Linear, to_sparse=_linear_to_sparse, check=_check_linear)
-register_sparsifiable(HF_CONV1D, to_sparse=_linear_to_sparse, check=_check_linear)
+register_sparsifiable(nn.Linear, to_sparse=_linear_to_sparse, check=_check_linear, block_sizes=layouts.BLOCK_SIZES)
+register_sparsifiable(HF_CONV1D, to_sparse=_linear_to_sparse, check=_check_linear, block_sizes=layouts.BLOCK_SIZES)
 register_sparsifiable(nn.Conv2d, to_sparse=_conv_to_sparse, check=_check_convertible)
 
 
@@ -197,8 +200,9 @@ def sparsify(model: nn.Module, include: str | Callable[[str, nn.Module], bool], 
             raise ValueError(message)
         warnings.warn(f"sparsify replaced nothing (errors='skip'): {message}", stacklevel=2)
         return SparsifyResult()
-    if any(entries[type(m)].check is _check_linear for m in [m for _, m in chosen] + [m for m, _, _ in problems]):
-        check_block_size(block_size)         # the Linear kernels' sizes, whatever errors says; conv takes any
+    for m in {type(m): m for m in [m for _, m in chosen] + [m for m, _, _ in problems]}.values():
+        if entries[type(m)].block_sizes is not None:    # an argument's error, whatever errors= says
+            layouts.check_block_size(block_size, entries[type(m)].block_sizes)
     if problems and errors == "raise":
         raise ValueError(problems[0][2])
     new: dict[int, nn.Module] = {}                       # one replacement per layer object

@@ -56,6 +56,10 @@ def _load(cfg, data_path=None):
     set_threads(cfg.threads)
     ckpt, train_cfg = _read_trusted(cfg)
     if data_path is not None:
+        if train_cfg.data.get("tokenizer") == "bpe":       # a BPE of the new text would give other ids
+            raise UserError("data_path: this run's tokenizer is a BPE trained on its own training split "
+                            "(data.tokenizer=bpe), which other text would replace; evaluate its own data, or "
+                            "train with data.tokenizer=PATH/tokenizer.json to evaluate other text")
         train_cfg.data.path = data_path
     task = instantiate(train_cfg.task, "task")
     task.setup(instantiate(train_cfg.data, "data"), World(), int(train_cfg.trainer.seed))

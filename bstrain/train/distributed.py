@@ -15,6 +15,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from bstrain.errors import UserError
+
 
 class RankFailed(RuntimeError):
     """Raised on the other ranks when rank 0 failed in :func:`on_main`: rank 0 reports the error
@@ -50,7 +52,16 @@ def init_world(device: torch.device) -> World:
 
 
 def device_for(world: World, device: torch.device) -> torch.device:
-    return torch.device("cuda", world.local_rank) if device.type == "cuda" and world.active else device
+    """This rank's device: its own GPU when the processes share a machine's GPUs. More processes on
+    a machine than it has GPUs is a UserError on every rank (rank 0 says it), before any is asked for."""
+    if device.type != "cuda" or not world.active:
+        return device
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", world.local_rank + 1))
+    if local > torch.cuda.device_count():
+        raise UserError(f"trainer.nproc (or torchrun's --nproc_per_node): expected at most "
+                        f"{torch.cuda.device_count()} processes on this machine, one per GPU, got {local}; "
+                        f"or trainer.device=cpu")
+    return torch.device("cuda", world.local_rank)
 
 
 def check_same_layouts(model: torch.nn.Module, world: World | None = None) -> None:

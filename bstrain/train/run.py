@@ -51,16 +51,17 @@ def resolve_device(name, key: str = "trainer.device") -> torch.device:
 
 def set_threads(n: int) -> int:
     """torch's CPU threads: ``n``; for 0, OMP_NUM_THREADS when set (torchrun sets 1 per process),
-    else half the cores this process may use (at least 1).
+    else half the cores this process may use (at least 1), shared by the processes on this machine
+    (``trainer.nproc``: the launcher sets no OMP_NUM_THREADS).
 
     Half, because a second busy process on the machine then slows a run by about its share
     instead of stalling OpenMP's spinning threads (measured: benchmarks/README.md).
     """
     if n <= 0 and os.environ.get("OMP_NUM_THREADS", "").isdigit():
         return torch.get_num_threads()
-    if n <= 0:
+    if n <= 0:                              # (several processes on one machine share its cores)
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-        n = max(1, cores // 2)
+        n = max(1, cores // (2 * max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))))
     torch.set_num_threads(n)
     return n
 

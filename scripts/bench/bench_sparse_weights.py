@@ -17,7 +17,7 @@ with `python -m bstrain advise`):
     transformer: the FFN. dense = transformer_enwik8 (ffn_mult 4, dense); wide = transformer_wide
         (ffn_mult 8 at density 0.25, blocks of 128) and variants of width, block size and RigL.
     lstm: the seed's claim. dense = hidden 1024; wide = lstm_wide (hidden 2048 at density 0.25,
-        blocks of 64: the same recurrent parameters) and a 4x-wide variant.
+        blocks of 128: the same recurrent parameters) and a 4x-wide variant.
     convnet: the sparse ResNet against its dense twin (model.density=1) on the same images.
 """
 from __future__ import annotations

@@ -215,6 +215,18 @@ def test_a_sparsified_model_saved_by_save_pretrained_loads_back_exactly(name, tm
         assert loaded.lm_head.weight is loaded.transformer.wte.weight, "the head stays tied to the embedding"
 
 
+def test_a_base_model_sparsified_on_its_own_loads_back_with_its_head(tmp_path):
+    """sparsify(gpt2.transformer, ...) records names under the base model (h.0.attn.c_attn): the
+    loader finds them under base_model_prefix, and the whole model loads back exactly."""
+    model, _ = gpt2()
+    model.eval()
+    replaced = sparsify(model.transformer, "h.*", block_size=16, density=0.5)
+    assert replaced and all(n.startswith("h.") for n in replaced)
+    model.save_pretrained(tmp_path)
+    loaded = bstrain.hf.from_pretrained(type(model), tmp_path)
+    assert torch.equal(loaded(tokens()).logits, model(tokens()).logits)
+
+
 def test_from_pretrained_of_a_dense_model_loads_it_as_it_is(tmp_path):
     model, _ = llama()
     model.eval()

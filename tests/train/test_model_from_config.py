@@ -43,11 +43,13 @@ def composed(*argv, name="train"):
 
 def cli_error(capsys, *argv) -> str:
     """The CLI's one line for ``train ARGV`` (run in this process), its exit status checked."""
+    capsys.readouterr()
     with pytest.raises(SystemExit) as info:
         cli_run("train", list(argv))
-    assert isinstance(info.value.code, str), (info.value.code, capsys.readouterr().err[-2000:])
-    assert info.value.code.startswith("error: ") and "\n" not in info.value.code
-    return info.value.code.removeprefix("error: ")
+    err = capsys.readouterr().err
+    lines = [line for line in err.splitlines() if line.startswith("error: ")]
+    assert info.value.code == 1 and len(lines) == 1 and "Traceback" not in err, (info.value.code, err[-2000:])
+    return lines[0].removeprefix("error: ")
 
 
 @pytest.mark.parametrize("model", list(MODELS))

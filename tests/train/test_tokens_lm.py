@@ -63,3 +63,22 @@ def test_the_cli_says_a_too_small_bpe_in_one_line(tmp_path):
     out = cli("train", "config=llama_tiny", "data.vocab_size=100", f"data.cache_dir={tmp_path / 'cache'}", cwd=tmp_path)
     one_line_error(out, "data.vocab_size=100: a byte-level BPE needs at least 257 tokens", "data.vocab_size=257")
     assert not list(tmp_path.iterdir()), "the start stopped before a run dir or a cache entry was made"
+
+
+def test_eval_of_other_text_refuses_a_run_trained_bpe(llama_cfg, tmp_path):
+    """eval data_path=X of a run whose BPE was trained on its own split: a BPE of X would give the
+    model other token ids, so it is refused in one line (a tokenizer file evaluates any text)."""
+    from hydra import compose, initialize_config_module
+
+    from bstrain.configs.schema import register
+    from bstrain.train.commands import evaluate_checkpoint
+    out = train(llama_cfg(trainer__max_steps=1))
+    other = tmp_path / "other.txt"
+    other.write_text("def other(text):\n    return text\n" * 400)
+    register()
+    with initialize_config_module(config_module="bstrain.configs", version_base="1.3"):
+        cfg = compose(config_name="eval", overrides=[f"ckpt={out['run_dir']}", f"data_path={other}", "batches=1",
+                                                     "device=cpu", "trust=[transformers.*]"])
+    with pytest.raises(UserError, match=r"^data_path: this run's tokenizer is a BPE trained on its own training "
+                                        r"split \(data.tokenizer=bpe\)"):
+        evaluate_checkpoint(cfg)
