@@ -10,14 +10,14 @@ from typing import TYPE_CHECKING
 
 from bstrain.errors import RunAborted
 from bstrain.train.checkpoint import latest_checkpoint
-from bstrain.train.distributed import gather
+from bstrain.train.distributed import World, gather
 
 if TYPE_CHECKING:
-    from bstrain.train.run import Run
+    from bstrain.train.state import TrainState
 
 
 @contextlib.contextmanager
-def stop_on_signals(run: Run):
+def stop_on_signals(state: TrainState, run_dir: Path, world: World):
     """SIGINT/SIGTERM ask the loop to stop after the current step (it then checkpoints); a second
     one stops the run where it is (:class:`RunAborted`: one line, no new checkpoint, the last
     complete one intact), and a third acts as usual. Only in the main thread, where Python
@@ -29,14 +29,14 @@ def stop_on_signals(run: Run):
 
     def ask(signum, _frame):
         name = signal.Signals(signum).name
-        if run.stop is None:
-            run.stop = name
+        if state.stop is None:
+            state.stop = name
             return
         for s, h in old.items():
             signal.signal(s, h)
-        last = latest_checkpoint(run.run_dir / "ckpt") if run.world.main else None
-        raise RunAborted(f"stopped by a second {name} at step {run.step}, without a new checkpoint; "
-                         + (f"the last one is {last}; {resume_hint(run.run_dir)}" if last else "none was written"))
+        last = latest_checkpoint(run_dir / "ckpt") if world.main else None
+        raise RunAborted(f"stopped by a second {name} at step {state.step}, without a new checkpoint; "
+                         + (f"the last one is {last}; {resume_hint(run_dir)}" if last else "none was written"))
     for s in old:
         signal.signal(s, ask)
     try:
@@ -52,13 +52,13 @@ def resume_hint(run_dir: Path) -> str:
     return f"continue with python -m bstrain train trainer.resume=true {shlex.quote(f'hydra.run.dir={run_dir}')}"
 
 
-def _agree_to_stop(run: Run, log_step: bool, out_of_time: bool) -> str | None:
+def _agree_to_stop(stop: str | None, world: World, log_step: bool, out_of_time: bool) -> str | None:
     """Why to stop after this step: a signal's name, "time", or None. One process decides at every
     step; under DDP the ranks agree at log steps (a collective), so all stop at the same step."""
-    reason = run.stop or ("time" if out_of_time else None)
-    if run.world.active:
+    reason = stop or ("time" if out_of_time else None)
+    if world.active:
         if not log_step:
             return None
-        reasons = [r for r in gather(reason, run.world) if r]
+        reasons = [r for r in gather(reason, world) if r]
         reason = next((r for r in reasons if r != "time"), reasons[0] if reasons else None)
     return reason

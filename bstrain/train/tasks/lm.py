@@ -8,7 +8,7 @@ import torch
 from bstrain.data.text import BpttBatches, ByteCorpus, bits_per_byte, check_size
 from bstrain.errors import UserError
 from bstrain.ops.cross_entropy import cross_entropy
-from bstrain.train.tasks import Forward, Task, eval_progress, model_key
+from bstrain.train.tasks import Forward, Task, eval_progress, model_key, rows
 
 log = logging.getLogger("bstrain")
 
@@ -80,23 +80,31 @@ class ByteLM(Task):
         return {"bpb": bits_per_byte(loss)}
 
     @torch.no_grad()
-    def evaluate(self, forward: Forward, split: str, max_batches: int, show_progress: bool = False) -> dict:
-        """Mean loss and bits per byte over the first ``max_batches`` (0: all) batches of a split,
-        in batches of the world's global shape (the same numbers on any number of ranks)."""
+    def evaluation_sums(self, forward: Forward, split: str, max_batches: int, rank: int = 0, size: int = 1,
+                        show_progress: bool = False) -> dict[str, torch.Tensor]:
+        """The summed loss and the bytes of rows ``rank`` of ``size`` of the first ``max_batches``
+        (0: all) batches of a split, in batches of the world's global shape. Each row is a stream
+        the carried state follows through the batches, so a share of rows is exact."""
         _, valid, test = self.data.splits()
         data = {"valid": valid, "test": test}[split]
         ranks = self.world.size if self.world else 1
         check_size(data, self.data.batch_size, self.data.seq_len, self.data.path, split, ranks)
         batches = BpttBatches(data, self.data.batch_size * ranks, self.data.seq_len)
         n = len(batches) if max_batches <= 0 else min(max_batches, len(batches))
-        state, total = None, torch.zeros((), dtype=torch.float64)
         device = forward.device
+        state, total, count = None, torch.zeros((), dtype=torch.float64, device=device), 0
         for i in eval_progress(n, show_progress, f"eval {split}"):
-            x, y = batches.batch(i)
+            x, y = (rows(t, rank, size) for t in batches.batch(i))
             output, state = forward(x.to(device), state)
-            total = total.to(device) + self.loss(output, y.to(device)).double()
-        loss = float(total) / max(1, n)
-        return {"loss": loss, "bpb": bits_per_byte(loss), "batches": n}
+            total += self.loss(output, y.to(device)).double() * y.numel()
+            count += y.numel()
+        return {"loss": total, "count": torch.tensor(float(count), dtype=torch.float64, device=device),
+                "batches": torch.tensor(float(n), dtype=torch.float64, device=device) / size}
+
+    def evaluation_metrics(self, sums: dict[str, torch.Tensor]) -> dict:
+        """Mean loss and bits per byte."""
+        loss = float(sums["loss"]) / max(1.0, float(sums["count"]))
+        return {"loss": loss, "bpb": bits_per_byte(loss), "batches": round(float(sums["batches"]))}
 
     def state_dict(self) -> dict:
         return {"batches": self.batches.state_dict(), "streams": self.data.batch_size * self.world.size,
