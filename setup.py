@@ -13,5 +13,9 @@ setup(
     install_requires=["torch>=2.3", "numpy", "hydra-core>=1.3", "tensorboard", "tqdm"],
     # Triton is optional: the kernels on a GPU need >= 3.6, the CPU interpreter tests >= 3.9.
     # Without it every op runs its PyTorch path and the kernel tests skip.
-    extras_require={"test": ["pytest>=7", "pytest-xdist", "transformers>=5", "safetensors"], "triton": ["triton>=3.6"]},
+    # Tokenized text (data.tokenizer) needs tokenizers; Hugging Face models (bstrain.hf, config=llama_tiny)
+    # need transformers too. The tests run both.
+    extras_require={"test": ["pytest>=7", "pytest-xdist", "tokenizers", "transformers>=5", "safetensors"],
+                    "triton": ["triton>=3.6"], "tokens": ["tokenizers"],
+                    "hf": ["tokenizers", "transformers>=5", "safetensors"]},
 )

@@ -111,6 +111,14 @@ class BytesData:
                                                        "models)"})
     batch_size: int = field(default=32, metadata={"help": "sequences per batch, per process"})
     max_bytes: int = field(default=0, metadata={"help": "read at most this many bytes; 0: no limit"})
+    tokenizer: Optional[str] = field(default=None, metadata={
+        "help": "null: bytes (vocabulary 256) | a Hugging Face tokenizer.json path | bpe: a byte-level BPE of "
+                "data.vocab_size tokens trained on the train split; token ids memory-mapped, cached in data.cache_dir"})
+    vocab_size: Optional[int] = field(default=None, metadata={
+        "help": "with tokenizer=bpe: its vocabulary (>= 257); with a file: null (the trainer fills in the file's); "
+                "models read it as ${data.vocab_size}"})
+    cache_dir: Optional[str] = field(default=None, metadata={
+        "help": "trained tokenizers and token files, by content hash; null: $BSTRAIN_CACHE, else ~/.cache/bstrain"})
 
 
 @dataclass

@@ -1,8 +1,9 @@
-"""Byte-level text data: corpora, train/valid/test splits and contiguous BPTT batches.
+"""Text data: corpora, train/valid/test splits and contiguous BPTT batches.
 
 Every corpus is read as raw bytes (vocabulary 256), the usual setting for enwik8 / text8
-character-level language models. With no path, the running Python's own standard-library sources
-serve as a small, real, offline corpus (see ``default_corpus``).
+character-level language models; with ``data.tokenizer`` set, each split is then tokenized into
+memory-mapped token ids (bstrain/data/tokens.py). With no path, the running Python's own
+standard-library sources serve as a small, real, offline corpus (see ``default_corpus``).
 """
 from __future__ import annotations
 
@@ -73,8 +74,9 @@ def _auto_name(path: Path) -> str:
     return "bytes"
 
 
-def _read_file(path: Path, name: str) -> np.ndarray:
-    """All bytes of ``path`` as a writable (n,) uint8 array; a .zip of enwik8/text8 is unpacked."""
+def _read_file(path: Path, name: str, mmap: bool = False) -> np.ndarray:
+    """All bytes of ``path`` as a writable (n,) uint8 array (mmap: a read-only memory map, so that a
+    file larger than RAM can be tokenized); a .zip of enwik8/text8 is unpacked."""
     if name in ("enwik8", "text8") and path.suffix == ".zip":
         try:
             with zipfile.ZipFile(path) as archive:
@@ -87,6 +89,8 @@ def _read_file(path: Path, name: str) -> np.ndarray:
             raise DataError(f"data path '{path}': expected a zip archive, got an unreadable one ({err})") from None
         # bytearray: torch.from_numpy warns on the read-only buffer that plain bytes would give.
         return np.frombuffer(bytearray(raw), dtype=np.uint8)
+    if mmap and path.stat().st_size > 0:          # (numpy cannot map an empty file)
+        return np.memmap(path, dtype=np.uint8, mode="r")
     return np.fromfile(path, dtype=np.uint8)
 
 
@@ -158,8 +162,8 @@ def _read_files(files: list[Path], root: Path, max_bytes: int, path) -> tuple[np
     return tuple(np.frombuffer(bytearray(b"".join(p)), dtype=np.uint8) for p in parts)
 
 
-def load_bytes(path: str | None, name: str = "auto",
-               max_bytes: int = 0) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def load_bytes(path: str | None, name: str = "auto", max_bytes: int = 0,
+               mmap: bool = False) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Load a corpus as bytes and split it into train / valid / test parts.
 
     Args:
@@ -180,6 +184,8 @@ def load_bytes(path: str | None, name: str = "auto",
               proportional 90/5/5 split; bytes past the first 100M are ignored.
             - bytes: any text or binary file, read raw (a .zip is not unpacked), split 90/5/5.
         max_bytes: read at most this many bytes in all (0: no limit).
+        mmap: one plain file is memory-mapped (read-only) instead of read (a directory or a glob is
+            read whole).
     Returns: (train, valid, test), (n_train,), (n_valid,), (n_test,) uint8 arrays.
     Raises:
         DataError: path does not exist, matches nothing, or is empty.
@@ -198,7 +204,7 @@ def load_bytes(path: str | None, name: str = "auto",
     file = files[0]
     if name == "auto":
         name = _auto_name(file)
-    data = _read_file(file, name)  # (n,) uint8
+    data = _read_file(file, name, mmap)  # (n,) uint8
     if max_bytes:
         data = data[:max_bytes]
     if len(data) == 0:
@@ -208,30 +214,39 @@ def load_bytes(path: str | None, name: str = "auto",
 
 
 def check_size(split: np.ndarray, batch_size: int, seq_len: int, path: str | None, split_name: str,
-               ranks: int = 1) -> None:
+               ranks: int = 1, unit: str = "bytes") -> None:
     """Raise DataError unless ``split`` can fill one (batch_size x ranks, seq_len) batch.
 
-    One batch needs batch_size * ranks * seq_len input bytes plus one more for the last target.
+    One batch needs batch_size * ranks * seq_len input bytes (``unit``) plus one more for the last target.
     """
     need = batch_size * ranks * seq_len + 1
     if len(split) < need:
         where = f"data path '{path}'" if path else _DEFAULT_CORPUS_LABEL
         per = f"batch_size {batch_size} x {ranks} ranks" if ranks > 1 else f"batch_size {batch_size}"
-        raise DataError(f"{where}: the {split_name} split has {len(split)} bytes, but {per} "
+        raise DataError(f"{where}: the {split_name} split has {len(split)} {unit}, but {per} "
                         f"x seq_len {seq_len} needs at least {need}")
 
 
 class ByteCorpus:
-    """The ``data`` config of byte-level language modelling: where the bytes come from, the batch shape.
+    """The ``data`` config of language modelling: where the text comes from, its tokens, the batch shape.
 
     Args:
         path, name, max_bytes: as for :func:`load_bytes` (path None: the embedded corpus).
-        seq_len: T, bytes per sequence (the BPTT length, and the context of stateless models).
+        seq_len: T, tokens (bytes by default) per sequence (the BPTT length, and the context of
+            stateless models).
         batch_size: B, sequences per batch on each process.
+        tokenizer: None: bytes (vocabulary 256); a tokenizer.json path (Hugging Face tokenizers); or
+            "bpe": a byte-level BPE of ``vocab_size`` tokens trained on the train split. The splits
+            are then memory-mapped token ids, cached in ``cache_dir`` (bstrain/data/tokens.py).
+        vocab_size: with "bpe", its vocabulary (>= 256 + the special tokens); with a file, None or the
+            file's vocabulary. The model's vocabulary is this (``${data.vocab_size}``) or larger.
+        cache_dir: where trained tokenizers and token files are kept (None: $BSTRAIN_CACHE, else
+            ~/.cache/bstrain).
     """
 
     def __init__(self, path: str | None = None, name: str = "auto", seq_len: int = 64, batch_size: int = 32,
-                 max_bytes: int = 0):
+                 max_bytes: int = 0, tokenizer: str | None = None, vocab_size: int | None = None,
+                 cache_dir: str | None = None):
         name = getattr(name, "value", name)
         if name not in NAMES:
             raise DataError(f"data.name: expected one of {', '.join(NAMES)}, got {name!r}")
@@ -245,23 +260,55 @@ class ByteCorpus:
                             f"corpus is not {name}); add data.path=...")
         self.path, self.name, self.max_bytes = path, name, max_bytes
         self.seq_len, self.batch_size = seq_len, batch_size
+        from bstrain.data.tokens import check_tokenizer
+        self.tokenizer_name, self.cache_dir = check_tokenizer(tokenizer, vocab_size), cache_dir
+        self.requested_vocab = vocab_size
+        self.tokenizer = None              # the tokenizers.Tokenizer, once the splits are read
+        self.byte_lengths = None           # (V,) int64 bytes per token id; None for bytes
         self._splits = None
 
+    @property
+    def unit(self) -> str:
+        return "bytes" if self.tokenizer_name is None else "tokens"
+
+    @property
+    def vocab_size(self) -> int:
+        """The ids the splits hold: 256 bytes, or the tokenizer's vocabulary (largest id + 1)."""
+        if self.tokenizer_name is None:
+            return 256
+        self.splits()
+        return len(self.byte_lengths)
+
     def splits(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """(train, valid, test) uint8 arrays, read once."""
+        """(train, valid, test): uint8 bytes, or memory-mapped uint16/uint32 token ids; read once."""
         if self._splits is None:
-            self._splits = load_bytes(self.path, self.name, self.max_bytes)
+            splits = load_bytes(self.path, self.name, self.max_bytes, mmap=self.tokenizer_name is not None)
+            if self.tokenizer_name is None:
+                self._splits = splits
+            else:
+                from bstrain.data import tokens
+                self.tokenizer, _, self._splits, self.byte_lengths = tokens.tokenize_splits(
+                    splits, self.tokenizer_name, self.requested_vocab, tokens.cache_dir(self.cache_dir))
         return self._splits
 
     def describe(self) -> str:
         train, valid, test = self.splits()
         where = self.path or _DEFAULT_CORPUS_LABEL
-        return f"{where}: {len(train):,} / {len(valid):,} / {len(test):,} bytes (train / valid / test)"
+        tokens = "" if self.tokenizer_name is None else f" of {self.tokenizer_name} ({self.vocab_size:,} ids)"
+        return f"{where}: {len(train):,} / {len(valid):,} / {len(test):,} {self.unit}{tokens} (train / valid / test)"
 
 
 def bits_per_byte(mean_nll_nats: float) -> float:
     """Convert a mean per-byte negative log-likelihood from nats to bits (the enwik8 metric)."""
     return mean_nll_nats / math.log(2)
+
+
+_ID_DTYPES = (np.uint8, np.uint16, np.uint32)
+
+
+def _long(ids) -> torch.Tensor:
+    """int64 of a tensor of bytes or of a numpy window of a token memory map (read here, once)."""
+    return ids.long() if isinstance(ids, torch.Tensor) else torch.from_numpy(ids.astype(np.int64))
 
 
 def _check_positive_int(name: str, value) -> int:
@@ -283,7 +330,8 @@ class BpttBatches:
     cannot fill a whole batch (L % T inputs) is dropped.
 
     Args:
-        data: (n,) uint8 array, n >= batch_size * world * seq_len + 1.
+        data: (n,) uint8 array (bytes), or uint16 / uint32 token ids (a memory map: each batch is read
+            from it, the split never copied whole); n >= batch_size * world * seq_len + 1.
         batch_size: B, number of parallel streams (of this rank).
         seq_len: T, time steps per batch (the truncated-BPTT length).
         rank, world: this process's rank and the number of processes. The split is cut into
@@ -292,9 +340,9 @@ class BpttBatches:
     """
 
     def __init__(self, data: np.ndarray, batch_size: int, seq_len: int, rank: int = 0, world: int = 1):
-        if not isinstance(data, np.ndarray) or data.dtype != np.uint8 or data.ndim != 1:
+        if not isinstance(data, np.ndarray) or data.dtype not in _ID_DTYPES or data.ndim != 1:
             got = f"{data.ndim}-D {data.dtype} array" if isinstance(data, np.ndarray) else type(data).__name__
-            raise TypeError(f"data: expected a 1-D uint8 numpy array, got {got}")
+            raise TypeError(f"data: expected a 1-D uint8, uint16 or uint32 numpy array, got {got}")
         self.batch_size = _check_positive_int("batch_size", batch_size)
         self.seq_len = _check_positive_int("seq_len", seq_len)
         world = _check_positive_int("world", world)
@@ -309,15 +357,16 @@ class BpttBatches:
                             f"bytes, got {len(data)}")
         # Keep uint8 (1 byte per char): int64 would take 8x the memory on a 90M-byte split.
         # np.require copies only when data is read-only, which torch.from_numpy would warn about.
-        flat = torch.from_numpy(np.require(data, requirements=["C", "W"]))  # (n,) uint8
+        # Token ids stay numpy (a read-only memory map): each batch is read from it and converted.
+        flat = torch.from_numpy(np.require(data, requirements=["C", "W"])) if data.dtype == np.uint8 else data
         stream_len = (len(data) - 1) // streams
         # Two views of the same buffer; the targets start one byte later, which is why one byte
         # beyond the last input must exist (the "+ 1" in check_size). Rank r takes streams
         # [r*B, (r+1)*B) of the world's B*world: the same bytes, in the same rows, as one process
         # with batch B*world.
         rows = slice(rank * batch_size, (rank + 1) * batch_size)
-        self._inputs = flat[: streams * stream_len].view(streams, stream_len)[rows]        # (B, L)
-        self._targets = flat[1: streams * stream_len + 1].view(streams, stream_len)[rows]  # (B, L)
+        self._inputs = flat[: streams * stream_len].reshape(streams, stream_len)[rows]        # (B, L)
+        self._targets = flat[1: streams * stream_len + 1].reshape(streams, stream_len)[rows]  # (B, L)
         self._num_batches = stream_len // seq_len
         self.position = 0
 
@@ -329,7 +378,7 @@ class BpttBatches:
         """Batch ``i % len(self)``: (x, y), both (batch_size, seq_len) int64, y[:, t] follows x[:, t]."""
         start = (i % self._num_batches) * self.seq_len
         window = slice(start, start + self.seq_len)
-        return self._inputs[:, window].long(), self._targets[:, window].long()  # (B, T), (B, T)
+        return _long(self._inputs[:, window]), _long(self._targets[:, window])  # (B, T), (B, T)
 
     def next_batch(self) -> tuple[torch.Tensor, torch.Tensor, bool]:
         """Return (x, y, wrapped) for batch ``position`` and advance ``position``.

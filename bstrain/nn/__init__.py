@@ -9,10 +9,12 @@
 
 ``sparsify(model, include, density=...)`` swaps a model's ``nn.Linear``, ``nn.Conv2d`` and Hugging
 Face ``Conv1D`` layers for these (``register_sparsifiable`` adds a layer type);
-``block_sparse_layouts(model)`` lists every layout; :mod:`bstrain.hf` saves and loads a sparsified
+``block_sparse_layouts(model)`` lists every layout; ``sync_layouts(model)`` has every layer take its
+``layout`` buffer now (each does when it next runs); :mod:`bstrain.hf` saves and loads a sparsified
 Hugging Face model. Whole models live in
 :mod:`bstrain.models`.
 """
+from bstrain.nn._sparse import sync_layouts
 from bstrain.nn.attention import BlockSparseAttention
 from bstrain.nn.conv import BlockSparseConv2d
 from bstrain.nn.convert import SparsifyResult, register_sparsifiable, sparsify
@@ -20,4 +22,4 @@ from bstrain.nn.linear import BlockSparseLinear, block_sparse_layouts, set_grad_
 from bstrain.nn.norm import LayerNorm
 
 __all__ = ["BlockSparseLinear", "BlockSparseConv2d", "BlockSparseAttention", "LayerNorm", "sparsify",
-           "SparsifyResult", "register_sparsifiable", "set_grad_group", "block_sparse_layouts"]
+           "SparsifyResult", "register_sparsifiable", "set_grad_group", "block_sparse_layouts", "sync_layouts"]

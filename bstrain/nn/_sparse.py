@@ -1,6 +1,7 @@
-"""What every block-sparse module shares: its layout in the state dict, one adoption path for a
-loaded layout, and layout tables warmed when the module moves to a device; and the search for the
-dense layers ``sparsify`` replaces (``sparsify_candidates``), which linear and conv layers share."""
+"""What every block-sparse module shares: its ``layout`` buffer as the layout it computes with
+(taken whenever it was written), and layout tables warmed when the module moves to a device;
+and the search for the dense layers ``sparsify`` replaces (``sparsify_candidates``), which linear
+and conv layers share."""
 from __future__ import annotations
 
 import fnmatch
@@ -8,6 +9,7 @@ from collections.abc import Callable
 
 import numpy as np
 import torch
+import torch._dynamo
 from torch import nn
 
 
@@ -65,23 +67,52 @@ def _keeps_block_format(fn):
     return apply
 
 
+def _version(buf: torch.Tensor) -> int | None:
+    """``buf``'s version counter, which every in-place write bumps (None for an inference tensor,
+    which keeps none)."""
+    return None if buf.is_inference() else buf._version
+
+
+@torch._dynamo.assume_constant_result
+def _sync_at_trace(module: "BlockLayoutModule") -> int:
+    """:meth:`BlockLayoutModule._sync_layout` while torch.compile traces: dynamo calls this for
+    real (with the real module and buffer) instead of tracing it, so a layout written before the
+    first compiled call is the one the graph is traced with. Under a non-strict export the buffer
+    is a fake tensor with no content to read: nothing is done."""
+    buf = module._buffers.get("layout")
+    if type(buf) is torch.Tensor and not buf.is_meta and not module._layout_in_sync(buf):
+        module._take_layout(buf)
+    return 0
+
+
 class BlockLayoutModule(nn.Module):
     """Base of :class:`BlockSparseLinear` and :class:`BlockSparseConv2d`.
 
-    A subclass holds a (C/bs, K/bs) bool layout, a persistent ``layout`` buffer (so state dicts
-    carry it), a ``weight`` whose first dim counts live blocks, and implements
-    :meth:`block_layout`, :meth:`_use_layout` (switch to a new layout: op and tables) and
-    :meth:`_layout_tables` (the shared tables, warmed on ``.to(device)``).
+    A subclass holds a (C/bs, K/bs) bool layout in its op (host data, with shared tables), a
+    persistent ``layout`` buffer (so state dicts carry it), a ``weight`` whose first dim counts
+    live blocks, and implements :meth:`_op_layout` (the op's layout), :meth:`_use_layout` (switch
+    to a new layout: op and tables) and :meth:`_layout_tables` (the shared tables, warmed on
+    ``.to(device)``).
 
-    Loading a state dict whose layout differs replaces this module's layout, so weights always
-    meet the layout they were trained on. The weight Parameter is kept (an optimizer may hold
-    it) when the live-block count is the same; another count is an error naming the layer,
-    unless ``load_state_dict(..., assign=True)`` asks for the checkpoint's tensors. A layout of
+    The ``layout`` buffer is the truth: whatever writes it (``load_state_dict``, a loader that
+    assigns or copies tensors, DCP, ``.to()``) changes what the layer computes. The op is switched
+    when the layer next runs (or in the load path): a forward compares the buffer's identity and
+    version counter with those the op was last built from (host-only), and reads the buffer only
+    when they differ. A layout of the weight's live-block count is taken in place (the weight
+    Parameter an optimizer holds stays); another count is an error naming the layer, unless
+    ``load_state_dict(..., assign=True)`` brings the checkpoint's weight along. A layout of
     another shape (other in/out sizes) is always an error.
     """
 
-    def block_layout(self) -> np.ndarray:
+    _layout_synced: tuple | None = None     # (the layout buffer the op was built from, its version)
+
+    def _op_layout(self) -> np.ndarray:
         raise NotImplementedError
+
+    def block_layout(self) -> np.ndarray:
+        """The (C/bs, K/bs) bool layout the layer computes with: its ``layout`` buffer's."""
+        self._sync_layout()
+        return self._op_layout()
 
     def _use_layout(self, layout: np.ndarray) -> bool:
         """Switches to ``layout``; True when the op's tables were rewritten in place (graphs made
@@ -108,71 +139,172 @@ class BlockLayoutModule(nn.Module):
     def _layout_tables(self):
         raise NotImplementedError
 
-    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
-                              error_msgs):
-        key = prefix + "layout"
-        if key in state_dict:
-            new = np.asarray(state_dict[key].detach().cpu(), dtype=bool)
-            if not self._adopt(new, prefix, bool(local_metadata.get("assign_to_params_buffers")), error_msgs):
-                return
-        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
-                                      error_msgs)
+    # --- the layout buffer, the truth -----------------------------------------------------------------
+    def _register_layout(self, layout: np.ndarray, device) -> None:
+        """The persistent ``layout`` buffer: a copy of ``layout`` (never the host array itself),
+        made a normal tensor even under inference_mode (an inference tensor keeps no version
+        counter, so each call would have to read it)."""
+        with torch.inference_mode(False):
+            self.register_buffer("layout", torch.tensor(layout, device=device), persistent=True)
+        self._record_layout()
 
-    def _adopt(self, new: np.ndarray, prefix: str, assign: bool, error_msgs: list) -> bool:
-        """Takes ``new`` as this module's layout; False (with an error message) if it cannot."""
-        name = prefix.rstrip(".") or type(self).__name__
-        old = self.block_layout()
+    def _record_layout(self) -> None:
+        """Notes the buffer as the one the op is built from (after a write bstrain makes itself)."""
+        buf = self._buffers.get("layout")
+        self._layout_synced = None if buf is None else (buf, _version(buf))
+
+    def _layout_in_sync(self, buf: torch.Tensor) -> bool:
+        synced = self._layout_synced
+        return synced is not None and synced[0] is buf and synced[1] is not None and synced[1] == _version(buf)
+
+    def _sync_layout(self) -> None:
+        """Switches the op to the buffer's layout if the buffer was replaced or written since the
+        op was built from it. The steady state costs an identity and an int compare (no sync); a
+        changed buffer is read to the host once. While traced, see :func:`_sync_at_trace`."""
+        if torch.compiler.is_compiling():
+            _sync_at_trace(self)
+            return
+        buf = self._buffers.get("layout")
+        if buf is None or self._layout_in_sync(buf) or buf.is_meta:
+            return
+        from bstrain.ops.tables import tracing
+        if tracing():                           # a fake tensor: no content; the op's layout is traced
+            return
+        if buf.is_cuda and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError(f"{self._label()}: its layout buffer was written since the layer last ran, and a CUDA "
+                               f"graph is being captured (reading it would sync); run the layer once eagerly, or call "
+                               f"bstrain.nn.sync_layouts(model), before capturing")
+        self._take_layout(buf)
+
+    def _take_layout(self, buf: torch.Tensor) -> None:
+        """Reads ``buf`` and switches the op to its layout (checked against the weight first)."""
+        version = _version(buf)
+        new = np.asarray(buf.detach().to("cpu", torch.bool), dtype=bool)
+        old = self._op_layout()
         if new.shape != old.shape:
-            error_msgs.append(f"{name}: the checkpoint's layout has shape {new.shape}, this layer's {old.shape} "
-                              f"(in/out sizes differ)")
-            return False
-        if np.array_equal(new, old):
-            return True
-        nnz = int(new.sum())
-        if nnz != int(old.sum()) and not assign:
-            error_msgs.append(f"{name}: the checkpoint's layout has {nnz} live blocks, this layer's {int(old.sum())}; "
-                              f"build the layer with the checkpoint's layout (layout=state_dict['{prefix}layout']) "
-                              f"or load with assign=True")
-            return False
-        if not new.any():
-            error_msgs.append(f"{name}: the checkpoint's layout has no live block")
-            return False
-        self._switch_layout(new)
-        if nnz != self.weight.shape[0]:            # assign=True: the checkpoint's weight replaces ours
-            shape = (nnz,) + tuple(self.weight.shape[1:])
-            self.weight = nn.Parameter(self.weight.new_empty(shape, device="meta"))
-        return True
+            raise ValueError(f"{self._label()}: its layout buffer has shape {tuple(new.shape)}, expected {old.shape} "
+                             f"(in/out sizes / block size); load a layout of this layer's shape")
+        nnz, live = int(new.sum()), int(self.weight.shape[0])
+        if nnz == 0:
+            raise ValueError(f"{self._label()}: its layout buffer has no live block; load a layout with at least one")
+        if nnz != live:
+            raise ValueError(f"{self._label()}: its layout buffer has {nnz} live blocks, its weight {live}; load the "
+                             f"weight that goes with the layout too, or use load_state_dict(state_dict, assign=True)")
+        if not np.array_equal(new, old):
+            self._switch_layout(new)
+        self._layout_synced = (buf, version)
 
-    def _apply(self, fn, recurse: bool = True):
-        """``.to()``, ``.cuda()``, ``to_empty()``: the layout tables follow to the new device once, and
-        the layout buffer is rewritten from the host layout (to_empty leaves it uninitialised)."""
-        out = super()._apply(_keeps_block_format(fn), recurse)
-        dev = self.weight.device
-        if dev.type != "meta" and not self.layout.is_meta:
-            self._write_layout_buffer(self.block_layout())
-            if dev.type == "cuda":
-                self._layout_tables().on(dev)
-        return out
+    def _label(self) -> str:
+        return f"{type(self).__name__}({self.extra_repr()})"
 
-    # The ``layout`` buffer mirrors the layout the module computes with (its op's), so that state
-    # dicts, DDP and FSDP carry it; a state dict always holds that layout (a write into the buffer
-    # is not taken: ``load_state_dict`` is how a module takes another layout).
     def _write_layout_buffer(self, layout: np.ndarray) -> None:
+        """Writes ``layout`` (the op's, after a switch bstrain made) into the buffer, noted as in sync."""
         buf = self.layout
         new = torch.as_tensor(np.asarray(layout, dtype=bool), device=buf.device).to(buf.dtype)
         if buf.is_inference() and not torch.is_inference_mode_enabled():
             self.layout = new.clone()          # built under inference_mode: a normal tensor now
-            return
-        with torch.no_grad():
-            buf.copy_(new)
+        else:
+            with torch.no_grad():
+                buf.copy_(new)
+        self._record_layout()
 
-    def _save_to_state_dict(self, destination, prefix, keep_vars):
-        super()._save_to_state_dict(destination, prefix, keep_vars)
-        key = prefix + "layout"
+    def __getstate__(self):
+        """Copies and pickles keep whether the buffer is in sync (a fresh tensor's version restarts)."""
+        state = self.__dict__.copy()
         buf = self._buffers.get("layout")
-        if not keep_vars and key in destination and buf is not None and not buf.is_meta \
-                and not torch.compiler.is_compiling():
-            destination[key] = torch.as_tensor(self.block_layout(), device=buf.device).to(buf.dtype)
+        state["_layout_synced"] = (buf, buf is not None and self._layout_in_sync(buf))
+        return state
+
+    def __setstate__(self, state):
+        super().__setstate__(state)
+        buf, in_sync = self.__dict__.get("_layout_synced") or (None, False)
+        self._layout_synced = None
+        if in_sync is True and buf is not None and buf is self._buffers.get("layout"):
+            self._record_layout()
+
+    # --- the paths that write the buffer ------------------------------------------------------------
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                              error_msgs):
+        key = prefix + "layout"
+        saved = state_dict.get(key)
+        if isinstance(saved, torch.Tensor) and not saved.is_meta:
+            new = np.asarray(saved.detach().to("cpu", torch.bool), dtype=bool)
+            if not self._check_loadable(new, prefix, bool(local_metadata.get("assign_to_params_buffers")), error_msgs):
+                return
+        buf = self._buffers.get("layout")
+        if buf is not None and buf.is_inference() and not torch.is_inference_mode_enabled():
+            self.layout = buf.clone()          # built under inference_mode: copy_ would refuse it
+        errors = len(error_msgs)
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                                      error_msgs)
+        if len(error_msgs) == errors:
+            try:
+                self._sync_layout()            # the loaded buffer, taken now
+            except ValueError as exc:
+                error_msgs.append(f"{prefix.rstrip('.') or type(self).__name__}: {exc}")
+
+    def _check_loadable(self, new: np.ndarray, prefix: str, assign: bool, error_msgs: list) -> bool:
+        """Whether the layout ``new`` may be loaded (False, with an error message, if not); with
+        assign=True and another live-block count, the weight becomes a placeholder of the new
+        shape for the checkpoint's weight to replace."""
+        name = prefix.rstrip(".") or type(self).__name__
+        old = self._op_layout()
+        if new.shape != old.shape:
+            error_msgs.append(f"{name}: the checkpoint's layout has shape {new.shape}, this layer's {old.shape} "
+                              f"(in/out sizes differ)")
+            return False
+        nnz = int(new.sum())
+        if nnz == int(self.weight.shape[0]):
+            return True
+        if not assign:
+            error_msgs.append(f"{name}: the checkpoint's layout has {nnz} live blocks, this layer's {int(old.sum())}; "
+                              f"build the layer with the checkpoint's layout (layout=state_dict['{prefix}layout']) "
+                              f"or load with assign=True")
+            return False
+        if nnz == 0:
+            error_msgs.append(f"{name}: the checkpoint's layout has no live block")
+            return False
+        shape = (nnz,) + tuple(self.weight.shape[1:])       # the checkpoint's weight replaces ours
+        self.weight = nn.Parameter(self.weight.new_empty(shape, device="meta"))
+        return True
+
+    def _apply(self, fn, recurse: bool = True):
+        """``.to()``, ``.cuda()``, ``to_empty()``: the layout tables follow to the new device once. A
+        buffer that had no content (meta, to_empty after meta init) gets the op's layout; a real
+        one keeps its content, and stays in sync if it was."""
+        before = self._buffers.get("layout")
+        was_meta = before is not None and before.is_meta
+        was_synced = before is not None and self._layout_in_sync(before)
+        out = super()._apply(_keeps_block_format(fn), recurse)
+        buf = self._buffers.get("layout")
+        if buf is not None and not buf.is_meta:
+            if was_meta:
+                self._write_layout_buffer(self._op_layout())
+            elif was_synced:
+                self._record_layout()
+        dev = self.weight.device
+        if dev.type == "cuda":
+            self._layout_tables().on(dev)
+        return out
+
+
+def sync_layouts(model: nn.Module) -> int:
+    """Has every block-sparse layer of ``model`` take its ``layout`` buffer now (each layer does
+    when it next runs eagerly or is traced, and in ``load_state_dict``): for a buffer written by
+    assignment or copy after a model was compiled or before it is exported or captured in a
+    CUDA graph. Returns the number of layers."""
+    layers = [m for m in model.modules() if isinstance(m, BlockLayoutModule)]
+    for layer in layers:
+        layer._sync_layout()
+    return len(layers)
+
+
+def layout_buffers(module: nn.Module) -> set[int]:
+    """The ids of ``module``'s block-sparse layout buffers: state copies that run every step (an
+    EMA's buffers, a graph's warm-up snapshot) leave them alone, since bstrain's layout switches
+    keep them in step, and a write would make each layer read its buffer again."""
+    return {id(m._buffers["layout"]) for m in module.modules()
+            if isinstance(m, BlockLayoutModule) and m._buffers.get("layout") is not None}
 
 
 def _check_untied(name: str, layer: nn.Module, layer_names: list[str], owners: dict[int, list[str]]) -> None:

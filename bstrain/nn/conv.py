@@ -115,12 +115,11 @@ class BlockSparseConv2d(BlockLayoutModule):
         factory = {"device": device, "dtype": dtype}
         self.weight = nn.Parameter(torch.empty(int(lay.sum()), bs, bs, *self.kernel_size, **factory))
         self.bias = nn.Parameter(torch.empty(out_channels, **factory)) if bias else None
-        self.register_buffer("layout", torch.tensor(lay, device=device), persistent=True)   # a copy: never the host layout itself
+        self._register_layout(lay, device)
         self.reset_parameters()
 
     # --- the layout (BlockLayoutModule) ---------------------------------------------------------------
-    def block_layout(self) -> np.ndarray:
-        """The (C/bs, K/bs) bool layout (for TensorBoard images and the DDP layout check)."""
+    def _op_layout(self) -> np.ndarray:
         return self._layout
 
     def _use_layout(self, layout: np.ndarray) -> bool:
@@ -164,7 +163,9 @@ class BlockSparseConv2d(BlockLayoutModule):
         return torch.as_tensor(np.repeat(per_col, self.block_size), dtype=torch.float32, device="cpu")
 
     def reset_parameters(self) -> None:
-        """nn.Conv2d's default init with each output channel's true fan-in: uniform ±1/sqrt(fan_in)."""
+        """nn.Conv2d's default init with each output channel's true fan-in: uniform ±1/sqrt(fan_in),
+        for the layout of the ``layout`` buffer."""
+        self._sync_layout()
         if self.weight.is_meta:
             return
         bound = 1.0 / self.fan_in().clamp_min(1).sqrt()                      # (K,)
@@ -217,6 +218,7 @@ class BlockSparseConv2d(BlockLayoutModule):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: (N, C, H, W), or unbatched (C, H, W); returns (N, K, P, Q) or (K, P, Q). Under
         autocast, runs in its dtype."""
+        self._sync_layout()
         unbatched = x.dim() == 3
         if x.dim() not in (3, 4) or x.shape[-3] != self.in_channels:
             raise ValueError(f"x: expected (N, {self.in_channels}, H, W) or ({self.in_channels}, H, W), got "
@@ -254,6 +256,7 @@ class BlockSparseConv2d(BlockLayoutModule):
     def dense_weight(self) -> torch.Tensor:
         """The (K, C, kh, kw) dense weight, as nn.Conv2d holds it; zeros off the live blocks.
         Differentiable."""
+        self._sync_layout()
         return dense_conv_filter(self.weight, tables_on(self._tables, self.weight.device), self.out_channels,
                                  self.in_channels)
 

@@ -74,7 +74,7 @@ class BlockSparseLinear(BlockLayoutModule):
         factory = {"device": device, "dtype": dtype}
         self.weight = nn.Parameter(torch.empty(self.op.w_shape, **factory))
         self.bias = nn.Parameter(torch.empty(out_features, **factory)) if bias else None
-        self.register_buffer("layout", torch.tensor(lay, device=device), persistent=True)   # a copy: never the host layout itself
+        self._register_layout(lay, device)
         self._group = None          # (GradGroup, grouped weight) inside grad_group()
         self.group_size = 1         # grad_group()'s default: set_grad_group(model, n) sets it
         self.reset_parameters()
@@ -87,15 +87,14 @@ class BlockSparseLinear(BlockLayoutModule):
 
     def reset_parameters(self) -> None:
         """nn.Linear's init with each output unit's true fan-in: weight and bias of output unit k
-        uniform in ±1/sqrt(fan_in[k]). Also rewrites the layout buffer from the op (after
-        ``to_empty()`` it holds uninitialised memory).
+        uniform in ±1/sqrt(fan_in[k]), for the layout of the ``layout`` buffer.
 
         ``nn.init`` functions that derive fans from the weight's shape see fan_in = bs² and
         fan_out = nnz·bs for the (nnz, bs, bs) weight: kaiming_*/xavier_* give wrong scales, and
         orthogonal_ mixes blocks. Use this method, ``op.ortho_init()`` or ``op.identity_init()``.
         """
+        self._sync_layout()
         with torch.no_grad():
-            self._write_layout_buffer(self.op.layout)
             bound = self.fan_in().clamp_min(1).rsqrt().to(self.weight.device, self.weight.dtype)   # (K,)
             k_idx = self.op.coords[1].to(self.weight.device)
             block_bound = bound.view(-1, self.op.block_size)[k_idx]                # (nnz, bs) per column
@@ -132,6 +131,7 @@ class BlockSparseLinear(BlockLayoutModule):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: (*, C) (or (C, *) with feature_axis=0); returns (*, K) (or (K, *)). Under autocast,
         runs in its dtype."""
+        self._sync_layout()
         w_dt = self.weight.dtype
         if x.dtype != w_dt and not (w_dt == torch.float32 and x.dtype in (torch.float16, torch.bfloat16)) \
                 and compute_dtype(x) == x.dtype:
@@ -154,6 +154,7 @@ class BlockSparseLinear(BlockLayoutModule):
     # --- dense conversion -------------------------------------------------------------------------
     def dense_weight(self) -> torch.Tensor:
         """The (out_features, in_features) dense weight, as nn.Linear holds it. Differentiable."""
+        self._sync_layout()
         return self.op.to_dense(self.weight).t()
 
     def to_dense(self) -> nn.Linear:
@@ -190,8 +191,7 @@ class BlockSparseLinear(BlockLayoutModule):
         return layer
 
     # --- layout (bstrain.nn._sparse.BlockLayoutModule: state dicts, .to()) ------------------------------
-    def block_layout(self) -> np.ndarray:
-        """The (C/bs, K/bs) bool layout."""
+    def _op_layout(self) -> np.ndarray:
         return self.op.layout
 
     def _use_layout(self, layout: np.ndarray) -> bool:
@@ -216,9 +216,7 @@ def block_sparse_layouts(module: nn.Module) -> Iterator[tuple[str, np.ndarray]]:
     """(qualified name, (C/bs, K/bs) bool layout) of every BlockSparseLinear in ``module``, and of
     every module with a ``block_layout()`` method (BlockSparseConv2d)."""
     for name, sub in module.named_modules():
-        if isinstance(sub, BlockSparseLinear):
-            yield name, sub.op.layout
-        elif callable(getattr(sub, "block_layout", None)):
+        if callable(getattr(sub, "block_layout", None)):
             yield name, sub.block_layout()
 
 

@@ -25,6 +25,7 @@ import logging
 import torch
 from torch.utils._pytree import tree_map
 
+from bstrain.nn._sparse import layout_buffers
 from bstrain.train.step import Forward, state_tensors, train_step, unwrap
 
 log = logging.getLogger("bstrain")
@@ -61,8 +62,9 @@ class Snapshot:
         self.fresh: list[torch.Tensor] = []             # optimizer state made after the snapshot: zeroed
         self.optimizers: list[tuple[torch.optim.Optimizer, set]] = []
         for obj in objects:
-            if isinstance(obj, torch.nn.Module):
-                self._keep(list(obj.parameters()) + list(obj.buffers()))
+            if isinstance(obj, torch.nn.Module):       # layouts do not change in a warm-up: left alone
+                layouts = layout_buffers(obj)
+                self._keep(list(obj.parameters()) + [b for b in obj.buffers() if id(b) not in layouts])
             elif isinstance(obj, torch.optim.Optimizer):
                 params = [p for g in obj.param_groups for p in g["params"]]
                 had = {id(p) for p in params if obj.state.get(p)}
@@ -297,8 +299,10 @@ def ema_update(ema, model: torch.nn.Module, decay: float) -> None:
             d = torch._foreach_sub(m, e)
             torch._foreach_mul_(d, w)
             torch._foreach_add_(e, d)
-        eb, mb = list(ema.module.buffers()), list(model.buffers())
-        if eb:
+        layouts = layout_buffers(ema.module)           # the layout switches keep the EMA's in step
+        pairs = [(b, c) for b, c in zip(ema.module.buffers(), model.buffers()) if id(b) not in layouts]
+        if pairs:
+            eb, mb = map(list, zip(*pairs))
             torch._foreach_copy_(eb, mb)
         ema.n_averaged += 1
 

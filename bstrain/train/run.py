@@ -174,6 +174,14 @@ def _resume_path(cfg, run_dir: Path) -> Path | None:
     return path
 
 
+def _fill_vocab_size(cfg: DictConfig, data) -> None:
+    """``data.vocab_size`` left null beside a tokenizer file becomes the file's vocabulary, so that a
+    model's ``${data.vocab_size}`` reads it (and the checkpoint's config records it)."""
+    node = cfg.get("data")
+    if OmegaConf.is_dict(node) and node.get("vocab_size", 0) is None and getattr(data, "tokenizer", None) is not None:
+        node.vocab_size = data.vocab_size
+
+
 def _without_shard(node):
     """(the model section without ``shard``, its ``shard`` list or None): ``model.shard`` names a
     user model's FSDP units and is not the model's argument."""
@@ -252,7 +260,9 @@ def build(cfg: DictConfig, run_dir: Path, device: torch.device, world: World, se
     t_cfg, amp_dtype = cfg.trainer, settings.amp_dtype
     resume = _resume_path(cfg, run_dir)
     task = instantiate(cfg.task, "task")
-    task.setup(instantiate(cfg.data, "data"), world, t_cfg.seed)
+    data = instantiate(cfg.data, "data")
+    task.setup(data, world, t_cfg.seed)
+    _fill_vocab_size(cfg, data)
     checks.check_model_config(task, cfg.model)
     torch.manual_seed(t_cfg.seed)
     model, shard_spec = _model(cfg, device, t_cfg.group_size)

@@ -105,7 +105,15 @@ class DDP(Single):
 
     def wrap(self, model: torch.nn.Module, graphed: bool) -> torch.nn.Module:
         from torch.nn.parallel import DistributedDataParallel
+
+        from bstrain.nn._sparse import layout_buffers
         check_same_layouts(model, self.world)
+        # the layouts agree across ranks and change together: DDP's broadcast of rank 0's buffers at every
+        # forward would bump their version counters and have each layer read its layout back every step
+        layouts = layout_buffers(model)
+        ignored = set(getattr(model, "_ddp_params_and_buffers_to_ignore", ()))
+        DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(
+            model, sorted(ignored | {name for name, b in model.named_buffers() if id(b) in layouts}))
         device = self.device
         side = torch.cuda.Stream(device) if graphed else None
         with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():

@@ -3,18 +3,25 @@ in one run.
 
     PYTHONPATH=$PWD python scripts/bench/bench_attention.py [--out DIR] [--name attention] [--seq 4096,16384,65536]
         [--dims 64,128] [--block 64,128] [--tokens 65536 | --batch B] [--layouts causal,local,...] [--cpu-smoke]
+        [--flex-blocks 128,64] [--flex-backend auto|flash|triton] [--flex-compile max-autotune] [--no-strong-flex]
 
 For each layout (causal, local, strided, fixed, bigbird; longglobal: a 1024 window and 256 global
 positions, for long contexts), context S, head dim D and block size (B = tokens / S, H=16, bf16):
 forward and forward+backward times (medians of triton.testing.do_bench) of
   bstrain        BlocksparseTransformer(backend="triton").attention
-  sdpa           F.scaled_dot_product_attention(is_causal=True), dense causal
+  sdpa           F.scaled_dot_product_attention(is_causal=True), dense causal, torch's default choice
+  sdpa_cudnn     the same with the cuDNN backend forced (sdpa_kernel(SDPBackend.CUDNN_ATTENTION))
   flex           torch.compile(flex_attention) with create_block_mask of the same mask function
                  (64-blocks: Flex's tiles set to 64 and below, which its kernels need)
+  flex_strong    Flex at its strongest (issue 41): compiled with --flex-compile (max-autotune), each
+                 BlockMask size of --flex-blocks and each backend (FLASH where flash-attn-4 imports,
+                 then Triton) tried, the fastest forward+backward kept; the row records which, and
+                 every configuration tried with its time or error
 the ideal speedup over dense causal (causal live blocks / the layout's live blocks), effective
-TFLOP/s over the live pairs, and the peak memory of one forward+backward. Writes NAME.md and
-NAME.json to --out, rewritten after every row (a cut-off run keeps what it measured).
---cpu-smoke runs tiny sizes on the CPU (fp32, bstrain's PyTorch path, no Flex) to check the script.
+TFLOP/s over the live pairs, and the peak memory of one forward+backward. Windows and strides are
+S/32 and at least two blocks (at S=4k with blocks of 128 a one-block stride is all causal). Writes
+NAME.md and NAME.json to --out, rewritten after every row (a cut-off run keeps what it measured).
+--cpu-smoke runs tiny sizes on the CPU (fp32, bstrain's PyTorch path, no Flex, no cuDNN) to check the script.
 """
 from __future__ import annotations
 
@@ -29,12 +36,19 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 from bstrain import layout as L  # noqa: E402
 from bstrain.ops.transformer import BlocksparseTransformer  # noqa: E402
 from scripts._timing import bench, environment, write_report  # noqa: E402
+from scripts.bench import _flex  # noqa: E402
+
+
+def window(S: int, bs: int) -> int:
+    """The window / stride of the layouts: 1/32 of the context, at least two blocks (one block of
+    stride keeps every causal block: a strided layout that is all causal measures nothing)."""
+    return max(2 * bs, S // 32)
 
 
 def masks(S: int, bs: int):
     """The layouts' element masks at context S for blocks of bs (BigBird's random blocks are drawn
     at that granularity, seed 0)."""
-    w = max(128, S // 32)                       # window / stride: 1/32 of the context, at least one block
+    w = window(S, bs)
     n = S // bs
     return {"causal": L.causal_mask, "local": L.local_mask(4 * w), "strided": L.strided_mask(w),
             "fixed": L.fixed_mask(w, summary=w // 8),
@@ -77,7 +91,6 @@ def live_pairs(op) -> int:
     return int(t.tiles.sum((1, 2))[t.tile_of].sum())
 
 
-FLEX_TILES = {64: dict(BLOCK_M=64, BLOCK_N=64, BLOCK_M1=64, BLOCK_N1=64, BLOCK_M2=64, BLOCK_N2=64)}
 PEAK = 989.0            # H200 dense bf16 TFLOP/s, the datasheet's (the ceiling the TFLOP/s columns are read against)
 
 
@@ -94,7 +107,7 @@ def measure(args, emit) -> list[dict]:
             (q, k, v, g), (qh, kh, vh, gh) = inputs(B, S, H, D, dev, dt)
             sdpa = lambda a, b, c: F.scaled_dot_product_attention(a, b, c, is_causal=True)   # noqa: E731
             dense = {"fwd": bench(lambda: sdpa(qh, kh, vh), smoke),
-                     "fb": bench(fwd_bwd(sdpa, qh, kh, vh, gh), smoke)}
+                     "fb": bench(fwd_bwd(sdpa, qh, kh, vh, gh), smoke), **cudnn_times(qh, kh, vh, gh, smoke)}
             for bs in args.block:
                 for row in _layouts(args, S, B, D, bs, q, k, v, g, qh, kh, vh, gh, dense, smoke, dev):
                     rows.append(row)
@@ -103,6 +116,70 @@ def measure(args, emit) -> list[dict]:
             if not smoke:
                 torch.cuda.empty_cache()
     return rows
+
+
+def cudnn_times(qh, kh, vh, gh, smoke: bool) -> dict:
+    """{"cudnn_fwd", "cudnn_fb"} ms of dense causal SDPA with the cuDNN backend forced, or
+    {"cudnn_error"} where it cannot run (and {} on the CPU, which has no cuDNN attention)."""
+    if smoke:
+        return {}
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    def sdpa(a, b, c):
+        with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+            return F.scaled_dot_product_attention(a, b, c, is_causal=True)
+    try:
+        return {"cudnn_fwd": bench(lambda: sdpa(qh, kh, vh)), "cudnn_fb": bench(fwd_bwd(sdpa, qh, kh, vh, gh))}
+    except Exception as exc:                                    # a failure is a result too
+        return {"cudnn_error": f"{type(exc).__name__}: {str(exc).splitlines()[0][:160]}"}
+
+
+def flex_call(mask, S: int, B: int, block: int, backend: str, compile_mode: str | None, dev):
+    """(attention(q, k, v), the record of its configuration): Flex on ``mask`` at BlockMask size
+    ``block``, compiled with ``compile_mode`` (None: torch.compile's default)."""
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+    # _compile: the mask is built block by block, not as an S x S tensor (128 GiB at S=128k)
+    bm = create_block_mask(mask, B=None, H=None, Q_LEN=S, KV_LEN=S, BLOCK_SIZE=block, device=dev, _compile=True)
+    flex = torch.compile(flex_attention, mode=compile_mode)
+    opts = _flex.kernel_options(block, backend)
+    return (lambda a, b, c: flex(a, b, c, block_mask=bm, kernel_options=opts)), _flex.describe(block, backend,
+                                                                                                  compile_mode)
+
+
+def plain_flex(mask, S, B, bs, dev, qh, kh, vh, gh) -> dict:
+    """Flex as the issue-33 rows ran it: default compile, Triton, the layout's block size."""
+    try:
+        fl, _ = flex_call(mask, S, B, bs, "TRITON", None, dev)
+        return {"flex_fwd_ms": round(bench(lambda: fl(qh, kh, vh)), 3),
+                "flex_fb_ms": round(bench(fwd_bwd(fl, qh, kh, vh, gh)), 3),
+                "flex_peak_mib": peak_mib(fwd_bwd(fl, qh, kh, vh, gh), False)}
+    except Exception as exc:                                    # a failure is a result too
+        return {"flex_error": f"{type(exc).__name__}: {str(exc).splitlines()[0][:160]}"}
+
+
+def strong_flex(args, mask, S, B, dev, qh, kh, vh, gh) -> dict:
+    """The fastest forward+backward over --flex-backend's backends and --flex-blocks, compiled with
+    --flex-compile; every configuration tried is recorded with its ms or its error."""
+    tried, best = {}, None
+    for backend in _flex.backends(args.flex_backend):
+        for block in args.flex_blocks:
+            key = f"{backend} {block}"
+            try:
+                fl, info = flex_call(mask, S, B, block, backend, args.flex_compile or None, dev)
+                fb = bench(fwd_bwd(fl, qh, kh, vh, gh))
+            except Exception as exc:                            # e.g. no backward at 64, FLASH refusing a mask
+                tried[key] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:120]}"
+                continue
+            tried[key] = round(fb, 3)
+            if best is None or fb < best[0]:
+                best = (fb, fl, info)
+    out = {"flex_strong_tried": tried, "flex_strong_flash": _flex.flash_status()[1]}
+    if best is None:
+        return out
+    fb, fl, info = best
+    out.update(flex_strong_fwd_ms=round(bench(lambda: fl(qh, kh, vh)), 3), flex_strong_fb_ms=round(fb, 3),
+               flex_strong=f"{info['flex_backend']} {info['flex_block']}", flex_strong_config=info)
+    return out
 
 
 def _layouts(args, S, B, D, bs, q, k, v, g, qh, kh, vh, gh, dense, smoke, dev):
@@ -117,7 +194,7 @@ def _layouts(args, S, B, D, bs, q, k, v, g, qh, kh, vh, gh, dense, smoke, dev):
         live = int(lay.sum())
         op = BlocksparseTransformer(lay, bs, heads=H, mask_callback=cb, backend="torch" if smoke else "triton")
         flops = 4.0 * B * live_pairs(op) * D                    # forward: two products over the live pairs
-        row = dict(layout=name, S=S, D=D, B=B, H=H, block=bs, live_frac=round(live / lay.size, 4),
+        row = dict(layout=name, S=S, D=D, B=B, H=H, block=bs, window=window(S, bs), live_frac=round(live / lay.size, 4),
                    ideal=round(causal_blocks / live, 2), sdpa_fwd_ms=round(dense["fwd"], 3),
                    sdpa_fb_ms=round(dense["fb"], 3))
         attn = lambda a, b, c: op.attention(a, b, c)            # noqa: E731
@@ -125,19 +202,10 @@ def _layouts(args, S, B, D, bs, q, k, v, g, qh, kh, vh, gh, dense, smoke, dev):
         row["ours_fb_ms"] = round(bench(fwd_bwd(attn, q, k, v, g), smoke), 3)
         row["ours_peak_mib"] = peak_mib(fwd_bwd(attn, q, k, v, g), smoke)
         if not smoke:
-            try:
-                from torch.nn.attention.flex_attention import create_block_mask, flex_attention
-                # _compile: the mask is built block by block, not as an S x S tensor (128 GiB at S=128k)
-                bm = create_block_mask(mask, B=None, H=None, Q_LEN=S, KV_LEN=S, BLOCK_SIZE=bs, device=dev,
-                                       _compile=True)
-                flex = torch.compile(flex_attention)
-                opts = FLEX_TILES.get(bs)
-                fl = lambda a, b, c: flex(a, b, c, block_mask=bm, kernel_options=opts)   # noqa: E731
-                row["flex_fwd_ms"] = round(bench(lambda: fl(qh, kh, vh), smoke), 3)
-                row["flex_fb_ms"] = round(bench(fwd_bwd(fl, qh, kh, vh, gh), smoke), 3)
-                row["flex_peak_mib"] = peak_mib(fwd_bwd(fl, qh, kh, vh, gh), smoke)
-            except Exception as exc:                            # a failure is a result too
-                row["flex_error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:160]}"
+            if args.plain_flex:
+                row.update(plain_flex(mask, S, B, bs, dev, qh, kh, vh, gh))
+            if args.strong_flex:
+                row.update(strong_flex(args, mask, S, B, dev, qh, kh, vh, gh))
         for pas in ("fwd", "fb"):
             ours = row[f"ours_{pas}_ms"]
             row[f"speedup_{pas}"] = round(row[f"sdpa_{pas}_ms"] / ours, 2)
@@ -145,6 +213,13 @@ def _layouts(args, S, B, D, bs, q, k, v, g, qh, kh, vh, gh, dense, smoke, dev):
             if row.get(f"flex_{pas}_ms"):
                 row[f"vs_flex_{pas}"] = round(row[f"flex_{pas}_ms"] / ours, 2)
                 row[f"flex_frac_ideal_{pas}"] = round(row[f"sdpa_{pas}_ms"] / row[f"flex_{pas}_ms"] / row["ideal"], 2)
+            if row.get(f"flex_strong_{pas}_ms"):
+                row[f"vs_flex_strong_{pas}"] = round(row[f"flex_strong_{pas}_ms"] / ours, 2)
+            if dense.get(f"cudnn_{pas}") and name == "causal":       # dense causal against cuDNN's kernel
+                row[f"sdpa_cudnn_{pas}_ms"] = round(dense[f"cudnn_{pas}"], 3)
+                row[f"vs_cudnn_{pas}"] = round(dense[f"cudnn_{pas}"] / ours, 2)
+        if dense.get("cudnn_error") and name == "causal":
+            row["cudnn_error"] = dense["cudnn_error"]
         # effective TFLOP/s on the live pairs: forward 2 products, backward 5
         row["tflops_fwd"] = round(flops / row["ours_fwd_ms"] / 1e9, 1)
         bwd_ms = row["ours_fb_ms"] - row["ours_fwd_ms"]
@@ -159,6 +234,9 @@ COLUMNS = [("layout", "layout"), ("S", "S"), ("D", "D"), ("block", "block"), ("B
            ("ideal", "ideal"), ("ours fwd ms", "ours_fwd_ms"), ("ours f+b ms", "ours_fb_ms"),
            ("SDPA fwd ms", "sdpa_fwd_ms"), ("SDPA f+b ms", "sdpa_fb_ms"), ("Flex fwd ms", "flex_fwd_ms"),
            ("Flex f+b ms", "flex_fb_ms"), ("vs Flex fwd", "vs_flex_fwd"), ("vs Flex f+b", "vs_flex_fb"),
+           ("strong Flex", "flex_strong"), ("strong Flex f+b ms", "flex_strong_fb_ms"),
+           ("vs strong Flex f+b", "vs_flex_strong_fb"), ("cuDNN f+b ms", "sdpa_cudnn_fb_ms"),
+           ("vs cuDNN f+b", "vs_cudnn_fb"),
            ("frac ideal fwd", "frac_ideal_fwd"), ("frac ideal f+b", "frac_ideal_fb"),
            ("Flex frac ideal f+b", "flex_frac_ideal_fb"), ("TFLOP/s fwd", "tflops_fwd"), ("TFLOP/s bwd", "tflops_bwd"),
            ("Flex TFLOP/s fwd", "flex_tflops_fwd"), ("peak MiB", "ours_peak_mib"), ("Flex peak MiB", "flex_peak_mib")]
@@ -179,6 +257,11 @@ def report(rows: list[dict], extra: dict, out: str, name: str, quiet: bool = Fal
     errors = sorted({r["flex_error"] for r in rows if r.get("flex_error")})
     if errors:
         lines += ["", "FlexAttention errors:", *[f"- `{e}`" for e in errors]]
+    lines += ["", f"strong Flex: {extra['strong_flex']}"]
+    failed = sorted({f"{k}: {v}" for r in rows for k, v in r.get("flex_strong_tried", {}).items() if isinstance(v, str)})
+    lines += [f"- not run: `{e}`" for e in failed]
+    cudnn = sorted({r["cudnn_error"] for r in rows if r.get("cudnn_error")})
+    lines += [f"- cuDNN SDPA failed: `{e}`" for e in cudnn]
     write_report(out, name, lines, {"rows": rows, **extra}, quiet)
 
 
@@ -195,6 +278,13 @@ def main() -> None:
     ap.add_argument("--block", type=ints, default=[128], help="layout block sizes, e.g. 64,128")
     ap.add_argument("--layouts", default="causal,local,strided,fixed,bigbird")
     ap.add_argument("--tiles", help="a tune_attention.json whose best tiles to use")
+    ap.add_argument("--flex-blocks", type=ints, default=[128, 64], help="strong Flex: BlockMask sizes to try")
+    ap.add_argument("--flex-backend", default="auto", help="strong Flex: auto (FLASH if it imports, then Triton), "
+                                                           "flash or triton")
+    ap.add_argument("--flex-compile", default="max-autotune", help="strong Flex: torch.compile mode ('': default)")
+    ap.add_argument("--no-strong-flex", dest="strong_flex", action="store_false", help="skip the strong Flex column")
+    ap.add_argument("--no-plain-flex", dest="plain_flex", action="store_false",
+                    help="skip the plain Flex column (default compile, Triton, the layout's block)")
     ap.add_argument("--cpu-smoke", action="store_true")
     args = ap.parse_args()
     if args.tiles:
@@ -203,7 +293,12 @@ def main() -> None:
     if args.cpu_smoke:
         args.seq, args.dims, args.batch, args.heads, args.block = [256], [16], 1, 2, [32]
     os.makedirs(args.out, exist_ok=True)
-    extra = {**environment(args.cpu_smoke, triton=True),
+    _flex.backends(args.flex_backend)                           # a bad choice fails before anything runs
+    strong = ("skipped (CPU smoke: no Flex, no cuDNN)" if args.cpu_smoke else
+              "off (--no-strong-flex)" if not args.strong_flex else
+              f"torch.compile mode={args.flex_compile or 'default'}, BlockMask sizes {args.flex_blocks}, backends "
+              f"{_flex.backends(args.flex_backend)}; {_flex.flash_status()[1]}")
+    extra = {**environment(args.cpu_smoke, triton=True), "strong_flex": strong,
              "command": "python scripts/bench/bench_attention.py " + " ".join(sys.argv[1:])}
     rows = measure(args, lambda rows: report(rows, extra, args.out, args.name, quiet=True))
     report(rows, extra, args.out, args.name)

@@ -2,7 +2,8 @@
 
     bash ../shared/tools/device-wheels.sh          # here, once: hydra's wheels into .whl (carry .whl)
     . scripts/gpu/gpu_env.sh && python3 scripts/bench/bench_lm_anchor.py --out $OUT [--shapes D64,D128]
-        [--anchor-mask layers,window] [--flex-block 128,64] [--windows 7 --steps 10 --warmup 5]
+        [--anchor-mask layers,window] [--flex-block 128,64] [--flex-backend auto] [--windows 7 --steps 10 --warmup 5]
+        [--compile max-autotune-no-cudagraphs --anchor-graph auto --anchor-opt compiled] [--profile] [--name lm_anchor]
     ... --config transformer_long --shapes native      # the 32k config against its dense twin (the anchor
                                                        # refuses activation checkpointing: its row says so)
     PYTHONPATH=$PWD python scripts/bench/bench_lm_anchor.py --cpu-smoke --out /tmp/x     # CI: tiny, on the CPU
@@ -16,8 +17,13 @@ clipping (optim.grad_clip, 1.0):
   FFN x4, untied head with bias, the same init), attention through FlexAttention with a
   ``create_block_mask`` of the SAME element masks bstrain's layers use (``--anchor-mask layers``:
   ``local,fixed`` w1024 s64 cycled over the layers) or a causal sliding window of 1024 on every
-  layer (``window``, the issue's 1.45M figure), the whole model under ``torch.compile``, fused
-  AdamW; the loss inside the compiled forward (as nanoGPT does);
+  layer (``window``, the issue's 1.45M figure); the loss inside the compiled forward (as nanoGPT does).
+  By default at its strongest (issue 41; every choice is recorded in each anchor row's ``anchor``):
+  the model under ``torch.compile(mode="max-autotune-no-cudagraphs")``, clipping and fused capturable
+  AdamW under ``torch.compile`` too, the whole step in one manual CUDA graph (``--compile max-autotune``
+  lets torch.compile graph instead), one anchor per Flex BlockMask size of ``--flex-block`` (128, 64)
+  and backend (FLASH where flash-attn-4 imports, else Triton; the table says which): the ratios name the
+  fastest as the strongest anchor; ``--profile`` splits each step's GPU time into GEMM, attention, glue;
 - bstrain: ``python -m bstrain train config=transformer_enwik8`` as the CLI runs it: the trainer's
   own ``build()`` (CUDA graph of the whole step, fused glue, fused capturable AdamW) and
   ``one_step()`` on our batch;
@@ -56,10 +62,10 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.nn.functional as F
-from torch import nn
-from torch.nn.attention.flex_attention import create_block_mask, create_mask, flex_attention
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+from scripts.bench import _flex  # noqa: E402
+from scripts.bench._anchor import AnchorGPT, anchor_masks, anchor_name, make_anchor  # noqa: E402
 from scripts.bench.bench_lstm import config  # noqa: E402
 
 BASE = ["config=transformer_enwik8", "trainer.precision=bf16", "trainer.progress=false", "data.name=bytes"]
@@ -69,117 +75,6 @@ SMOKE = ["model.d_model=64", "model.n_head=2", "model.n_layer=2", "model.context
          "model.window=64", "model.summary=16", "data.seq_len=256", "data.batch_size=2", "trainer.device=cpu"]
 TARGET_VS_ANCHOR, TARGET_VS_DENSE, DENSE_TARGET_SHAPE = 1.25, 1.8, "D64"
 LOSS_TOLERANCE = 2e-3           # first-step loss, anchor (layers) vs bstrain sparse: beyond bf16 noise
-
-
-# ================================ ANCHOR: what a user writes instead ================================
-def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x (B, H, T, D); cos, sin (T, D/2): rotary positions, the halves turned (bstrain's convention)."""
-    a, b = x.float().chunk(2, dim=-1)
-    return torch.cat([a * cos - b * sin, a * sin + b * cos], dim=-1).to(x.dtype)
-
-
-class AnchorBlock(nn.Module):
-    def __init__(self, d: int, heads: int, ffn_mult: int, mask):
-        super().__init__()
-        self.heads, self.mask = heads, mask       # a Flex BlockMask, or a (1|H, T, T) bool mask (SDPA, CPU)
-        self.ln1, self.ln2 = nn.LayerNorm(d), nn.LayerNorm(d)
-        self.qkv, self.proj = nn.Linear(d, 3 * d), nn.Linear(d, d)
-        self.fc1, self.fc2 = nn.Linear(d, ffn_mult * d), nn.Linear(ffn_mult * d, d)
-
-    def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        B, T, d = h.shape
-        q, k, v = self.qkv(self.ln1(h)).view(B, T, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)
-        q, k = rope(q, cos, sin), rope(k, cos, sin)                                  # (B, H, T, D)
-        if isinstance(self.mask, torch.Tensor):
-            a = F.scaled_dot_product_attention(q, k, v, attn_mask=self.mask)
-        else:
-            a = flex_attention(q, k, v, block_mask=self.mask)
-        h = h + self.proj(a.transpose(1, 2).reshape(B, T, d))
-        return h + self.fc2(F.gelu(self.fc1(self.ln2(h))))
-
-
-class AnchorGPT(nn.Module):
-    """Byte-level GPT: ``forward(x, y) -> mean cross-entropy``, x and y (B, T) bytes; masks cycle over layers."""
-
-    def __init__(self, d: int, n_layer: int, heads: int, context: int, masks: list, ffn_mult: int = 4):
-        super().__init__()
-        self.embed = nn.Embedding(256, d)
-        self.blocks = nn.ModuleList(AnchorBlock(d, heads, ffn_mult, masks[i % len(masks)]) for i in range(n_layer))
-        self.norm, self.head = nn.LayerNorm(d), nn.Linear(d, 256)
-        half = d // heads // 2
-        ang = torch.arange(context, dtype=torch.float64)[:, None] / 10000 ** (torch.arange(half).double() / half)
-        self.register_buffer("cos", ang.cos().float(), persistent=False)                # (context, D/2)
-        self.register_buffer("sin", ang.sin().float(), persistent=False)
-        with torch.no_grad():
-            nn.init.normal_(self.embed.weight, std=0.02)
-            for blk in self.blocks:
-                blk.proj.weight.mul_(1 / math.sqrt(2 * n_layer))
-
-    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        h, T = self.embed(x), x.shape[1]
-        for blk in self.blocks:
-            h = blk(h, self.cos[:T], self.sin[:T])
-        return F.cross_entropy(self.head(self.norm(h)).view(-1, 256).float(), y.view(-1))
-
-
-def anchor_train_step(model, params, opt, x, y, grad_clip: float, amp: torch.dtype | None) -> torch.Tensor:
-    with torch.autocast(x.device.type, dtype=amp, enabled=amp is not None):
-        loss = model(x, y)
-    loss.backward()
-    torch.nn.utils.clip_grad_norm_(params, grad_clip or math.inf)           # 0: no clipping, as bstrain
-    opt.step()
-    opt.zero_grad(set_to_none=True)
-    return loss.detach()
-# ============================================ end of ANCHOR ===========================================
-
-
-def anchor_masks(m, mode: str, device: torch.device, flex_block: int, reference: bool) -> tuple[list, float]:
-    """(one mask per distinct layer entry, mean live-block density over the layers). mode 'layers':
-    bstrain's element masks (its pattern_mask of each layer's entry); 'window': a causal window of
-    model.window on every layer. reference: (1|H, T, T) bool masks for SDPA instead of BlockMasks."""
-    from bstrain import layout as layouts
-    from bstrain.models.transformer import pattern_mask
-    T = m.context
-    entries = [e.strip() for e in m.attention.split(",")] if mode == "layers" else ["window"]
-    masks, dens = [], []
-    for entry in entries:
-        fn = layouts.local_mask(m.window) if entry == "window" else pattern_mask(entry, m.window, m.summary)
-        heads = m.n_head if "+" in entry else None
-        bm = create_block_mask(fn, None, heads, T, T, device=device, BLOCK_SIZE=flex_block)
-        dens.append(1 - bm.sparsity() / 100)
-        masks.append(create_mask(fn, 1, heads or 1, T, T, device=device)[0] if reference else bm)
-    per_layer = [dens[i % len(dens)] for i in range(m.n_layer)]
-    return masks, sum(per_layer) / len(per_layer)
-
-
-def make_anchor(cfg, mode: str, flex_block: int, device, x, y, compile_mode: str):
-    """(step(), info) of the anchor at cfg's model shape, precision and optimizer settings. On the
-    CPU its attention is SDPA with the dense mask (Flex has no backward there)."""
-    from bstrain.train.trainer import PRECISIONS
-    m, o = cfg.model, cfg.optim
-    amp = PRECISIONS[getattr(cfg.trainer.precision, "value", cfg.trainer.precision)]
-    if amp == torch.float16:
-        raise ValueError("the anchor runs bf16 or fp32 (fp16 would need a GradScaler)")
-    if m.get("dropout", 0) or m.get("checkpoint", False) or m.get("ffn_density", 1.0) < 1 or m.positions != "rotary":
-        raise ValueError("the anchor has rotary positions, a dense FFN, no dropout and no activation checkpointing: "
-                         "compare it at those settings")
-    cuda = device.type == "cuda"
-    masks, density = anchor_masks(m, mode, device, flex_block, reference=not cuda)
-    torch.manual_seed(cfg.trainer.seed)
-    model = AnchorGPT(m.d_model, m.n_layer, m.n_head, m.context, masks, m.ffn_mult).to(device)
-    decay = [p for p in model.parameters() if p.dim() >= 2]
-    rest = [p for p in model.parameters() if p.dim() < 2]
-    opt = torch.optim.AdamW([{"params": decay, "weight_decay": o.weight_decay}, {"params": rest, "weight_decay": 0.0}],
-                            lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps, fused=True if cuda else None,
-                            foreach=None if cuda else True)
-    net = torch.compile(model, mode=None if compile_mode == "default" else compile_mode) if compile_mode else model
-    params = list(model.parameters())
-    what = f"{m.attention} w{m.window} s{m.summary}" if mode == "layers" else f"window {m.window}"
-    info = {"model": f"anchor ({mode}, Flex block {flex_block})", "mode": mode,
-            "attention": f"Flex, {what}" if cuda else f"SDPA + dense mask, {what} (CPU)", "block_size": flex_block,
-            "live_block_density": density, "params": sum(p.numel() for p in params), "module": model,
-            "step_mode": f"eager, torch.compile mode={compile_mode}" if compile_mode else "eager, uncompiled"}
-    return (lambda: anchor_train_step(net, params, opt, x, y, o.grad_clip, amp)), info
 
 
 def make_bstrain(cfg, x, y, dense: bool):
@@ -209,9 +104,9 @@ def candidates(shape: str, overrides: list[str], corpus: Path, work: Path, args,
     def cfg_of(name: str, *more: str):
         return config(*BASE, *overrides, f"data.path={corpus}", f"trainer.run_dir={work / (shape + '_' + name)}",
                       *more)
-    out = {f"anchor ({mode}, Flex block {blk})": (lambda mode=mode, blk=blk: make_anchor(
-        cfg_of("anchor"), mode, blk, device, x, y, args.compile))
-        for mode in args.anchor_mask.split(",") if mode for blk in args.flex_block}
+    out = {anchor_name(mode, blk, backend): (lambda mode=mode, blk=blk, backend=backend: make_anchor(
+        cfg_of("anchor"), mode, blk, backend, device, x, y, args))
+        for mode in args.anchor_mask.split(",") if mode for backend in args.flex_backends for blk in args.flex_block}
     out["bstrain sparse"] = lambda: make_bstrain(cfg_of("sparse"), x, y, dense=False)
     out["bstrain dense twin"] = lambda: make_bstrain(cfg_of("dense", "model.attention=dense"), x, y, dense=True)
     return out
@@ -308,6 +203,10 @@ def measure_shape(shape: str, overrides: list[str], args, work: Path) -> list[di
             continue
         if runs[name] is not None:                        # the trainer's: graph, or eager where it could not capture
             row["step_mode"] = runs[name].step_mode
+        elif "anchor" in row:                             # its optimizer may have fallen back to eager
+            row["step_mode"] = "; ".join(f"{row['anchor'][k]}" for k in ("compile", "graph", "optimizer"))
+        if args.profile and name in steps:
+            row["profile"] = whole_step_profile(steps[name], device)
         rates = [args.steps * B * T / t for t in seconds[name]]
         rate = statistics.median(rates)
         row.update(first_loss=first[name], tokens_per_s=rate, tokens_per_s_windows=rates,
@@ -318,6 +217,18 @@ def measure_shape(shape: str, overrides: list[str], args, work: Path) -> list[di
     if device.type == "cuda":
         torch.cuda.empty_cache()
     return rows
+
+
+def whole_step_profile(step, device) -> dict:
+    """GPU ms per step split into GEMMs, attention and the rest (the glue), with the largest of the
+    rest, from torch.profiler over a few warm steps (bench_transformer_step's split); GPU only."""
+    if device.type != "cuda":
+        return {"skipped": "GPU only"}
+    from scripts.bench.bench_transformer_step import kernel_split
+    try:
+        return kernel_split(step)
+    except Exception as exc:                              # a profile that fails loses no timing
+        return {"error": f"{type(exc).__name__}: {' '.join(str(exc).split())[:200]}"}
 
 
 def same_start(modules: dict, cfg, x, y, check_forward: bool) -> None:
@@ -354,6 +265,13 @@ def ratios(rows: list[dict]) -> list[dict]:
         here = [r for r in rows if r["shape"] == shape and r.get("tokens_per_s")]
         by = {r["model"]: r for r in here}
         sparse, dense = by.get("bstrain sparse"), by.get("bstrain dense twin")
+        for mode in dict.fromkeys(r["mode"] for r in here if r["model"].startswith("anchor")):
+            best = max((r for r in here if r.get("mode") == mode), key=lambda r: r["tokens_per_s"])
+            if sparse:
+                v = sparse["tokens_per_s"] / best["tokens_per_s"]
+                out.append({"shape": shape, "ratio": f"bstrain sparse / strongest anchor ({mode}): {best['model']}",
+                            "value": v, "target": TARGET_VS_ANCHOR, "met": v >= TARGET_VS_ANCHOR,
+                            "note": "the fastest anchor configuration of this run"})
         for r in here:
             if r["model"].startswith("anchor") and sparse:
                 v = sparse["tokens_per_s"] / r["tokens_per_s"]
@@ -394,8 +312,8 @@ def machine() -> dict:
             "command": " ".join(shlex.quote(a) for a in sys.argv)}
 
 
-def report(rows: list[dict], meta: dict, out: str, cpu: bool) -> str:
-    """Writes lm_anchor.md (returned) and lm_anchor.json to ``out``."""
+def report(rows: list[dict], meta: dict, out: str, cpu: bool, name: str = "lm_anchor") -> str:
+    """Writes NAME.md (returned) and NAME.json to ``out``."""
     lines = ["# bstrain's sparse LM step against the plain-PyTorch + Flex + compile anchor (issue 33)", "",
              f"{meta['device']} on {meta['host']}, torch {meta['torch']}, triton {meta['triton']}, Python "
              f"{meta['python']}, {meta['date']}. Command: `{meta['command']}`", "",
@@ -424,12 +342,28 @@ def report(rows: list[dict], meta: dict, out: str, cpu: bool) -> str:
         lines.append(f"| {q['shape']} | {q['ratio']} | {q['value']:.3f}x | {target} | {met} | {q['note']} |")
     checks = loss_check(rows)
     lines += ([""] + checks) if checks else []
+    lines += ["", f"Anchor choices: {meta['anchor']}; Flex backend: {meta['flash']}."] + profile_lines(rows)
     text = "\n".join(lines) + "\n"
     os.makedirs(out, exist_ok=True)
-    Path(out, "lm_anchor.md").write_text(text)
-    with open(os.path.join(out, "lm_anchor.json"), "w") as f:
+    Path(out, f"{name}.md").write_text(text)
+    with open(os.path.join(out, f"{name}.json"), "w") as f:
         json.dump({"meta": meta, "rows": rows, "ratios": ratios(rows), "checks": checks}, f, indent=1)
     return text
+
+
+def profile_lines(rows: list[dict]) -> list[str]:
+    """The whole-step profile table (--profile): GPU ms per step by kind, the largest glue kernels."""
+    got = [r for r in rows if isinstance(r.get("profile"), dict) and "gpu_ms" in r["profile"]]
+    if not got:
+        return []
+    lines = ["", "Whole-step GPU time (torch.profiler, ms per step):", "",
+             "| shape | model | GEMM | attention | glue | GPU total | largest glue kernels |", "|---|---|---|---|---|---|---|"]
+    for r in got:
+        p = r["profile"]
+        top = "; ".join(f"{n[:40]} {ms}" for n, ms in p["top_other"][:3])
+        lines.append(f"| {r['shape']} | {r['model']} | {p['gemm_ms']:.2f} | {p['attention_ms']:.2f} | "
+                     f"{p['other_ms']:.2f} | {p['gpu_ms']:.2f} | {top} |")
+    return lines
 
 
 def main() -> None:
@@ -440,9 +374,22 @@ def main() -> None:
     ap.add_argument("--anchor-mask", default="layers",
                     help="comma list of: layers (bstrain's element masks, per layer), window (a causal window of "
                          "model.window on every layer: the issue's 1.45M figure)")
-    ap.add_argument("--flex-block", default="128", help="create_block_mask's BLOCK_SIZE, a comma list (Flex: 128)")
-    ap.add_argument("--compile", default="default",
-                    help="torch.compile mode of the anchor: default, max-autotune-no-cudagraphs, ...; '' for none")
+    ap.add_argument("--flex-block", default="128,64",
+                    help="create_block_mask's BLOCK_SIZE, a comma list: each is an anchor; the fastest is the "
+                         "strongest (a size whose step does not compile is recorded as failed)")
+    ap.add_argument("--flex-backend", default="auto",
+                    help="auto (FLASH where flash-attn-4 imports, then Triton: each an anchor), flash or triton")
+    ap.add_argument("--compile", default="max-autotune-no-cudagraphs",
+                    help="torch.compile mode of the anchor's model and update: max-autotune-no-cudagraphs (with "
+                         "--anchor-graph: one graph of the whole step), max-autotune (its own CUDA graphs), "
+                         "default, ...; '' for none")
+    ap.add_argument("--anchor-graph", choices=["auto", "on", "off"], default="auto",
+                    help="a manual CUDA graph of the whole step (auto: on a GPU where --compile does not graph)")
+    ap.add_argument("--anchor-opt", choices=["compiled", "eager"], default="compiled",
+                    help="clipping and AdamW (fused, capturable) under torch.compile, or eager")
+    ap.add_argument("--profile", action="store_true", help="GPU time per step of each candidate: GEMM, attention, "
+                                                          "glue (torch.profiler)")
+    ap.add_argument("--name", default="lm_anchor", help="the report's file name, without extension")
     ap.add_argument("--warmup", type=int, default=5, help="untimed steps per candidate (compile, capture)")
     ap.add_argument("--windows", type=int, default=7, help="timed windows per candidate (median reported)")
     ap.add_argument("--steps", type=int, default=10, help="steps per timed window")
@@ -451,20 +398,25 @@ def main() -> None:
     args = ap.parse_args()
     BASE[0] = f"config={args.config}"
     args.flex_block = [int(b) for b in args.flex_block.split(",") if b]
-    if args.cpu_smoke:
+    args.flex_backends = _flex.backends(args.flex_backend)
+    if args.cpu_smoke:                                   # uncompiled: a CPU compile takes minutes
         args.compile, args.warmup, args.windows, args.steps, args.flex_block = "", 1, 2, 2, [32]
+        args.flex_backends = ["TRITON"]
     elif not torch.cuda.is_available():
         raise SystemExit("bench_lm_anchor: no CUDA device (--cpu-smoke runs the CPU check)")
     from bstrain.train.progress import remove_logging, setup_logging
     handlers = setup_logging(None)                      # the trainer's own lines (graph capture or not)
     meta, rows, text = machine(), [], ""
+    meta["flash"] = _flex.flash_status()[1]
+    meta["anchor"] = {"compile": args.compile or "none", "graph": args.anchor_graph, "optimizer": args.anchor_opt,
+                      "flex_blocks": args.flex_block, "flex_backends": args.flex_backends}
     shapes = {"smoke": SMOKE} if args.cpu_smoke else {s: SHAPES[s] for s in args.shapes.split(",") if s}
     try:
         with tempfile.TemporaryDirectory(prefix="bstrain-lm-anchor-") as work:
             for shape, overrides in shapes.items():
                 print(f"{shape}:", flush=True)
                 rows += measure_shape(shape, overrides + args.override, args, Path(work))
-                text = report(rows, meta, args.out, args.cpu_smoke)   # after each shape: a timeout keeps it
+                text = report(rows, meta, args.out, args.cpu_smoke, args.name)   # a timeout keeps each shape
     finally:
         remove_logging(handlers)
     print(text, flush=True)

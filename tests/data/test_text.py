@@ -275,7 +275,7 @@ def test_bptt_state_dict_round_trip():
 def test_bptt_argument_errors():
     with pytest.raises(DataError, match=r"data: expected at least batch_size 4 x seq_len 8 \+ 1 = 33 bytes, got 32"):
         BpttBatches(_ramp(32), 4, 8)
-    with pytest.raises(TypeError, match=r"data: expected a 1-D uint8 numpy array, got 1-D int64 array"):
+    with pytest.raises(TypeError, match=r"data: expected a 1-D uint8, uint16 or uint32 numpy array, got 1-D int64 array"):
         BpttBatches(np.arange(100), 4, 8)
     with pytest.raises(ValueError, match=r"seq_len: expected a positive int, got 0"):
         BpttBatches(_ramp(100), 4, 0)

@@ -2,6 +2,7 @@
 script itself still works against the package."""
 from __future__ import annotations
 
+import json
 import runpy
 import sys
 from pathlib import Path
@@ -24,7 +25,13 @@ def test_bench_lm_anchor_cpu_smoke(tmp_path, monkeypatch, capsys):
     table = (tmp_path / "lm_anchor.md").read_text()
     assert "bstrain sparse / anchor (layers" in table and "bstrain sparse / dense twin" in table
     assert "failed" not in table and "**check" not in table
-    assert (tmp_path / "lm_anchor.json").exists()
+    assert "bstrain sparse / strongest anchor (layers): anchor (layers, Flex block 32)" in table
+    assert "| none; no graph (off); eager clip + AdamW foreach |" in table
+    data = json.loads((tmp_path / "lm_anchor.json").read_text())
+    anchors = [r for r in data["rows"] if r["model"].startswith("anchor")]
+    assert [r["anchor"] for r in anchors] == [{"compile": "none", "graph": "no graph (off)",          # the CPU smoke's
+                                               "optimizer": "eager clip + AdamW foreach"}] * 2    # every choice, recorded
+    assert data["meta"]["flash"].startswith("FLASH") and data["meta"]["anchor"]["flex_backends"] == ["TRITON"]
     assert "same function, fp32 loss" in capsys.readouterr().out
 
 
