@@ -96,6 +96,11 @@ def shard_units(model: nn.Module, spec=None) -> list[nn.Module]:
             some = ", ".join(n for n in list(names)[1:6])
             raise UserError(f"model.shard: {entry!r} matches no module of {type(model).__name__} (module names such "
                             f"as {some}, or a class name)")
+        if containers := [n for n, m in names.items() if n and any(m is h for h in hits)
+                          and isinstance(m, (nn.ModuleList, nn.ModuleDict))]:
+            # a container has no forward of its own: FSDP would never gather it (a traceback on every rank)
+            raise UserError(f"model.shard: {entry!r} names {containers[0]} ({type(names[containers[0]]).__name__}), "
+                            f"a container without a forward; name its children: {containers[0]}.*")
         units += [m for m in hits if all(m is not u for u in units)]
     return _inner_first(units)
 

@@ -136,3 +136,17 @@ def test_evaluation_shared_by_ranks_equals_one_process(tmp_path, size):
     assert summed["batches"] == whole["batches"] == 3
     assert summed["loss"] == pytest.approx(whole["loss"], rel=1e-6) and summed["bpb"] == pytest.approx(whole["bpb"],
                                                                                                       rel=1e-6)
+
+
+def test_a_container_in_model_shard_is_one_line():
+    """model.shard naming an nn.ModuleList: one line naming it and its children's pattern."""
+    from bstrain.errors import UserError
+    from bstrain.train.fsdp import shard_units
+
+    class Net(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.blocks = torch.nn.ModuleList([torch.nn.Linear(4, 4) for _ in range(2)])
+    with pytest.raises(UserError, match=r"model.shard: 'blocks' names blocks \(ModuleList\).*blocks\.\*"):
+        shard_units(Net(), ["blocks"])
+    assert len(shard_units(Net(), ["blocks.*"])) == 2
