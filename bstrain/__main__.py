@@ -6,7 +6,8 @@ names an experiment in bstrain/configs/config/ or gives the path of your own YAM
 
 Errors: a user's error (a misspelled key, a value of the wrong type, an override Hydra cannot
 parse, a :class:`bstrain.errors.UserError` for data, config or checkpoint problems) is printed as
-one line and exits with status 1; a run stopped by SIGINT/SIGTERM prints one line saying how to
+one line and exits with status 1 (an exception raised in a user model's constructor too, its
+traceback in the run's train.log); a run stopped by SIGINT/SIGTERM prints one line saying how to
 resume and exits with 130; anything else is a bug and keeps its traceback. Hydra reports nothing
 itself (HYDRA_FULL_ERROR=1): every error comes here, see :func:`bstrain.cli.one_line`.
 """
@@ -18,7 +19,7 @@ import os
 import sys
 import typing
 
-from bstrain.cli import experiments, one_line, rewrite
+from bstrain.cli import experiments, one_line, rewrite, with_constructor_argument
 
 USAGE = """usage: python -m bstrain COMMAND [config=NAME|PATH] [key=value ...]
 
@@ -37,6 +38,8 @@ hydra.run.dir=runs/mine. `python -m bstrain COMMAND --help` lists every key."""
 def _type_name(tp) -> str:
     if isinstance(tp, type) and issubclass(tp, enum.Enum):
         return "choice"
+    if typing.get_origin(tp) is list:
+        return "list"
     args = [a for a in typing.get_args(tp) if a is not type(None)]
     return (_type_name(args[0]) + " or null") if args else getattr(tp, "__name__", str(tp))
 
@@ -48,7 +51,8 @@ def _rows(prefix: str, schema) -> list[tuple[str, str, str, str]]:
     for f in dataclasses.fields(schema):
         if f.name == "_target_":
             continue
-        default = f.default if f.default is not dataclasses.MISSING else "(required)"
+        default = f.default if f.default is not dataclasses.MISSING else (
+            f.default_factory() if f.default_factory is not dataclasses.MISSING else "(required)")
         default = getattr(default, "value", default)
         default = {"???": "(required)", None: "null", True: "true", False: "false"}.get(default, default) \
             if isinstance(default, (str, bool, type(None))) else default
@@ -97,8 +101,11 @@ def _help(command: str) -> str:
     for (group, name), node in schema.GROUP_SCHEMAS.items():
         blocks += [f"\n{group}={name}  ({node._target_})", _rows(f"{group}.", node)]
     blocks += ["\nsparsity=static|set|rigl  (bstrain.sparsity)", _rows("sparsity.", schema.SparsityConfig)]
+    blocks += ["\nsparsify  (bstrain.nn.sparsify on the model as built, any model: sparsify.include=GLOB turns it on)",
+               _rows("sparsify.", schema.SparsifyConfig)]
     for section, node in (("optim", schema.OptimConfig), ("trainer", schema.TrainerConfig)):
         blocks += [f"\n{section}", _rows(f"{section}.", node)]
+    blocks += ["\ntrust", [r for r in _rows("", schema.TrainConfig) if r[0] == "trust"]]
     blocks.append("\nHydra: hydra.run.dir=DIR (the run directory); `--cfg job` prints the composed config.")
     return _table(blocks)
 
@@ -121,13 +128,15 @@ def _hydra_command(config_name: str, fn):
 
 
 def _train(cfg):
+    from bstrain.errors import UserCodeError
     from bstrain.train import rundir
     from bstrain.train.trainer import train
     try:
         return train(cfg)
-    except BaseException:       # a start that stops leaves no run dir of its own behind (one that trained keeps it)
-        from hydra.core.hydra_config import HydraConfig
-        rundir.remove_failed_start(HydraConfig.get().runtime.output_dir, rundir.created_by_hydra())
+    except BaseException as exc:   # a start that stops leaves no run dir of its own behind (one that trained keeps
+        if not isinstance(exc, UserCodeError):      # it, and so does one whose train.log holds the traceback)
+            from hydra.core.hydra_config import HydraConfig
+            rundir.remove_failed_start(HydraConfig.get().runtime.output_dir, rundir.created_by_hydra())
         raise
 
 
@@ -157,18 +166,30 @@ def _exit_if_users(exc: BaseException) -> None:
     if isinstance(exc, (RunInterrupted, KeyboardInterrupt)):
         print(f"interrupted: {exc}" if str(exc) else "interrupted", file=sys.stderr)
         sys.exit(RunInterrupted.exit_code)
+    from bstrain.errors import UserCodeError
     line = one_line(exc) if isinstance(exc, Exception) else None
+    if line is not None and isinstance(exc, UserCodeError) and os.environ.get("RANK", "0") != "0":
+        sys.exit(1)                     # every rank's constructor raised it: rank 0 says it, once
     if line is not None:
         sys.exit(f"error: {line}")
 
 
 def run(command: str, argv: list[str]) -> None:
     """Runs a command on its key=value arguments (see the module's docstring for errors)."""
+    from hydra.errors import ConfigCompositionException
     config_name, fn = COMMANDS[command]
     try:
-        sys.argv[1:] = rewrite(command, argv)
+        args: list[str] | None = rewrite(command, argv)
         os.environ["HYDRA_FULL_ERROR"] = "1"          # Hydra raises its errors, for _exit_if_users
-        _hydra_command(config_name, fn)()
+        while True:
+            sys.argv[1:] = args
+            try:
+                return _hydra_command(config_name, fn)()
+            except ConfigCompositionException as exc:
+                # model.NAME=VALUE that a user's model takes but its YAML does not list: +model.NAME=VALUE
+                args = with_constructor_argument(exc, args)
+                if args is None:
+                    raise
     except BaseException as exc:
         _exit_if_users(exc)
         raise

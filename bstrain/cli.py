@@ -4,11 +4,15 @@ and how it reports a user's error after.
 Before (:func:`rewrite`): ``config=PATH.yaml`` becomes a config Hydra can find; a sample prompt
 goes through a temporary file; the value of a path key (``data.path=~/src/**/*.py``) has ``~``
 expanded and is quoted for Hydra's override grammar; ``trainer.resume`` without ``config=``
-composes on the config saved in the checkpoint it resumes; ``trainer.run_dir`` and
-``hydra.run.dir`` name the same directory.
+composes on the config saved in the checkpoint it resumes, once its ``_target_``s are trusted
+(bstrain/train/trust.py); ``trainer.run_dir`` and ``hydra.run.dir`` name the same directory.
 
 After (:func:`one_line`): a misspelled key, a value of the wrong type, an override Hydra cannot
 parse or a :class:`bstrain.errors.UserError` become one line naming the key; None means a bug.
+A user's ``_target_`` model section lists only some of its constructor's arguments, so Hydra
+refuses ``model.NAME=VALUE`` for another one: :func:`with_constructor_argument` gives the command
+line again with ``+model.NAME=VALUE`` when the constructor takes NAME, and :func:`one_line` names
+the closest argument when it does not.
 """
 from __future__ import annotations
 
@@ -99,14 +103,36 @@ def _builtin_option(group: str, node: dict) -> str | None:
                 None)
 
 
+def _sections(saved: dict) -> dict:
+    """The sections of a saved config that a train config has (model, data, task, optim ...), and
+    nothing else: no ``defaults`` list, ``hydra`` settings or ``trust`` of the checkpoint's author."""
+    import dataclasses
+
+    from bstrain.configs.schema import TrainConfig
+    return {f.name: saved[f.name] for f in dataclasses.fields(TrainConfig) if f.name in saved and f.name != "trust"}
+
+
 def _resumed_config(saved: dict) -> str:
     """An experiment YAML that rebuilds a checkpoint's config: its group options (so the schemas
     type and check its keys again), then its values. The run directory comes from this command."""
     from omegaconf import OmegaConf
+    saved = _sections(saved)
     defaults = [{"/model": m}] if (m := _builtin_option("model", saved.get("model"))) else []
     defaults += [{f"override /{g}": _builtin_option(g, saved.get(g))} for g in ("data", "task")]
     trainer = {**saved.get("trainer", {}), "run_dir": None, "resume": "false"}
     return "# @package _global_\n" + OmegaConf.to_yaml({"defaults": defaults, **saved, "trainer": trainer})
+
+
+def _check_trust(saved: dict, path, args: dict[str, str]) -> None:
+    """A resume on a checkpoint's config builds its ``_target_``s: each must be bstrain's, set on
+    this command line (``model._target_=...``) or matched by its ``trust=[...]`` (bstrain/train/trust.py)."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    from bstrain.train import trust
+    value = args.get("trust")
+    trusted = trust.globs(OverridesParser.create().parse_override(f"trust={value}").value()) if value else []
+    overridden = {k.lstrip("+~") for k in args if k.endswith("._target_")}
+    trust.check_config(_sections(saved), path, trusted, overridden)
 
 
 def _resume_config(args: dict[str, str]) -> list[str]:
@@ -125,6 +151,7 @@ def _resume_config(args: dict[str, str]) -> list[str]:
     saved = saved_config(path) if path is not None else None
     if not isinstance(saved, dict) or "_target_" not in (saved.get("model") or {}):
         return []                                        # a checkpoint from before _target_ configs
+    _check_trust(saved, path, args)
     return _search_path_config("resumed_run", _resumed_config(saved))
 
 
@@ -191,7 +218,8 @@ def one_line(exc: BaseException) -> str | None:
     if isinstance(exc, ConfigCompositionException):
         cause = exc.__cause__
         if isinstance(cause, OmegaConfBaseException) and getattr(cause, "full_key", None):
-            return _omegaconf_line(cause)
+            found = _user_model_key(cause)
+            return _omegaconf_line(cause) if found is None else _constructor_line(cause, *found, _added(exc))
         return " ".join(str(exc).split())
     return None
 
@@ -233,3 +261,71 @@ def type_expectation(tp, key: str = "") -> str | None:
     if tp in names:
         return names[tp]
     return f"the {key} section's keys, as {key}.KEY=VALUE" if key and isinstance(tp, type) else None
+
+
+# --- a user's model: its constructor's arguments on the command line --------------------------------------
+def _user_model_key(exc) -> tuple[str, str] | None:
+    """(NAME, the model's _target_) when ``exc`` is OmegaConf refusing ``model.NAME=...`` because a
+    user's model section (a plain mapping with a _target_, not a shipped model's schema) lacks NAME."""
+    from omegaconf import OmegaConf
+    from omegaconf.errors import ConfigAttributeError, ConfigKeyError
+    if not isinstance(exc, (ConfigAttributeError, ConfigKeyError)) or exc.parent_node is None:
+        return None
+    section, _, name = str(exc.full_key).rpartition(".")
+    node = exc.parent_node
+    if section != "model" or OmegaConf.get_type(node) is not dict or "_target_" not in node:
+        return None
+    return name, str(node._get_node("_target_")._value())
+
+
+def _arguments(target: str) -> tuple[list[str], bool] | None:
+    """(the keyword arguments the class or function ``target`` names, whether it takes any
+    ``**kwargs``); None when it cannot be imported or has no signature."""
+    import inspect
+
+    from hydra._internal.utils import _locate      # what instantiate() calls (hydra.utils.get_object logs failures)
+    try:
+        params = list(inspect.signature(_locate(target)).parameters.values())
+    except Exception:           # not importable from here, or no signature: the error then says how to add one
+        return None
+    named = [p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+    return named, any(p.kind is p.VAR_KEYWORD for p in params)
+
+
+def _takes(target: str, name: str) -> bool:
+    from bstrain.train.fsdp import SHARD_KEY
+    found = _arguments(target)
+    return name == SHARD_KEY or found is not None and (name in found[0] or found[1])
+
+
+def with_constructor_argument(exc, args: list[str]) -> list[str] | None:
+    """``args`` with ``model.NAME=VALUE`` written ``+model.NAME=VALUE`` when Hydra refused it (``exc``)
+    because a user's model section lacks NAME, and the model's constructor takes NAME (an argument
+    its YAML leaves at its default); else None. A shipped model's misspelt keys stay errors."""
+    found = _user_model_key(exc.__cause__)
+    if found is None or not _takes(found[1], found[0]):
+        return None
+    key = f"model.{found[0]}"
+    if not any(a.partition("=")[0] == key for a in args):
+        return None
+    return ["+" + a if a.partition("=")[0] == key else a for a in args]
+
+
+def _added(exc) -> str | None:
+    """The ``+key=value`` Hydra's message proposes for an override of a key the config lacks."""
+    found = re.search(r"use (\+\S.*)$", str(exc))
+    return found.group(1) if found else None
+
+
+def _constructor_line(exc, name: str, target: str, added: str | None) -> str:
+    """``model.NAME=...`` that a user's model does not take: the closest of its section's keys and its
+    constructor's arguments, or how to add an argument when its constructor cannot be inspected."""
+    import difflib
+    found = _arguments(target)
+    params = found[0] if found is not None else []
+    known = [str(k) for k in exc.parent_node.keys() if str(k) != name] + [p for p in params if p not in exc.parent_node]
+    close = difflib.get_close_matches(name, known, n=1)
+    line = f"{exc.full_key}: no such key" + (f"; did you mean model.{close[0]}?" if close else "")
+    if found is None:
+        return line + f"; to add a constructor argument of {target}, write {added or '+' + exc.full_key + '=VALUE'}"
+    return line if close else line + f"; {target} takes {', '.join(params) or 'no arguments'}"

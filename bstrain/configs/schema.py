@@ -16,7 +16,7 @@ import dataclasses
 import typing
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Any, Optional
+from typing import Any, List, Optional
 
 from omegaconf import MISSING
 
@@ -233,14 +233,46 @@ class SparsityConfig:
                 "their gradient)"})
 
 
+# "raise" is a keyword, so the class statement cannot name it; OmegaConf reads a value by member name
+OnError = Enum("OnError", [("raise", "raise"), ("skip", "skip")], type=str, module=__name__)
+
+
+@dataclass
+class SparsifyConfig:
+    """bstrain.nn.sparsify on the model just built (any model: a shipped one or a user's _target_)."""
+    include: Optional[str] = field(default=None, metadata={
+        "help": "a glob on qualified module names ('*', 'blocks.*.fc*'): its nn.Linear and nn.Conv2d layers become "
+                "block-sparse; null: off"})
+    density: float = _field(0.25, "fraction of live blocks of each new layer, in (0, 1]",
+                            (lambda v: 0 < v <= 1, "in (0, 1]"))
+    block_size: int = _field(32, "block size of the new layers (linear: 8, 16, 32, 64 or 128); it must divide their "
+                                 "features or channels", _AT_LEAST_1)
+    keep_weights: bool = field(default=True, metadata={
+        "help": "keep the largest-norm blocks of the initialised dense weights; false: draw a layout and initialise"})
+    balanced: bool = field(default=True, metadata={
+        "help": "without keep_weights: a balanced layout (even counts per block row and column) for linear layers"})
+    errors: OnError = field(default=OnError["raise"], metadata={
+        "help": "raise: a chosen layer that cannot be converted stops the start | skip: it stays dense, with a "
+                "warning"})
+
+
+def _trust(what: str):
+    """The ``trust`` key: globs of the ``_target_`` paths outside bstrain that a checkpoint's stored
+    config may build (bstrain/train/trust.py)."""
+    return field(default_factory=list, metadata={"help": f"{what}: the _target_ paths outside bstrain its stored "
+                                                         f"config may build, as globs, e.g. [my_package.*]"})
+
+
 @dataclass
 class TrainConfig:
     model: Any = MISSING
     data: Any = MISSING
     task: Any = MISSING
     sparsity: Any = MISSING
+    sparsify: SparsifyConfig = field(default_factory=SparsifyConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    trust: List[str] = _trust("resuming on a checkpoint's saved config (trainer.resume without config=)")
 
 
 @dataclass
@@ -252,6 +284,7 @@ class EvalConfig:
     data_path: Optional[str] = field(default=None, metadata={"help": "evaluate on this data.path instead of the "
                                                                      "checkpoint's"})
     threads: int = field(default=0, metadata={"help": "CPU threads; 0: half the available cores"})
+    trust: List[str] = _trust("the checkpoint")
 
 
 @dataclass
@@ -259,6 +292,7 @@ class ConvertConfig:
     ckpt: str = field(default="???", metadata={"help": "checkpoint file, DCP directory or run dir (required)"})
     out: str = field(default="???", metadata={"help": "the new checkpoint: PATH.pt (a file) or PATH.dcp (a "
                                                       "sharded DCP directory, as trainer.strategy=fsdp writes)"})
+    trust: List[str] = _trust("the checkpoint")
 
 
 @dataclass
@@ -272,6 +306,7 @@ class SampleConfig:
     seed: int = field(default=0, metadata={"help": "sampling seed"})
     device: Device = field(default=Device.auto, metadata={"help": "auto | cpu | cuda"})
     threads: int = field(default=0, metadata={"help": "CPU threads; 0: half the available cores"})
+    trust: List[str] = _trust("the checkpoint")
 
 
 GROUP_SCHEMAS = {("model", "lstm"): LSTMModel, ("model", "transformer"): TransformerModel,
@@ -343,7 +378,7 @@ def check_config(cfg) -> None:
 
 
 def check_ranges(cfg, sections=(("optim", OptimConfig), ("trainer", TrainerConfig),
-                                 ("sparsity", SparsityConfig))) -> None:
+                                 ("sparsity", SparsityConfig), ("sparsify", SparsifyConfig))) -> None:
     """UserError naming the key for a value outside the range its schema field declares (the
     field's metadata "check"), in the order of the fields; a section the config lacks is skipped."""
     from bstrain.errors import UserError

@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from bstrain.data.text import DataError
+from bstrain.errors import DataError
 
 __all__ = ["ImageData", "synthetic_images"]
 

@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from bstrain.errors import UserError
+from bstrain.errors import DataError
 
 __all__ = [
     "DataError", "DEFAULT_CORPUS_BYTES", "default_corpus", "load_bytes", "check_size", "BpttBatches",
@@ -30,10 +30,6 @@ NAMES = ("auto", "bytes", "enwik8", "text8")
 # The standard Hutter-prize split: the files are 100M bytes; 90M train, 5M valid, 5M test.
 _STANDARD_CUTS = (90_000_000, 95_000_000, 100_000_000)
 _DEFAULT_CORPUS_LABEL = "the embedded default corpus"
-
-
-class DataError(UserError):
-    """One-line, user-facing data problem (bad path, too small a file)."""
 
 
 def default_corpus(max_bytes: int = DEFAULT_CORPUS_BYTES, recursive: bool = False) -> bytes:

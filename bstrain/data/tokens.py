@@ -33,7 +33,7 @@ from typing import Iterator
 
 import numpy as np
 
-from bstrain.data.text import DataError
+from bstrain.errors import DataError
 from bstrain.errors import UserError
 
 __all__ = ["check_tokenizer", "BPE", "SPECIAL_TOKENS", "MIN_BPE_VOCAB", "CHUNK_BYTES", "cache_dir", "content_hash", "text_chunks",

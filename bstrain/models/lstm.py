@@ -109,35 +109,22 @@ def small_world_layout(n: int, density: float, kind: str, seed: int) -> np.ndarr
     return lay
 
 
-class _SharedCast(torch.autograd.Function):
-    """One use of a parameter's copy cast once per sequence (``cast``, made without autograd).
-
-    Forward launches nothing. Backward hands each use's gradient back to the fp32 parameter, so
-    autograd sums the T timesteps' gradients in fp32 (one cast node shared by all timesteps would
-    sum them in bf16 first).
-    """
-
-    @staticmethod
-    def forward(ctx, param, cast):
-        ctx.dtype = param.dtype
-        return cast.view_as(cast)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return grad.to(ctx.dtype), None
-
-
 def _as(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """x in dtype; no call at all when it is already (an eager .to costs microseconds of host time)."""
     return x if x.dtype == dtype else x.to(dtype)
 
 
 def shared_cast(param: torch.Tensor, dtype: torch.dtype):
-    """A per-timestep accessor of ``param`` in ``dtype``: cast once, gradients summed in fp32."""
+    """A per-timestep accessor of ``param`` in ``dtype`` whose timestep gradients are summed in fp32.
+
+    Each use casts anew (``.to``, whose backward hands the use's gradient to the fp32 parameter):
+    one cast node shared by all timesteps would sum their gradients in bf16 first. Only the
+    PyTorch path uses it (on CUDA the kernels take the fp32 parameters as they are), where a small
+    cast costs less host time than an autograd.Function that views a copy cast once.
+    """
     if param.dtype == dtype:
         return lambda: param
-    cast = param.detach().to(dtype)
-    return lambda: _SharedCast.apply(param, cast)
+    return lambda: param.to(dtype)
 
 
 class _Norm(nn.Module):
@@ -156,7 +143,7 @@ class _Norm(nn.Module):
                 self.b.zero_()
 
     def cast(self, dtype: torch.dtype, device: torch.device):
-        """(g, b) accessors in ``dtype``: cast once per sequence, not at every timestep. None on
+        """(g, b) accessors in ``dtype``, their timestep gradients summed in fp32 (:func:`shared_cast`). None on
         CUDA, where the layer-norm kernel takes the fp32 parameters with 16-bit x as they are
         (fp32 math, fp32 dg/db: nothing to cast either way)."""
         if not self.enabled or device.type == "cuda":
@@ -310,7 +297,7 @@ class SparseLSTM(nn.Module):
         """The time loop op by op (the PyTorch path; on the kernel path without layer norm, or with
         ``fused`` off). Appends each step's h to outputs; returns the last (c, h)."""
         dt, device = h.dtype, h.device
-        # parameters cast once per sequence rather than at every timestep
+        # parameters in dt, their per-step gradients summed in fp32
         p_hm, p_gates = self.norm_hm.cast(dt, device), self.norm_gates.cast(dt, device)
         p_deep = [norm.cast(dt, device) for norm in self.norm_deep]
         # the gates kernel adds an fp32 bias to 16-bit gates as it is

@@ -18,6 +18,7 @@ from bstrain import layout as layouts
 from bstrain.nn._sparse import sparsify_candidates
 from bstrain.nn.conv import BlockSparseConv2d, _check_convertible
 from bstrain.nn.linear import BlockSparseLinear, linear_parts
+from bstrain.ops.matmul import check_block_size
 
 __all__ = ["SparsifyResult", "register_sparsifiable", "sparsify"]
 
@@ -65,7 +66,8 @@ def _entry(cls: type) -> _Entry | None:
 
 def _check_linear(name: str, layer: nn.Module, block_size: int) -> None:
     """A ValueError naming ``name`` when ``layer`` (an nn.Linear or a Conv1D) has no
-    BlockSparseLinear equivalent."""
+    BlockSparseLinear equivalent: a block size its kernels do not take, or features it does not divide."""
+    check_block_size(block_size)
     C, K, _, _ = linear_parts(layer)
     if C % block_size or K % block_size:
         raise ValueError(f"{name}: expected in/out features that are multiples of block_size={block_size}, "

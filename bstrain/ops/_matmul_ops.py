@@ -1,11 +1,10 @@
-"""Block-sparse matmul below the seed's class: the references, the layout tables, the custom ops
-``torch.ops.bstrain.bsmm``, ``bsmm_dx`` and ``bsmm_dw`` (traced calls), and the eager
-``autograd.Function`` (:class:`bstrain.ops.matmul.BlocksparseMatMul` calls them; the names
-are re-exported there).
+"""Block-sparse matmul below the seed's class: the references, the layout tables, and the kernel pair
+from which :func:`~bstrain.ops._dispatch.kernel_op` makes the custom ops ``torch.ops.bstrain.bsmm``,
+``bsmm_dx`` and ``bsmm_dw`` (traced calls) and the eager ``autograd.Function``
+(:class:`bstrain.ops.matmul.BlocksparseMatMul` calls them; the names are re-exported there).
 
-In this file's order: the references → the layout tables → the custom ops (fake, autograd;
-each one's backward is the others: forward and dX are the same product on the transposed layout)
-→ the eager ``autograd.Function``.
+In this file's order: the references → the layout tables → the kernel pair (fake, autograd; the
+second derivatives beside: forward and dX are the same product on the transposed layout).
 """
 from __future__ import annotations
 
@@ -15,6 +14,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from bstrain.ops._dispatch import kernel_op
 from bstrain.ops.tables import family, lookup, real_tensors, tracing
 
 __all__ = ["bsmm_ref", "bsmm_dx_ref", "bsmm_dw_ref", "MatmulTables", "bsmm", "bsmm_dx", "bsmm_dw", "compute_dtype"]
@@ -156,84 +156,106 @@ def _as(w: Tensor, dtype: torch.dtype) -> Tensor:
     return (w if w.dtype == dtype else w.to(dtype)).contiguous()
 
 
-# --- custom ops: torch.ops.bstrain.bsmm, bsmm_dx, bsmm_dw (traced calls) -------------------------------
+# --- kernel pair: torch.ops.bstrain.bsmm, bsmm_dx, bsmm_dw and the eager Function -------------------------
 # CUDA tensors run the kernels; CPU tensors the references (so opcheck runs anywhere). ``layout`` is
-# the content key of the layout's tables (bstrain.ops.tables): a compiled graph holds a string.
-@torch.library.custom_op("bstrain::bsmm", mutates_args=())
-def bsmm(x: Tensor, w: Tensor, layout: str, feature_axis: int, dw_dtype: torch.dtype) -> Tensor:
+# the content key of the layout's tables (bstrain.ops.tables): a compiled graph holds a string. Eager
+# calls hand over the tables' ``luts`` (and the compute dtype), so they skip the key's lookup and the
+# launchers' checks (the public call checked once); the op (luts None) checks.
+def _bsmm_forward(x: Tensor, w: Tensor, layout: str, feature_axis: int, dw_dtype: torch.dtype, *, luts=None,
+                  wk: Tensor | None = None, dtype: torch.dtype | None = None) -> Tensor:
     """Y = X·W. x: (N, C) (feature_axis=1) or (C, N); w: (nnz, bs, bs) in x's dtype or fp32.
-    dw_dtype: the dtype of dW in backward (accumulated in fp32)."""
+    dw_dtype: the dtype of dW in backward (accumulated in fp32). Eagerly, ``wk`` is w in the compute
+    ``dtype`` (made once: the backward reuses it), and x may be fp32 under a 16-bit autocast
+    (:func:`_casts_in_kernel`), its tiles cast by the kernel as it loads them."""
+    from bstrain.kernels.matmul import bsmm_forward, run_forward   # (`from package import module` costs a
+    if luts is None:                                              # Python call at every run)
+        return bsmm_forward(x, _as(w, x.dtype), lookup(layout).on(x.device).luts, feature_axis)
+    return run_forward(x, wk, luts, feature_axis, dtype=dtype)
+
+
+def _bsmm_dx(dy: Tensor, w: Tensor, layout: str, feature_axis: int, *, luts=None,
+             dtype: torch.dtype | None = None) -> Tensor:
+    """dX = dY·Wᵀ. dy: (N, K) or (K, N); w: (nnz, bs, bs) in dy's dtype or fp32 (eagerly: in dy's).
+    Eagerly dX comes in ``dtype`` (x's: fp32 where the kernels cast x)."""
+    from bstrain.kernels.matmul import bsmm_dx, run_dx
+    if luts is None:
+        return bsmm_dx(dy, _as(w, dy.dtype), lookup(layout).on(dy.device).luts, feature_axis)
+    return run_dx(dy, w, luts, feature_axis, dtype=dtype)
+
+
+def _bsmm_dw(x: Tensor, dy: Tensor, layout: str, feature_axis: int, dw_dtype: torch.dtype, *, luts=None) -> Tensor:
+    """dW = Xᵀ·dY on live blocks: (nnz, bs, bs) in dw_dtype. x: (N, C) or (C, N); dy: (N, K) or
+    (K, N), in x's dtype (eagerly: in the compute dtype, x maybe fp32). The grouped-dW path calls
+    it on the rows of many timesteps at once."""
+    from bstrain.kernels.matmul import bsmm_dw, run_dw
+    if luts is None:
+        return bsmm_dw(x, dy.to(x.dtype), lookup(layout).on(x.device).luts, feature_axis, dw_dtype)
+    return run_dw(x, dy, luts, feature_axis, dw_dtype)
+
+
+def _bsmm_cpu(x, w, layout, feature_axis, dw_dtype):
     t = lookup(layout).on(x.device)
-    if x.is_cuda:
-        from bstrain.kernels.matmul import bsmm_forward          # checked: the op may be called directly
-        return bsmm_forward(x, _as(w, x.dtype), t.luts, feature_axis)
     return bsmm_ref(x, w.to(x.dtype), t.c_idx, t.k_idx, t.K, feature_axis)
 
 
-@bsmm.register_fake
-def _(x, w, layout, feature_axis, dw_dtype):
+def _bsmm_dx_cpu(dy, w, layout, feature_axis):
+    t = lookup(layout).on(dy.device)
+    return bsmm_dx_ref(dy, w.to(dy.dtype), t.c_idx, t.k_idx, t.C, feature_axis)
+
+
+def _bsmm_dw_cpu(x, dy, layout, feature_axis, dw_dtype):
+    t = lookup(layout).on(x.device)
+    return bsmm_dw_ref(x, dy.to(x.dtype), t.c_idx, t.k_idx, t.block_size, feature_axis).to(dw_dtype)
+
+
+def _bsmm_fake(x, w, layout, feature_axis, dw_dtype):
     t = lookup(layout).host
     n = x.shape[1 - feature_axis]
     return x.new_empty((n, t.K) if feature_axis == 1 else (t.K, n))
 
 
-@torch.library.custom_op("bstrain::bsmm_dx", mutates_args=())
-def bsmm_dx(dy: Tensor, w: Tensor, layout: str, feature_axis: int) -> Tensor:
-    """dX = dY·Wᵀ. dy: (N, K) or (K, N); w: (nnz, bs, bs) in dy's dtype or fp32."""
-    t = lookup(layout).on(dy.device)
-    if dy.is_cuda:
-        from bstrain.kernels.matmul import bsmm_dx as kernel
-        return kernel(dy, _as(w, dy.dtype), t.luts, feature_axis)
-    return bsmm_dx_ref(dy, w.to(dy.dtype), t.c_idx, t.k_idx, t.C, feature_axis)
-
-
-@bsmm_dx.register_fake
-def _(dy, w, layout, feature_axis):
+def _bsmm_dx_fake(dy, w, layout, feature_axis):
     t = lookup(layout).host
     n = dy.shape[1 - feature_axis]
     return dy.new_empty((n, t.C) if feature_axis == 1 else (t.C, n))
 
 
-@torch.library.custom_op("bstrain::bsmm_dw", mutates_args=())
-def bsmm_dw(x: Tensor, dy: Tensor, layout: str, feature_axis: int, dw_dtype: torch.dtype) -> Tensor:
-    """dW = Xᵀ·dY on live blocks: (nnz, bs, bs) in dw_dtype. x: (N, C) or (C, N); dy: (N, K) or
-    (K, N), in x's dtype. The grouped-dW path calls it on the rows of many timesteps at once."""
-    t = lookup(layout).on(x.device)
-    if x.is_cuda:
-        from bstrain.kernels.matmul import bsmm_dw as kernel
-        return kernel(x, dy.to(x.dtype), t.luts, feature_axis, dw_dtype)
-    return bsmm_dw_ref(x, dy.to(x.dtype), t.c_idx, t.k_idx, t.block_size, feature_axis).to(dw_dtype)
-
-
-@bsmm_dw.register_fake
-def _(x, dy, layout, feature_axis, dw_dtype):
+def _bsmm_dw_fake(x, dy, layout, feature_axis, dw_dtype):
     t = lookup(layout).host
     return x.new_empty((t.blocks, t.block_size, t.block_size), dtype=dw_dtype)
 
 
+def _bsmm_setup(ctx, inputs, output):
+    x, w, layout, feature_axis, dw_dtype = inputs
+    ctx.save_for_backward(x, ctx.hints.get("wk", w))        # eagerly: the weight cast once, in the compute dtype
+    ctx.layout, ctx.axis, ctx.dw_dtype = layout, feature_axis, dw_dtype
+
+
+def _bsmm_grads(ctx, bwd, dy):
+    """dX = dY·Wᵀ and dW = Xᵀ·dY, each only where needed: the forward's product on the transposed
+    layout, and the weight's. Eagerly x may be fp32 (cast in the kernel) and gets an fp32 dX."""
+    x, w = ctx.saved_tensors
+    luts, dtype = ctx.hints.get("luts"), ctx.hints.get("dtype", x.dtype)
+    dy = dy if dy.dtype == dtype else dy.to(dtype)
+    dx_op, dw_op = bwd
+    dx = dx_op(dy, w, ctx.layout, ctx.axis, luts=luts, dtype=x.dtype) if ctx.needs_input_grad[0] else None
+    dw = dw_op(x, dy, ctx.layout, ctx.axis, ctx.dw_dtype, luts=luts) if ctx.needs_input_grad[1] else None
+    return dx, dw, None, None, None
+
+
+_bsmm_dx_op = kernel_op("bstrain::bsmm_dx", _bsmm_dx, ref=_bsmm_dx_cpu, fake=_bsmm_dx_fake)
+_bsmm_dw_op = kernel_op("bstrain::bsmm_dw", _bsmm_dw, ref=_bsmm_dw_cpu, fake=_bsmm_dw_fake)
+_bsmm = kernel_op("bstrain::bsmm", _bsmm_forward, ref=_bsmm_cpu, fake=_bsmm_fake, setup=_bsmm_setup,
+                  backward=_bsmm_grads, bwd=(_bsmm_dx_op, _bsmm_dw_op))
+bsmm, bsmm_dx, bsmm_dw = _bsmm.op, _bsmm_dx_op.op, _bsmm_dw_op.op
+
+
+# Second derivatives: dX and dW are products of the same family, so each op's backward is the others
+# (registered here, as kernel_op makes an autograd only for a forward with a backward op).
 def _save_pair(ctx, inputs, output):
     a, b, layout, feature_axis = inputs[:4]
     ctx.save_for_backward(a, b)
     ctx.layout, ctx.axis = layout, feature_axis
-
-
-def _bsmm_setup(ctx, inputs, output):
-    _save_pair(ctx, inputs, output)
-    ctx.dw_dtype = inputs[4]
-
-
-def bsmm_grads(needs, x: Tensor, w: Tensor, dy: Tensor, dx, dw) -> tuple[Tensor | None, Tensor | None]:
-    """The product's gradients, written once for both paths: dX = dY·Wᵀ (``dx(dy, w)``) and
-    dW = Xᵀ·dY (``dw(x, dy)``), each only where ``needs`` asks. The traced path passes the ops,
-    the eager one their launchers (which cast in the kernel)."""
-    return (dx(dy, w) if needs[0] else None), (dw(x, dy) if needs[1] else None)
-
-
-def _bsmm_backward(ctx, dy):
-    x, w = ctx.saved_tensors
-    grads = bsmm_grads(ctx.needs_input_grad, x, w, dy, lambda d, w: bsmm_dx(d, w, ctx.layout, ctx.axis),
-                       lambda x, d: bsmm_dw(x, d, ctx.layout, ctx.axis, ctx.dw_dtype))
-    return *grads, None, None, None
 
 
 def _bsmm_dx_backward(ctx, g):
@@ -252,7 +274,6 @@ def _bsmm_dw_backward(ctx, g):
     return d_x, d_dy, None, None, None
 
 
-bsmm.register_autograd(_bsmm_backward, setup_context=_bsmm_setup)
 bsmm_dx.register_autograd(_bsmm_dx_backward, setup_context=_save_pair)
 bsmm_dw.register_autograd(_bsmm_dw_backward, setup_context=_save_pair)
 
@@ -271,31 +292,6 @@ def _autocast_input(I: torch.Tensor) -> torch.Tensor:
     """Under torch.autocast, floating activations run in the autocast dtype (weights follow)."""
     dt = compute_dtype(I)
     return I if I.dtype == dt else I.to(dt)
-
-
-class _BlocksparseMatMulFn(torch.autograd.Function):
-    """The eager path: the launchers of torch.ops.bstrain.bsmm and its backward, without the
-    dispatcher's round trip (which costs about as much as a small kernel's launch). The product
-    runs in ``dtype``; x may be fp32 under a 16-bit autocast (:func:`_casts_in_kernel`), and then
-    gets its gradient in fp32 straight from the kernel."""
-
-    @staticmethod
-    def forward(ctx, x, w, luts, axis, dw_dtype, dtype):
-        from bstrain.kernels.matmul import run_forward
-        wk = _as(w, dtype)
-        ctx.save_for_backward(x, wk)
-        ctx.luts, ctx.axis, ctx.dw_dtype = luts, axis, dw_dtype
-        return run_forward(x, wk, luts, axis, dtype=dtype)
-
-    @staticmethod
-    def backward(ctx, dy):
-        from bstrain.kernels.matmul import run_dw, run_dx
-        x, wk = ctx.saved_tensors
-        dy = dy if dy.dtype == wk.dtype else dy.to(wk.dtype)
-        grads = bsmm_grads(ctx.needs_input_grad, x, wk, dy,
-                           lambda d, w: run_dx(d, w, ctx.luts, ctx.axis, dtype=x.dtype),
-                           lambda x, d: run_dw(x, d, ctx.luts, ctx.axis, ctx.dw_dtype))
-        return *grads, None, None, None, None
 
 
 def _casts_in_kernel(X: torch.Tensor, dtype: torch.dtype, feature_axis: int) -> bool:

@@ -1,29 +1,49 @@
-"""Embedding lookup with an fp32 gradient accumulator."""
+"""Embedding lookup with an fp32 gradient accumulator.
+
+A kernel_op (:func:`~bstrain.ops._dispatch.kernel_op`): the custom op ``torch.ops.bstrain.embedding_lookup``
+when traced, its eager Function otherwise, with the backward written once. Its arguments come in
+``F.embedding``'s order (indices, table).
+"""
 from __future__ import annotations
 
 import torch
+from torch import Tensor
 
 from bstrain.ops._checks import as_index
+from bstrain.ops._dispatch import kernel_op
 
 __all__ = ["embedding_lookup"]
 
 
-class _EmbeddingLookup(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, emb, idx):
-        ctx.save_for_backward(idx)
-        ctx.num_rows, ctx.emb_dtype = emb.shape[0], emb.dtype
-        return emb[idx]                                                  # (*idx.shape, D)
+def _lookup(idx: Tensor, emb: Tensor) -> Tensor:
+    """emb[idx]: (*idx.shape, D) for a (V, D) table."""
+    return emb[idx]
 
-    @staticmethod
-    def backward(ctx, dy):
-        (idx,) = ctx.saved_tensors
-        d = dy.shape[-1]
-        # Rows that repeat (common tokens) sum many small fp16/bf16 terms: add them up in fp32.
-        acc = torch.promote_types(ctx.emb_dtype, torch.float32)         # fp32, or fp64 for fp64 tables
-        grad = torch.zeros(ctx.num_rows, d, dtype=acc, device=dy.device)
-        grad.index_add_(0, idx.reshape(-1), dy.reshape(-1, d).to(acc))
-        return grad.to(ctx.emb_dtype), None
+
+def _lookup_grad(dy: Tensor, idx: Tensor, rows: int) -> Tensor:
+    """The table's gradient (rows, D) in dy's dtype (the table's), summed in fp32 (fp64 for fp64
+    tables): rows that repeat (common tokens) sum many small fp16/bf16 terms."""
+    d = dy.shape[-1]
+    acc = torch.promote_types(dy.dtype, torch.float32)
+    grad = torch.zeros(rows, d, dtype=acc, device=dy.device)
+    grad.index_add_(0, idx.reshape(-1), dy.reshape(-1, d).to(acc))
+    return grad.to(dy.dtype)
+
+
+def _setup(ctx, inputs, output):
+    idx, emb = inputs
+    ctx.save_for_backward(idx)
+    ctx.rows = emb.shape[0]
+
+
+def _grads(ctx, bwd, dy):
+    (idx,) = ctx.saved_tensors
+    return None, _lookup_grad(dy, idx, ctx.rows) if ctx.needs_input_grad[1] else None
+
+
+_embedding_lookup = kernel_op("bstrain::embedding_lookup", _lookup, ref=None,
+                              fake=lambda idx, emb: emb.new_empty((*idx.shape, emb.shape[1])),
+                              setup=_setup, backward=_grads)
 
 
 def embedding_lookup(emb: torch.Tensor, idx: torch.Tensor, sort_grad: bool = True, bench: int = 0,
@@ -45,4 +65,4 @@ def embedding_lookup(emb: torch.Tensor, idx: torch.Tensor, sort_grad: bool = Tru
         raise ValueError(f"idx: expected device {emb.device} (as emb), got {idx.device}")
     # contiguous: a strided index (e.g. x.t()) makes eager and meta strides of emb[idx] disagree
     # under torch.compile
-    return _EmbeddingLookup.apply(emb, as_index("idx", idx, emb.shape[0]).contiguous())
+    return _embedding_lookup(as_index("idx", idx, emb.shape[0]).contiguous(), emb)

@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from bstrain.ops._checks import FLOATS, HALF, check_axis, check_param, check_same, check_tensor
+from bstrain.ops._dispatch import kernel_op
 from bstrain.ops._seed import ignores
 # their old home: re-exported so that imports from here keep working
 from bstrain.ops._checks import INDEX_DTYPES, as_index, check_index_range, unit_columns, use_kernels  # noqa: F401
@@ -199,16 +200,26 @@ def bias_relu(x: torch.Tensor, b: torch.Tensor, axis: int = -1, relu: bool = Fal
     return y.to(x.dtype)
 
 
-# --- casts, dropout, sums --------------------------------------------------------------------------
-class _FloatCast(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, dtype, dx_dtype):
-        ctx.dx_dtype = dx_dtype
-        return x.to(dtype)
+# --- casts, filters, dropout, sums --------------------------------------------------------------------
+# The seed's float_cast and filter_tensor have gradients that are no derivative of their forward (a
+# rounding through dx_dtype; the filter applied to dy): each is a kernel_op, whose backward is written
+# once for the custom op (traced calls) and its eager Function.
+def _cast(x: torch.Tensor, dtype: torch.dtype, dx_dtype: torch.dtype) -> torch.Tensor:
+    """x in dtype, a copy even where the dtype is x's already (an op returns no alias of its input)."""
+    return x.to(dtype, copy=True)
 
-    @staticmethod
-    def backward(ctx, dy):
-        return dy.to(ctx.dx_dtype), None, None
+
+def _cast_setup(ctx, inputs, output):
+    ctx.dx_dtype = inputs[2]
+
+
+def _cast_grads(ctx, bwd, dy):
+    return dy.to(ctx.dx_dtype), None, None
+
+
+_float_cast = kernel_op("bstrain::float_cast", _cast, ref=None, fake=lambda x, dtype, dx_dtype: torch.empty_like(
+    x, dtype=dtype), setup=_cast_setup, backward=_cast_grads)
+_FloatCast = _float_cast.function                           # the eager Function (its old name)
 
 
 def float_cast(x: torch.Tensor, dtype: torch.dtype, dx_dtype: torch.dtype | None = None) -> torch.Tensor:
@@ -221,10 +232,13 @@ def float_cast(x: torch.Tensor, dtype: torch.dtype, dx_dtype: torch.dtype | None
     for name, dt in (("dtype", dtype), ("dx_dtype", dx_dtype)):
         if dt is not None and dt not in FLOATS:
             raise TypeError(f"{name}: expected a floating torch.dtype, got {dt!r}")
-    return _FloatCast.apply(x, dtype, dx_dtype or x.dtype)
+    if dx_dtype in (None, x.dtype, dtype):       # no rounding beside .to's own: torch's cast and its backward
+        return x.to(dtype)
+    return _float_cast(x, dtype, dx_dtype)
 
 
-def _filter(x: torch.Tensor, scale, saturate: float, zero_infs: bool, zero_nans: bool) -> torch.Tensor:
+def _filter(x: torch.Tensor, scale: float, saturate: float, zero_infs: bool, zero_nans: bool) -> torch.Tensor:
+    """The seed's filter: infs and/or NaNs zeroed, then x·scale clamped to ±saturate (0: no clamp)."""
     if zero_infs:
         x = torch.where(torch.isinf(x), 0.0, x)
     if zero_nans:
@@ -233,17 +247,16 @@ def _filter(x: torch.Tensor, scale, saturate: float, zero_infs: bool, zero_nans:
     return x.clamp(-saturate, saturate) if saturate else x
 
 
-class _FilterTensor(torch.autograd.Function):
-    """The seed's filter: the gradient passes through the same filter (it sanitises gradients too)."""
+def _filter_setup(ctx, inputs, output):
+    ctx.args = inputs[1:]
 
-    @staticmethod
-    def forward(ctx, x, scale, saturate, zero_infs, zero_nans):
-        ctx.args = (scale, saturate, zero_infs, zero_nans)
-        return _filter(x, *ctx.args)
 
-    @staticmethod
-    def backward(ctx, dy):
-        return _filter(dy, *ctx.args), None, None, None, None
+def _filter_grads(ctx, bwd, dy):
+    return _filter(dy, *ctx.args), None, None, None, None     # the seed sanitises gradients too
+
+
+_filter_tensor = kernel_op("bstrain::filter_tensor", _filter, ref=None, fake=lambda x, *args: torch.empty_like(x),
+                           setup=_filter_setup, backward=_filter_grads)
 
 
 def filter_tensor(x: torch.Tensor, scale: float = 1.0, saturate: float = 0.0, zero_infs: bool = False,
@@ -252,7 +265,7 @@ def filter_tensor(x: torch.Tensor, scale: float = 1.0, saturate: float = 0.0, ze
     infs and/or NaNs zeroed first. ``saturate=65504.0`` saturates fp16 infinities. As in the seed,
     the backward applies the same filter to the gradient."""
     check_tensor("x", x)
-    return _FilterTensor.apply(x, scale, float(saturate), bool(zero_infs), bool(zero_nans))
+    return _filter_tensor(x, float(scale), float(saturate), bool(zero_infs), bool(zero_nans))
 
 
 def scale_tensor(x: torch.Tensor, scale: float = 1.0) -> torch.Tensor:

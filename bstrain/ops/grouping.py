@@ -28,7 +28,13 @@ def _graph_task() -> int:
 
 
 class _Workspaces(dict):
-    """backward pass id -> (rows, programs, features) fp32 workspace of partial sums."""
+    """backward pass id -> (rows, programs, features) fp32 workspace of partial sums, and the
+    parameters' gradients taken from it (held apart from the group, whose views would make the
+    group node's context hold its own outputs: a reference cycle autograd does not free)."""
+
+    def __init__(self, rows: tuple[int, ...], dtypes: tuple[torch.dtype, ...]):
+        super().__init__()
+        self.rows, self.dtypes = rows, dtypes
 
     def get_or_zero(self, shape: tuple[int, ...], device: torch.device) -> torch.Tensor:
         task = _graph_task()
@@ -40,29 +46,37 @@ class _Workspaces(dict):
                              f"(one group per op and sequence)")
         return ws
 
-
-class _GroupedParams(torch.autograd.Function):
-    """The parameters as they enter every step (views, no launch). Its backward runs after every
-    step's and hands each parameter its workspace row, summed over programs."""
-
-    @staticmethod
-    def forward(ctx, workspaces, rows, *params):
-        ctx.workspaces, ctx.rows = workspaces, rows
-        ctx.dtypes = [p.dtype for p in params]
-        return tuple(p.view_as(p) for p in params)
-
-    @staticmethod
-    def backward(ctx, *_unused):
-        ws = ctx.workspaces.pop(_graph_task(), None)
+    def take(self) -> tuple[torch.Tensor | None, ...]:
+        """Each parameter's gradient from the running backward pass's workspace (row rows[i],
+        summed over programs, in the parameter's dtype); forgets that pass."""
+        ws = self.pop(_graph_task(), None)
         if ws is None:                                   # no step of this pass added anything
-            return (None, None) + (None,) * len(ctx.rows)
+            return (None,) * len(self.rows)
         sums = ws.sum(1)                                 # (rows, features)
         grads, seen = [], set()
-        for row, dtype in zip(ctx.rows, ctx.dtypes):
+        for row, dtype in zip(self.rows, self.dtypes):
             grad = sums[row] if row not in seen else sums[row].clone()    # outputs may not share storage
             seen.add(row)
             grads.append(grad if grad.dtype == dtype else grad.to(dtype))
-        return (None, None, *grads)
+        return tuple(grads)
+
+
+class _GroupNode(torch.autograd.Function):
+    """Parameters as every step of a sequence takes them: each a view, or a copy in another dtype
+    made once. Every step hangs off its outputs, so its backward runs after all of theirs, and hands
+    the parameters what was collected meanwhile (``collector.take()``: a GradGroup's grouped dW, a
+    ParamGradGroup's workspace rows), not a function of the gradients that reach its outputs.
+    Why not kernel_op: its gradients come from a group the steps' backwards fill, not from its outputs' gradients.
+    """
+
+    @staticmethod
+    def forward(ctx, collector, dtypes, *params):
+        ctx.collector = collector
+        return tuple(p.view_as(p) if p.dtype == dt else p.to(dt).contiguous() for p, dt in zip(params, dtypes))
+
+    @staticmethod
+    def backward(ctx, *_unused):
+        return (None, None, *ctx.collector.take())
 
 
 class ParamGradGroup:
@@ -77,8 +91,9 @@ class ParamGradGroup:
     def __init__(self, *params: torch.Tensor, rows: tuple[int, ...] | None = None):
         self.params = params
         self.rows = tuple(range(len(params))) if rows is None else tuple(rows)
-        self._workspaces = _Workspaces()
-        self.views = _GroupedParams.apply(self._workspaces, self.rows, *params)
+        dtypes = tuple(p.dtype for p in params)
+        self._workspaces = _Workspaces(self.rows, dtypes)
+        self.views = _GroupNode.apply(self._workspaces, dtypes, *params)
 
     def workspace(self, shape: tuple[int, ...], device: torch.device) -> torch.Tensor:
         """The running backward pass's fp32 workspace of ``shape``, zero when first asked for."""
@@ -135,30 +150,22 @@ class GradGroup:
         self.launches += 1
         acc[0] = dw if acc[0] is None else acc[0] + dw
 
-    def take(self) -> torch.Tensor | None:
-        """The summed dW of every step of the running backward pass; forgets that pass."""
+    def take(self) -> tuple[torch.Tensor | None]:
+        """(the summed dW of every step of the running backward pass,); forgets that pass."""
         task = _graph_task()
         self._flush(task)
-        return self._pending.pop(task, ([], [], [None]))[2][0]
+        return (self._pending.pop(task, ([], [], [None]))[2][0],)
 
-
-class _GroupedWeight(torch.autograd.Function):
-    """W cast to the compute dtype (once per sequence). All timesteps hang off its output, so its
-    backward runs after every step's backward and hands W the grouped dW."""
-
-    @staticmethod
-    def forward(ctx, w, group, dtype):
-        ctx.group = group
-        return w.to(dtype).contiguous() if w.dtype != dtype else w.view_as(w)
-
-    @staticmethod
-    def backward(ctx, _unused):
-        dw = ctx.group.take()
-        return dw, None, None
+    def weight(self, w: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """w in ``dtype`` (cast once per sequence), for every timestep's :meth:`BlocksparseMatMul.grouped`:
+        the grouped dW reaches w when the backward pass reaches this, after every step."""
+        return _GroupNode.apply(self, (dtype,), w)[0]
 
 
 class _StepMatMul(torch.autograd.Function):
-    """One timestep: Y = X·W now, dX at once in backward, dW deferred to the group."""
+    """One timestep: Y = X·W now, dX at once in backward, dW deferred to the group (GradGroup.add).
+    Why not kernel_op: it runs the op's backend (the reference on CPU too) and hands dW to a group.
+    """
 
     @staticmethod
     def forward(ctx, x, w, group):

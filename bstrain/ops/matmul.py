@@ -29,10 +29,10 @@ from bstrain._tensors import INT32_MAX as _INT32_MAX
 from bstrain.layout import BLOCK_SIZES, as_layout, check_block_size
 from bstrain.ops._checks import BACKENDS, FLOATS
 from bstrain.ops._matmul_ops import (  # noqa: F401  (MatmulTables, bsmm, bsmm_dx: importable from here, as before)
-    MatmulTables, _as, _autocast_input, _BlocksparseMatMulFn, _casts_in_kernel, bsmm, bsmm_dw, bsmm_dw_ref, bsmm_dx,
+    MatmulTables, _as, _autocast_input, _bsmm, _casts_in_kernel, bsmm, bsmm_dw, bsmm_dw_ref, bsmm_dx,
     bsmm_dx_ref, bsmm_ref, compute_dtype,
 )
-from bstrain.ops.grouping import GradGroup, _GroupedWeight, _StepMatMul
+from bstrain.ops.grouping import GradGroup, _StepMatMul
 from bstrain.ops.proj import SparseProj  # noqa: F401  (the seed exports it from matmul)
 from bstrain.ops.tables import eager, layout_tables, real_tensors
 
@@ -485,7 +485,10 @@ class BlocksparseMatMul:
             if X.dtype != dtype and not _casts_in_kernel(X, dtype, self.feature_axis):
                 X = X.to(dtype)
             if torch.is_grad_enabled() and (X.requires_grad or W.requires_grad):
-                Y = _BlocksparseMatMulFn.apply(X, W, self.luts(X.device), self.feature_axis, dw_dtype, dtype)
+                # W in the compute dtype for the kernels and the backward, made without autograd (a cast
+                # of W itself would record a node the Function's own input W makes needless)
+                wk = _as(W, dtype) if W.dtype == dtype else _as(W.detach(), dtype)
+                Y = _bsmm(X, W, self.key, self.feature_axis, dw_dtype, luts=self.luts(X.device), wk=wk, dtype=dtype)
             else:
                 from bstrain.kernels.matmul import run_forward
                 Y = run_forward(X, _as(W, dtype), self.luts(X.device), self.feature_axis, dtype=dtype)
@@ -581,7 +584,7 @@ class BlocksparseMatMul:
             dtype = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else W.dtype
         if not eager(W.detach()):                  # traced: no deferred dW; autograd sums the steps
             return W.to(dtype)
-        return _GroupedWeight.apply(W, group, dtype)
+        return group.weight(W, dtype)
 
     def grouped(self, I: torch.Tensor, W_grouped: torch.Tensor, group: "GradGroup") -> torch.Tensor:
         """Y = I·W for one timestep, with dW deferred to ``group`` (the seed's group_param_grads).

@@ -54,9 +54,13 @@ def save_checkpoint(path: str | Path, state: dict) -> Path:
     return path
 
 
-def load_checkpoint(path: str | Path, map_location="cpu") -> dict:
-    """Reads a checkpoint file, or the latest one in a directory (a run dir or its ckpt/)."""
-    from bstrain.train.sharded import is_sharded_checkpoint, read_full
+def load_checkpoint(path: str | Path, map_location="cpu", check_config=None) -> dict:
+    """Reads a checkpoint file, or the latest one in a directory (a run dir or its ckpt/).
+
+    check_config: called with the stored config and the checkpoint's path before this returns, and
+    before a DCP directory's metadata or tensors are read (:func:`bstrain.train.trust.check_config`).
+    """
+    from bstrain.train.sharded import is_sharded_checkpoint, read_extra, read_full
     path = Path(path)
     if path.is_dir() and not is_sharded_checkpoint(path):
         found = find_checkpoint(path)
@@ -65,7 +69,12 @@ def load_checkpoint(path: str | Path, map_location="cpu") -> dict:
         path = found
     if is_sharded_checkpoint(path):
         try:
-            state = read_full(path)
+            extra = read_extra(path)
+            if check_config is not None:
+                check_config(extra.get("config") or {}, path)
+            state = read_full(path, extra)
+        except CheckpointError:
+            raise
         except Exception as exc:
             raise CheckpointError(f"checkpoint: cannot read the sharded checkpoint {path} ({type(exc).__name__}: "
                                   f"{str(exc).splitlines()[0] if str(exc) else ''})") from None
@@ -80,6 +89,8 @@ def load_checkpoint(path: str | Path, map_location="cpu") -> dict:
                               f"the file is truncated, corrupt or not a bstrain checkpoint") from None
     if not isinstance(state, dict) or "model" not in state or "step" not in state:
         raise CheckpointError(f"checkpoint: {path} is not a bstrain checkpoint (no model/step entries)")
+    if check_config is not None:
+        check_config(state.get("config") or {}, path)
     state["path"] = str(path)
     return state
 

@@ -1,17 +1,22 @@
-"""``eval`` and ``sample``: both rebuild the model, data and task from the config stored in a checkpoint."""
+"""``eval``, ``sample`` and ``convert``: each rebuilds the model (sparsified as the run's was) and eval
+and sample the data and task, from the config stored in a checkpoint, once every ``_target_`` in it is
+trusted (bstrain/train/trust.py)."""
 from __future__ import annotations
 
 from pathlib import Path
 
 import torch
-from omegaconf import OmegaConf
+from omegaconf import DictConfig, OmegaConf
 
 from bstrain.errors import UserError
+from bstrain.train import trust
 from bstrain.train.checkpoint import check_model_entries, load_checkpoint
 from bstrain.train.distributed import World
 from bstrain.train.progress import log
 from bstrain.train.step import Forward, is_stateful
-from bstrain.train.run import PRECISIONS, _without_shard, instantiate, resolve_device, set_threads
+from bstrain.train.model import build_model, instantiate
+from bstrain.configs.schema import Precision
+from bstrain.train.run import resolve_device, set_threads
 
 
 def _required_ckpt(cfg) -> str:
@@ -34,24 +39,35 @@ def upgrade_config(config: dict) -> dict:
     return config
 
 
+def _read_trusted(cfg) -> tuple[dict, DictConfig]:
+    """(the checkpoint ``ckpt=`` names, the config to build from it), refused in one line unless
+    every ``_target_`` in that config is bstrain's or ``trust=[...]`` names it (bstrain/train/trust.py)."""
+    trusted = trust.globs(cfg.get("trust"))
+
+    def check(config: dict, path) -> None:
+        trust.check_config(upgrade_config(config), path, trusted)
+
+    ckpt = load_checkpoint(_required_ckpt(cfg), check_config=check)
+    return ckpt, OmegaConf.create(upgrade_config(ckpt["config"]))
+
+
 def _load(cfg, data_path=None):
     """(train config, model on the device in eval mode, task set up for one process, checkpoint, forward)."""
     device = resolve_device(cfg.device, "device")
     set_threads(cfg.threads)
-    ckpt = load_checkpoint(_required_ckpt(cfg))
-    train_cfg = OmegaConf.create(upgrade_config(ckpt["config"]))
+    ckpt, train_cfg = _read_trusted(cfg)
     if data_path is not None:
         train_cfg.data.path = data_path
     task = instantiate(train_cfg.task, "task")
     task.setup(instantiate(train_cfg.data, "data"), World(), int(train_cfg.trainer.seed))
-    model = instantiate(_without_shard(train_cfg.model)[0], "model")
+    model, _ = build_model(train_cfg, rebuild=True)        # sparsified as the run was (cfg.sparsify)
     weights = ckpt["model"]
     if ckpt.get("ema") is not None:                    # evaluate with the EMA weights when trained with them
         weights = {k.removeprefix("module."): v for k, v in ckpt["ema"].items() if k.startswith("module.")}
     check_model_entries(model, weights, ckpt["path"], adopt_layouts=True)
     model.load_state_dict(weights, assign=True)                # the checkpoint's layouts, whatever the config draws
     model.to(device).eval()
-    forward = Forward(model, PRECISIONS[str(train_cfg.trainer.precision)], device)
+    forward = Forward(model, Precision(train_cfg.trainer.precision).dtype, device)
     return train_cfg, model, task, ckpt, forward
 
 
@@ -110,10 +126,9 @@ def convert_checkpoint(cfg) -> str:
                         f"got {None if out is None else str(out)!r}")
     if out.exists():
         raise UserError(f"out: {out} exists; name a new path")
-    ckpt = load_checkpoint(_required_ckpt(cfg))
-    train_cfg = OmegaConf.create(upgrade_config(ckpt["config"]))
+    ckpt, train_cfg = _read_trusted(cfg)
     with torch.device("meta"):
-        model = instantiate(_without_shard(train_cfg.model)[0], "model")
+        model, _ = build_model(train_cfg, rebuild=True)
     optimizer = make_optimizer(model, train_cfg.optim, torch.device("cpu"), capturable=False)
     names = sharded.parameter_order(model, optimizer)
     by_name = ckpt.pop("optimizer_fqn", None)

@@ -19,12 +19,14 @@ log = logging.getLogger("bstrain")
 
 
 class _Console(logging.Handler):
-    """stderr through tqdm.write; drops per-step lines (``extra={"step_line": True}``) while a bar is up."""
+    """stderr through tqdm.write; drops per-step lines (``extra={"step_line": True}``) while a bar is up,
+    and records meant for train.log only (``extra={"file_only": True}``: a traceback the console
+    states in one line)."""
 
     bar_active = False
 
     def emit(self, record: logging.LogRecord) -> None:
-        if getattr(record, "step_line", False) and _Console.bar_active:
+        if getattr(record, "file_only", False) or getattr(record, "step_line", False) and _Console.bar_active:
             return
         try:
             from tqdm import tqdm

@@ -1,5 +1,6 @@
 """A training run: its config checked and typed once (:func:`check_config`: :class:`Settings`),
-its parts built from it once (:func:`build`: data and task, model, the distributed strategy,
+its parts built from it once (:func:`build`: data and task, model (sparsified by the
+``sparsify`` section), the distributed strategy,
 optimizer, scaler, EMA, the sparsity policy and the :class:`bstrain.train.stepper.Stepper`, then
 the checkpoint it resumes from), and what it holds (:class:`Run`, frozen; what changes as it
 trains is its :class:`bstrain.train.state.TrainState`). The loop is :func:`bstrain.train.trainer.fit`.
@@ -22,6 +23,7 @@ from bstrain.nn import set_grad_group
 from bstrain.train import checks, fsdp, sharded, sparsity
 from bstrain.train.checkpoint import latest_checkpoint
 from bstrain.train.distributed import World
+from bstrain.train.model import build_model, instantiate
 from bstrain.train.optim import _match_graph_mode, make_optimizer
 from bstrain.train.progress import log
 from bstrain.train.schedule import Curve, LRSchedule
@@ -115,27 +117,6 @@ def check_config(cfg) -> Settings:
                     int(t.loss_scale_window), bool(t.progress))
 
 
-def instantiate(node, key: str):
-    """Builds the ``key`` section from its ``_target_``; the user's mistakes (an unknown class, a
-    wrong or missing argument, a value the constructor rejects) become one-line UserErrors."""
-    from hydra.errors import InstantiationException
-    from hydra.utils import instantiate as hydra_instantiate
-    if not OmegaConf.is_dict(node) or "_target_" not in node:
-        raise UserError(f"{key}: expected a mapping with a _target_ (a class path such as my_package.MyModel), "
-                        f"got {OmegaConf.to_container(node) if OmegaConf.is_config(node) else node!r}")
-    try:
-        return hydra_instantiate(node, _convert_="all")
-    except InstantiationException as exc:
-        cause = exc.__cause__
-        if isinstance(cause, UserError):
-            raise cause from None
-        if cause is None or isinstance(cause, (ValueError, ImportError)) or (
-                isinstance(cause, TypeError) and "argument" in str(cause)):
-            msg = " ".join(str(cause or exc).split())
-            raise UserError(f"{key} ({node._target_}): {msg}") from None
-        raise
-
-
 def _run_dir(cfg) -> Path:
     if cfg.trainer.run_dir:
         return Path(cfg.trainer.run_dir)
@@ -182,14 +163,6 @@ def _fill_vocab_size(cfg: DictConfig, data) -> None:
         node.vocab_size = data.vocab_size
 
 
-def _without_shard(node):
-    """(the model section without ``shard``, its ``shard`` list or None): ``model.shard`` names a
-    user model's FSDP units and is not the model's argument."""
-    if not OmegaConf.is_dict(node) or fsdp.SHARD_KEY not in node:
-        return node, None
-    whole = OmegaConf.to_container(node, resolve=True)       # (interpolations resolved while the root is there)
-    spec = whole.pop(fsdp.SHARD_KEY)
-    return OmegaConf.create(whole), spec
 
 
 # --- the run -------------------------------------------------------------------------------------------
@@ -228,18 +201,6 @@ class Run:
         return str(self.stepper.mode)
 
 
-def _model(cfg, device: torch.device, group_size: int) -> tuple[torch.nn.Module, Any]:
-    """The model section built on the device (its kernels' gradient grouping set), and its
-    ``model.shard`` list."""
-    model_node, shard_spec = _without_shard(cfg.model)
-    model = instantiate(model_node, "model")
-    if not isinstance(model, torch.nn.Module):
-        raise UserError(f"model ({cfg.model._target_}): expected an nn.Module, got {type(model).__name__}")
-    model = model.to(device)
-    set_grad_group(model, group_size)
-    return model, shard_spec
-
-
 def _ema(model: torch.nn.Module, decay: float, device: torch.device, strategy: Single):
     """The EMA of the weights (None for decay 0), its copy made like the model."""
     if decay <= 0:
@@ -265,7 +226,9 @@ def build(cfg: DictConfig, run_dir: Path, device: torch.device, world: World, se
     _fill_vocab_size(cfg, data)
     checks.check_model_config(task, cfg.model)
     torch.manual_seed(t_cfg.seed)
-    model, shard_spec = _model(cfg, device, t_cfg.group_size)
+    model, shard_spec = build_model(cfg)            # sparsified (cfg.sparsify) before anything wraps or copies it
+    model = model.to(device)
+    set_grad_group(model, t_cfg.group_size)
     strategy = make_strategy(settings.strategy, world, device, amp_dtype, shard_spec)
     why_eager = eager_reason(settings.graph_mode, device, strategy)
     if device.type == "cuda" and why_eager is not None and strategy.why_not_graphed():

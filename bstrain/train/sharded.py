@@ -16,6 +16,8 @@ run killed mid-write leaves the previous checkpoint whole. Reading:
   whole state into memory (:func:`read_full`), as from a file checkpoint;
 - an fsdp run resuming a file checkpoint (one process or DDP wrote it) shards it as it loads
   (:func:`load_full_into`).
+
+Every read goes through :class:`bstrain.train.trust.CheckedReader`: DCP's pickles are data.
 """
 from __future__ import annotations
 
@@ -24,6 +26,8 @@ import shutil
 from pathlib import Path
 
 import torch
+
+from bstrain.train.trust import CheckedReader, refusals_unwrapped
 
 EXTRA = "extra.pt"
 SUFFIX = ".dcp"
@@ -68,17 +72,18 @@ def read_extra(path: str | Path) -> dict:
     return {**torch.load(Path(path) / EXTRA, map_location="cpu", weights_only=True), "model": None, "optimizer": None}
 
 
-def read_full(path: str | Path) -> dict:
+def read_full(path: str | Path, extra: dict | None = None) -> dict:
     """The whole checkpoint in this process's memory, as a file checkpoint reads: the model's
     state dict of full tensors, the optimizer's keyed by parameter name (``optimizer_fqn``), and
-    the extra entries. Needs no process group."""
-    from torch.distributed.checkpoint import FileSystemReader
+    the extra entries (``extra``: :func:`read_extra`'s, when read already). Needs no process group."""
     from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
     from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
+    reader = CheckedReader(str(path))
+    reader.read_metadata()        # (a refused pickle in one line here: DCP's own call wraps the error)
     state: dict = {}              # (what torch's dcp_to_torch_save does: every entry, whole, in one process)
-    _load_state_dict(state, storage_reader=FileSystemReader(str(path)), planner=_EmptyStateDictLoadPlanner(),
-                     no_dist=True)
-    out = read_extra(path)
+    with refusals_unwrapped():
+        _load_state_dict(state, storage_reader=reader, planner=_EmptyStateDictLoadPlanner(), no_dist=True)
+    out = dict(extra) if extra is not None else read_extra(path)
     out["model"] = state["model"]
     if "ema" in state:                                  # (written by fsdp; a converted file's EMA is in extra)
         out["ema"] = state["ema"]
@@ -90,8 +95,7 @@ def read_full(path: str | Path) -> dict:
 def model_entries(path: str | Path) -> dict:
     """The model entries a checkpoint directory holds, as meta tensors of their shapes (no data
     read): what :func:`bstrain.train.checkpoint.check_model_entries` compares with a model."""
-    import torch.distributed.checkpoint as dcp
-    keys = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    keys = CheckedReader(str(path)).read_metadata().state_dict_metadata
     return {k.removeprefix("model."): torch.empty(tuple(v.size), device="meta")
             for k, v in keys.items() if k.startswith("model.")}
 
@@ -101,10 +105,12 @@ def load_sharded_into(path: str | Path, model, optimizer, ema=None) -> None:
     its optimizer and EMA copy, each rank reading the shards it holds."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import set_state_dict
-    keys = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    reader = CheckedReader(str(path))
+    keys = reader.read_metadata().state_dict_metadata
     with_ema = ema is not None and any(k.startswith("ema.") for k in keys)
     state = _fqn_state(model, optimizer, ema if with_ema else None)
-    dcp.load(state, checkpoint_id=str(path))
+    with refusals_unwrapped():
+        dcp.load(state, storage_reader=reader)
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
     if with_ema:
         ema.load_state_dict(state["ema"])

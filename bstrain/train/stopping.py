@@ -17,7 +17,7 @@ if TYPE_CHECKING:
 
 
 @contextlib.contextmanager
-def stop_on_signals(state: TrainState, run_dir: Path, world: World):
+def stop_on_signals(state: TrainState, run_dir: Path, world: World, config=None):
     """SIGINT/SIGTERM ask the loop to stop after the current step (it then checkpoints); a second
     one stops the run where it is (:class:`RunAborted`: one line, no new checkpoint, the last
     complete one intact), and a third acts as usual. Only in the main thread, where Python
@@ -36,7 +36,8 @@ def stop_on_signals(state: TrainState, run_dir: Path, world: World):
             signal.signal(s, h)
         last = latest_checkpoint(run_dir / "ckpt") if world.main else None
         raise RunAborted(f"stopped by a second {name} at step {state.step}, without a new checkpoint; "
-                         + (f"the last one is {last}; {resume_hint(run_dir)}" if last else "none was written"))
+                         + (f"the last one is {last}; {resume_hint(run_dir, config)}" if last
+                            else "none was written"))
     for s in old:
         signal.signal(s, ask)
     try:
@@ -46,10 +47,19 @@ def stop_on_signals(state: TrainState, run_dir: Path, world: World):
             signal.signal(s, h)
 
 
-def resume_hint(run_dir: Path) -> str:
-    """How to continue a run: the run dir is all it takes (resuming reads the checkpoint's config)."""
+def resume_hint(run_dir: Path, config=None) -> str:
+    """How to continue a run: the run dir is all it takes (resuming reads the checkpoint's config),
+    and ``trust=[...]`` for the ``_target_``s of ``config`` (the run's, plain or OmegaConf) outside bstrain."""
     import shlex
-    return f"continue with python -m bstrain train trainer.resume=true {shlex.quote(f'hydra.run.dir={run_dir}')}"
+
+    from omegaconf import OmegaConf
+
+    from bstrain.train import trust
+    if OmegaConf.is_config(config):
+        config = OmegaConf.to_container(config, resolve=True)
+    refused = trust.untrusted(config) if config is not None else []
+    return (f"continue with python -m bstrain train trainer.resume=true {shlex.quote(f'hydra.run.dir={run_dir}')}"
+            + (f" {trust.trust_argument(refused)}" if refused else ""))
 
 
 def _agree_to_stop(stop: str | None, world: World, log_step: bool, out_of_time: bool) -> str | None:

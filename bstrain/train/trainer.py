@@ -32,7 +32,7 @@ from pathlib import Path
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from bstrain.errors import RunInterrupted
+from bstrain.errors import RunInterrupted, UserCodeError
 from bstrain.nn import block_sparse_layouts
 from bstrain.train import sparsity
 from bstrain.train.distributed import barrier, broadcast, device_for, finish, init_world
@@ -204,7 +204,7 @@ def fit(run: Run) -> dict:
     board, progress = _open_outputs(run)
     window, t_start, stop_at, start_step = Window(), time.perf_counter(), settings.max_steps, state.step
     try:
-        with stop_on_signals(state, run.run_dir, run.world):
+        with stop_on_signals(state, run.run_dir, run.world, run.config):
             while state.step < stop_at:
                 began = _begin_step(run, window, first=state.step == start_step)
                 x, y, fresh = next_batch(run)
@@ -229,7 +229,7 @@ def fit(run: Run) -> dict:
                         path = save(run)
                 if reason not in (None, "time"):
                     raise RunInterrupted(f"stopped by {reason} at step {state.step}; checkpoint {path}; "
-                                         f"{resume_hint(run.run_dir)}")
+                                         f"{resume_hint(run.run_dir, run.config)}")
     except BaseException:
         board.close()                                   # no writer thread left behind
         raise
@@ -283,10 +283,11 @@ def train(cfg: DictConfig) -> dict:
         handlers = setup_logging(run_dir if world.main else None, world.rank)
         try:
             run = build(cfg, run_dir, device_for(world, device), world, settings)
-        except BaseException:                           # a start that fails leaves no run dir of its own behind
+        except BaseException as exc:                    # a start that fails leaves no run dir of its own behind ...
             remove_logging(handlers)
             handlers = []
-            remove_failed_start(run_dir, created)
+            if not isinstance(exc, UserCodeError):      # ... but the one whose train.log holds the traceback
+                remove_failed_start(run_dir, created)
             raise
         result = fit(run)
         if world.active:

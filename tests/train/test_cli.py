@@ -93,8 +93,9 @@ def test_misspelled_keys_and_bad_values_are_one_line(tmp_path):
     for args, line in [
             (["trainer.max_step=5"], "error: trainer.max_step: no such key; did you mean trainer.max_steps?"),
             (["+trainer.max_stepz=3"], "error: trainer.max_stepz: no such key; did you mean trainer.max_steps?"),
-            ([f"config={REPO / 'examples' / 'my_lm.yaml'}", "model.widht=3"],
-             "error: model.widht: no such key; did you mean model.width?"),
+            ([f"config={REPO / 'examples' / 'my_lm.yaml'}", "model.widht=3"],      # (my_lm not importable here)
+             "error: model.widht: no such key; did you mean model.width?; to add a constructor argument of "
+             "my_lm.ConvLM, write +model.widht=3"),
             (["optim.lr=abc"], "error: optim.lr: expected a number, got 'abc'"),
             (["trainer.precision=fp8"], "error: trainer.precision: expected one of fp32, fp16, bf16, got 'fp8'")]:
         out = run("train", *args, cwd=tmp_path)

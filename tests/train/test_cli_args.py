@@ -42,10 +42,16 @@ def error_line(*argv) -> str:
     (["model.hiden=3"], "model.hiden: no such key; did you mean model.hidden?"),
     ([f"config={REPO / 'examples' / 'my_lm.yaml'}", "model.widht=3"],
      "model.widht: no such key; did you mean model.width?"),
+    ([f"config={REPO / 'examples' / 'my_lm.yaml'}", "model.kernal=3"],      # an argument the YAML leaves out
+     "model.kernal: no such key; did you mean model.kernel?"),
+    ([f"config={REPO / 'examples' / 'my_lm.yaml'}", "model.xyzzy=3"],
+     "model.xyzzy: no such key; my_lm.ConvLM takes width, kernel, density, block_size"),
     (["model.widht=3"], "model.widht: no such key; model has _target_, hidden, embed, depth, sparse, block_size, "
                         "density, layout, layout_seed, layer_norm, init"),
-], ids=["section-key", "no-section", "model-key", "user-model", "no-match"])
-def test_a_misspelled_key_is_one_line_naming_the_closest(argv, want):
+], ids=["section-key", "no-section", "model-key", "user-model", "user-model-argument", "user-model-no-match",
+        "no-match"])
+def test_a_misspelled_key_is_one_line_naming_the_closest(argv, want, monkeypatch):
+    monkeypatch.syspath_prepend(str(REPO / "examples"))        # as `cd examples` makes my_lm importable
     assert error_line(*argv) == want
 
 
@@ -112,16 +118,18 @@ def _cnn(run_dir, steps):
     return cfg
 
 
-@pytest.mark.parametrize("make", [_transformer, _cnn], ids=["transformer", "user-cnn"])
-def test_resume_without_config_composes_on_the_checkpoints_config(make, tmp_path, monkeypatch):
+@pytest.mark.parametrize("make,trusted", [(_transformer, []), (_cnn, ["trust=[my_cnn.*]"])],
+                         ids=["transformer", "user-cnn"])
+def test_resume_without_config_composes_on_the_checkpoints_config(make, trusted, tmp_path, monkeypatch):
     """`trainer.resume=true hydra.run.dir=X`, as the Ctrl-C hint prints it: the run's own model,
-    data and task (not the default experiment's), with this command line's overrides on top."""
+    data and task (not the default experiment's), with this command line's overrides on top (a
+    model of the user's own once trusted: bstrain/train/trust.py)."""
     monkeypatch.syspath_prepend(str(REPO / "examples"))
     run = tmp_path / "run"
     first = make(run, 2)
     train(first)
     cfg = composed(*rewrite("train", ["trainer.resume=true", f"hydra.run.dir={run}", "trainer.max_steps=3",
-                                      "trainer.log_every=1"]))
+                                      "trainer.log_every=1", *trusted]))
     for section in ("model", "data", "task", "optim"):
         assert OmegaConf.to_container(cfg[section]) == OmegaConf.to_container(first[section]), section
     assert OmegaConf.get_type(cfg.model) == OmegaConf.get_type(first.model), "the schema types the model again"

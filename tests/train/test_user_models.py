@@ -35,13 +35,13 @@ def test_readme_example_trains_evaluates_resumes_and_samples(tmp_path):
     assert "ConvLM" in (run / "train.log").read_text()
     ckpt = torch.load(run / "ckpt" / "step_00000006.pt", weights_only=True)
     assert ckpt["config"]["model"]["_target_"] == "my_lm.ConvLM" and ckpt["state"] is None
-    ev = run_cli("eval", f"ckpt={run}", "batches=2", "split=test", cwd=cwd)
+    ev = run_cli("eval", f"ckpt={run}", "batches=2", "split=test", "trust=[my_lm.*]", cwd=cwd)
     assert ev.returncode == 0 and "test at step 6: loss" in ev.stdout and "bpb" in ev.stdout, ev.stderr[-2000:]
     more = run_cli("train", "config=my_lm.yaml", f"hydra.run.dir={run}", "trainer.max_steps=9", "trainer.resume=true",
                    *small, cwd=cwd)
     assert more.returncode == 0, more.stderr[-3000:]
     assert "resumed from" in (run / "train.log").read_text() and (run / "ckpt" / "step_00000009.pt").is_file()
-    sample = run_cli("sample", f"ckpt={run}", "prompt=import ", "length=40", cwd=cwd)
+    sample = run_cli("sample", f"ckpt={run}", "prompt=import ", "length=40", "trust=[my_lm.*]", cwd=cwd)
     assert sample.returncode == 0 and sample.stdout.startswith("import "), sample.stderr[-2000:]
     assert len(sample.stdout.encode()) >= len("import ") + 30
 

@@ -145,3 +145,12 @@ class StackLM(nn.Module):
         for block in self.blocks:
             h = block(h)
         return self.head(h)
+
+
+class FailsToBuild(nn.Module):
+    """A model whose constructor raises (a bug in a user's code at start): one line, traceback in train.log."""
+
+    def __init__(self, width: int = 32):
+        super().__init__()
+        self.head = nn.Linear(width, 256)
+        self.scale = 1 / (width - 32)
