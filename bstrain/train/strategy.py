@@ -154,39 +154,22 @@ class FSDP(Single):
         return path
 
     def read(self, path: Path, model, optimizer, ema) -> dict:
-        """A sharded checkpoint: each rank reads its own shards, in place. A file: rank 0 reads it
-        (a memory map) and the weights go to the other ranks by broadcast (:meth:`load_weights`),
-        so no other rank reads the file or holds the whole state."""
+        """A sharded checkpoint: each rank reads its own shards, in place. A file (1 -> N): each rank
+        maps it into memory (``torch.load(mmap=True)``), so a rank's pages of it are read only when
+        touched, and :meth:`load_weights` keeps each rank's shards."""
         if sharded.is_sharded_checkpoint(path):
             check_model_entries(model, sharded.model_entries(path), path)    # one line, before DCP's own
             sharded.load_sharded_into(path, model, optimizer, ema)
             return {**sharded.read_extra(path), "path": str(path)}
-        ckpt = load_checkpoint(path) if self.world.main else None
-        light = broadcast(None if ckpt is None else _light(ckpt), self.world)
-        if ckpt is not None:
-            return ckpt
-        shapes, ema = light.pop("model"), light.pop("ema")
-        # the model's entries as meta tensors (for the entries' check); the weights come by broadcast
-        return {**light, "model": {k: torch.empty(s, device="meta") for k, s in shapes.items()}, "optimizer": {},
-                "ema": ema}
+        return load_checkpoint(path)
 
     def load_weights(self, model, optimizer, ckpt: dict) -> None:
-        """Rank 0's whole entries, broadcast tensor by tensor: each rank keeps its shards."""
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
-        weights, optim = {}, {}
-        if self.world.main:
-            weights, optim = ckpt["model"], ckpt.get("optimizer_fqn")
-            if optim is None:
-                optim = sharded.fqn_optimizer_state(model, optimizer, ckpt["optimizer"])
-        set_state_dict(model, optimizer, model_state_dict=weights, optim_state_dict=optim,
-                       options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+        by_name = ckpt.get("optimizer_fqn")             # a sharded checkpoint read whole: keyed by name
+        optim = by_name if by_name is not None else sharded.fqn_optimizer_state(model, optimizer, ckpt["optimizer"])
+        sharded.load_full_into(model, optimizer, ckpt["model"], optim)
 
     def load_ema(self, ema, state: dict) -> None:
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
-        weights = {k.removeprefix("module."): v for k, v in state.items() if k.startswith("module.")}
-        set_model_state_dict(ema.module, weights, options=StateDictOptions(full_state_dict=True,
-                                                                           broadcast_from_rank0=True))
-        ema.n_averaged.copy_(state["n_averaged"])
+        sharded.load_full_ema(ema, state)
 
     def evaluate(self, task, forward, split: str, max_batches: int, show_progress: bool) -> dict:
         """Every rank runs the sharded forward (its gathers are collective) on its share of the
@@ -198,15 +181,6 @@ class FSDP(Single):
         sums = task.evaluation_sums(forward, split, max_batches, self.world.rank, self.world.size,
                                     show_progress and self.world.main)
         return task.evaluation_metrics({k: all_sum(v, self.world) for k, v in sums.items()})
-
-
-def _light(ckpt: dict) -> dict:
-    """What rank 0 sends the other ranks of a file checkpoint: every entry but the weights, the
-    model's entries as shapes and the EMA's count."""
-    out = {k: v for k, v in ckpt.items() if k not in ("model", "optimizer", "optimizer_fqn", "ema")}
-    out["model"] = {k: tuple(v.shape) for k, v in ckpt["model"].items()}
-    out["ema"] = None if ckpt.get("ema") is None else {"n_averaged": ckpt["ema"]["n_averaged"]}
-    return out
 
 
 _CLASSES = {Choice.single: Single, Choice.ddp: DDP, Choice.fsdp: FSDP}
