@@ -17,6 +17,7 @@ import dataclasses
 import enum
 import os
 import sys
+import traceback
 import typing
 
 from bstrain.cli import experiments, one_line, rewrite, with_constructor_argument
@@ -127,17 +128,52 @@ def _hydra_command(config_name: str, fn):
     return entry
 
 
+_TRAIN_ARGV: list[str] = []
+"""The train command's arguments as the user gave them: the workers of ``trainer.nproc`` get them."""
+
+
+def _rank() -> int:
+    """This process's rank under torchrun or ``trainer.nproc``; 0 in a process of its own."""
+    return int(os.environ.get("RANK", "0"))
+
+
 def _train(cfg):
+    """Trains, in this process or on ``trainer.nproc`` workers. Rank 0 (or the launcher) leaves no run
+    dir of its own making that holds nothing but what a start writes (a start that failed, or a
+    finished run resumed), and writes the closing message into train.log."""
+    from hydra.core.hydra_config import HydraConfig
+
     from bstrain.errors import UserCodeError
     from bstrain.train import rundir
-    from bstrain.train.trainer import train
+    run_dir, created = HydraConfig.get().runtime.output_dir, rundir.created_by_hydra()
     try:
-        return train(cfg)
-    except BaseException as exc:   # a start that stops leaves no run dir of its own behind (one that trained keeps
-        if not isinstance(exc, UserCodeError):      # it, and so does one whose train.log holds the traceback)
-            from hydra.core.hydra_config import HydraConfig
-            rundir.remove_failed_start(HydraConfig.get().runtime.output_dir, rundir.created_by_hydra())
+        result = _train_or_launch(cfg, run_dir)
+    except BaseException as exc:
+        if _rank() != 0:
+            pass                            # (its Hydra dir is a temporary one, see _away_from_the_run_dir)
+        elif isinstance(exc, SystemExit):
+            rundir.remove_failed_start(run_dir, created)
+        elif isinstance(exc, UserCodeError) or not rundir.remove_failed_start(run_dir, created):
+            # (a user's constructor's traceback is in train.log already: that run dir stays)
+            rundir.append_to_log(run_dir, _closing_line(exc) or "".join(traceback.format_exception(exc)).rstrip())
         raise
+    if _rank() == 0:
+        rundir.remove_failed_start(run_dir, created)
+    return result
+
+
+def _train_or_launch(cfg, run_dir: str):
+    from bstrain.train import launch
+    nproc = int(cfg.trainer.get("nproc", 1))
+    if nproc <= 1 or launch.started_by_a_launcher():
+        from bstrain.train.trainer import train
+        return train(cfg)
+    from bstrain.train.run import check_config
+    check_config(cfg)                       # a bad value in one line here, before any worker starts
+    status = launch.launch(nproc, _TRAIN_ARGV, run_dir)
+    if status:
+        raise SystemExit(status)            # the workers have said why
+    return None
 
 
 def _eval(cfg):
@@ -159,27 +195,60 @@ COMMANDS = {"train": ("train", _train), "eval": ("eval", _eval), "sample": ("sam
             "convert": ("convert", _convert)}
 
 
-def _exit_if_users(exc: BaseException) -> None:
-    """A user's error exits with one line (status 1), a signal with one line (status 130); a bug
-    returns, for its traceback."""
+def _closing_line(exc: BaseException) -> str | None:
+    """What a run that ends with ``exc`` prints: the interrupted line or ``error: ...`` for a user's
+    error; None for a bug (its traceback) or an exit."""
     from bstrain.errors import RunInterrupted
     if isinstance(exc, (RunInterrupted, KeyboardInterrupt)):
-        print(f"interrupted: {exc}" if str(exc) else "interrupted", file=sys.stderr)
-        sys.exit(RunInterrupted.exit_code)
-    from bstrain.errors import UserCodeError
+        return f"interrupted: {exc}" if str(exc) else "interrupted"
     line = one_line(exc) if isinstance(exc, Exception) else None
-    if line is not None and isinstance(exc, UserCodeError) and os.environ.get("RANK", "0") != "0":
-        sys.exit(1)                     # every rank's constructor raised it: rank 0 says it, once
-    if line is not None:
-        sys.exit(f"error: {line}")
+    return None if line is None else f"error: {line}"
+
+
+def _exit_if_users(exc: BaseException) -> None:
+    """A user's error exits with one line (status 1), a signal with one line (status 130); a bug
+    returns, for its traceback. Under torchrun or ``trainer.nproc`` only rank 0 prints the line (the
+    others exit with the same status, silently); a worker of ``trainer.nproc`` hands its bug's
+    traceback to the launcher, which prints the first one."""
+    from bstrain.errors import RunInterrupted
+    from bstrain.train.distributed import RankFailed
+    from bstrain.train.launch import LAUNCHED
+    if isinstance(exc, SystemExit):
+        return
+    line = _closing_line(exc)
+    if line is None and isinstance(exc, RankFailed):
+        sys.exit(1)                                     # rank 0 said what failed
+    if line is None:
+        _record_bug(exc)
+        if LAUNCHED in os.environ:
+            sys.exit(1)
+        return
+    code = RunInterrupted.exit_code if line.startswith("interrupted") else 1
+    if _rank() == 0:
+        print(line, file=sys.stderr)
+    sys.exit(code)
+
+
+def _record_bug(exc: BaseException) -> None:
+    """The traceback into torchelastic's error file, where torchrun and ``trainer.nproc`` read a
+    worker's root cause (what torch's ``@record`` does)."""
+    if os.environ.get("TORCHELASTIC_ERROR_FILE"):
+        from torch.distributed.elastic.multiprocessing.errors import ErrorHandler
+        ErrorHandler().record_exception(exc)
 
 
 def run(command: str, argv: list[str]) -> None:
     """Runs a command on its key=value arguments (see the module's docstring for errors)."""
     from hydra.errors import ConfigCompositionException
     config_name, fn = COMMANDS[command]
+    if _rank() != 0:                        # rank 0 says it, once
+        import warnings
+        warnings.simplefilter("ignore")
     try:
+        _TRAIN_ARGV[:] = argv
         args: list[str] | None = rewrite(command, argv)
+        if _rank() != 0 and command == "train":
+            args = _away_from_the_run_dir(args)
         os.environ["HYDRA_FULL_ERROR"] = "1"          # Hydra raises its errors, for _exit_if_users
         while True:
             sys.argv[1:] = args
@@ -195,8 +264,32 @@ def run(command: str, argv: list[str]) -> None:
         raise
 
 
+def _away_from_the_run_dir(args: list[str]) -> list[str]:
+    """A rank other than 0 lets its Hydra make an empty temporary directory, not one beside rank
+    0's (runs/DATE/TIME can differ by a second between ranks); the trainer takes rank 0's run dir
+    (``trainer.run_dir``, or the one rank 0 broadcasts)."""
+    import atexit
+    import shutil
+    import tempfile
+    scratch = tempfile.mkdtemp(prefix="bstrain-rank-")
+    atexit.register(shutil.rmtree, scratch, ignore_errors=True)
+    kept = [a for a in args if a.partition("=")[0] not in ("hydra.run.dir", "hydra.output_subdir")]
+    return [*kept, f"hydra.run.dir={scratch}", "hydra.output_subdir=null"]
+
+
+def _unknown_command(command: str) -> str:
+    import difflib
+    names = [*COMMANDS, "advise"]
+    close = difflib.get_close_matches(command, names, n=1)
+    return (f"error: unknown command {command!r}; "
+            + (f"did you mean {close[0]}?" if close else f"commands: {', '.join(names)}"))
+
+
 def main() -> None:
-    if len(sys.argv) < 2 or sys.argv[1] in ("-h", "--help", "help"):
+    if len(sys.argv) < 2:
+        print(USAGE, file=sys.stderr)
+        sys.exit(2)                             # as argparse does for a missing command
+    if sys.argv[1] in ("-h", "--help", "help"):
         print(USAGE)
         return
     command = sys.argv.pop(1)
@@ -205,7 +298,8 @@ def main() -> None:
         advise(sys.argv[1:])
         return
     if command not in COMMANDS:
-        sys.exit(f"unknown command {command!r}\n\n{USAGE}")
+        print(_unknown_command(command), file=sys.stderr)
+        sys.exit(2)
     if any(a in ("-h", "--help") for a in sys.argv[1:]):
         print(_help(command))
         return

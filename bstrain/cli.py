@@ -88,6 +88,11 @@ def quote_path(value: str) -> str:
         value = os.path.expanduser(value)
         if _PLAIN.fullmatch(value):
             return value
+    return _quoted(value)
+
+
+def _quoted(value: str) -> str:
+    """``value`` single-quoted for Hydra's override grammar, which then reads it back unchanged."""
     # in a quoted value, only backslashes before a quote (or before the closing one) are escapes
     value = re.sub(r"(\\*)'", lambda m: m.group(1) * 2 + "\\'", value)
     value = re.sub(r"(\\+)$", lambda m: m.group(1) * 2, value)
@@ -173,6 +178,8 @@ def rewrite(command: str, argv: list[str]) -> list[str]:
             arg = "prompt_file=" + _prompt_file(value)
         elif key in PATH_KEYS and eq:
             arg = f"{key}={quote_path(value)}"
+        elif eq and "," in value and value[:1] not in ("'", '"', "[", "{") and string_key(key):
+            arg = f"{key}={_quoted(value)}"          # a string with commas, not a list or a sweep
         out.append(arg)
     if command == "train":
         raw = {k: v for k, eq, v in (a.partition("=") for a in argv) if eq}
@@ -180,6 +187,18 @@ def rewrite(command: str, argv: list[str]) -> list[str]:
         if "config" not in raw:
             out = _resume_config(raw) + out
     return out
+
+
+def string_key(key: str) -> bool:
+    """Whether a schema types ``key`` (``section.field``; a built-in option's model, data or task
+    field, or an optim, trainer or sparsity one) as a string: Hydra would read its comma value
+    (``model.attention=strided,fixed``) as a list or a sweep."""
+    from bstrain.configs import schema
+    section, _, name = key.lstrip("+~").partition(".")
+    nodes = [node for (group, _), node in schema.GROUP_SCHEMAS.items() if group == section]
+    nodes += {"optim": [schema.OptimConfig], "trainer": [schema.TrainerConfig],
+              "sparsity": [schema.SparsityConfig]}.get(section, [])
+    return any(typing.get_type_hints(node).get(name) in (str, typing.Optional[str]) for node in nodes)
 
 
 def _one_run_dir(raw: dict[str, str]) -> list[str]:
@@ -215,6 +234,11 @@ def one_line(exc: BaseException) -> str | None:
         options = sorted(o for o in (exc.options or []) if not o.startswith("base_"))
         return f"{group}={name}: no such option; options: {', '.join(options)}" if group else " ".join(
             str(exc).split())
+    if isinstance(exc, ConfigCompositionException) and "Ambiguous value for argument" in str(exc):
+        override = str(exc).split("argument '", 1)[1].split("'", 1)[0]
+        key, _, value = override.partition("=")
+        return (f"{override}: Hydra reads a comma value as a list or a sweep; for the string, quote it: "
+                f"\"{key}='{value}'\"; for a list: {key}=[{value}]")
     if isinstance(exc, ConfigCompositionException):
         cause = exc.__cause__
         if isinstance(cause, OmegaConfBaseException) and getattr(cause, "full_key", None):

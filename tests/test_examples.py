@@ -85,10 +85,12 @@ def test_readme_attention_example():
     np.testing.assert_array_equal(flex_blocks, ns["lay"].astype(bool))
 
 
-def test_readme_lstm_step_example():
-    """The recurrent step with gradient grouping gives the recurrent weight the gradient it has
-    without grouping."""
-    ns = readme("recurrent.grad_group()")
+def test_seed_doc_lstm_step_example():
+    """docs/seed.md's recurrent step with gradient grouping gives the recurrent weight the gradient it
+    has without grouping."""
+    from tests.test_readme import SEED_DOC, python_blocks
+    (line, code), = [b for b in python_blocks(SEED_DOC) if "recurrent.grad_group()" in b[1]]
+    ns = run_block(line, code, SEED_DOC)
     grouped = ns["recurrent"].weight.grad.clone()
     recurrent, norm, bs, gates_in = ns["recurrent"], ns["norm"], ns["bs"], ns["gates_in"]
     recurrent.weight.grad = None

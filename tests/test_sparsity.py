@@ -949,3 +949,24 @@ def test_conv_layers_switch_in_place_where_their_tables_allow(kind, monkeypatch)
     dx_ref, dw_ref = torch.autograd.grad(y_ref, (xr, ref.weight), g.double())
     for got, want in ((y, y_ref), (dx, dx_ref), (dw, dw_ref)):
         torch.testing.assert_close(got.cpu().double(), want, rtol=1e-4, atol=1e-4)
+
+
+def test_the_first_update_replaces_the_share_the_help_states():
+    """sparsity.fraction is the share at step 0 of the cosine: the first update, at step ``every``,
+    replaces fraction * (1 + cos(pi * every / stop)) / 2 of the live blocks (measured), not
+    ``fraction``; the config's help and the policy's docstring say so."""
+    from bstrain.configs.schema import SparsityConfig
+    torch.manual_seed(0)
+    layer = BlockSparseLinear(256, 256, block_size=16, density=0.25)             # 64 of 256 blocks live
+    policy = SET(layer, torch.optim.SGD(layer.parameters(), lr=0.1), every=100, fraction=0.3, stop=225)
+    old = np.asarray(layer.block_layout(), dtype=bool)
+    info = policy.step(100)
+    new = np.asarray(layer.block_layout(), dtype=bool)
+    live = int(old.sum())
+    replaced = int((new & ~old).sum())
+    want = 0.3 * (1 + math.cos(math.pi * 100 / 225)) / 2                     # 0.176
+    assert replaced == round(want * live) == 11 and replaced != round(0.3 * live)
+    assert info["fraction"] == pytest.approx(want)
+    help_text = SparsityConfig.__dataclass_fields__["fraction"].metadata["help"]
+    assert "fraction * (1 + cos(pi * t / stop)) / 2" in help_text and "the first update" not in help_text
+    assert "already replaces less" in " ".join((SET.__mro__[1].__doc__ or "").split())

@@ -109,8 +109,11 @@ def test_every_blocks_state_follows_it(name, i, kw, kind):
                     assert torch.equal(block, was[coord]), (lname, k, coord)
                 else:                                                  # grown: the optimizer's start value
                     assert torch.equal(block, torch.full_like(block, start)), (lname, k, coord, block.flatten()[:4])
+    was = {lname: (layer.weight.detach().clone(), layer.block_layout().copy()) for lname, layer in layers}
     _steps(model, opt, 1, name == "SparseAdam")                        # and the optimizer steps on
-    assert all(torch.isfinite(layer.weight).all() for _, layer in layers)
+    for lname, layer in layers:                                        # every weight moves, no layout does
+        assert torch.isfinite(layer.weight).all() and not torch.equal(layer.weight, was[lname][0]), lname
+        assert np.array_equal(layer.block_layout(), was[lname][1]), lname
 
 
 @pytest.mark.parametrize("name", ["Adam", "NAdam", "RAdam", "SparseAdam"])

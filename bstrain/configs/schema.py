@@ -200,6 +200,8 @@ class TrainerConfig:
         "help": "auto: ddp when torchrun starts more than one process, else single | single | ddp (every process "
                 "holds the whole model) | fsdp (FSDP2: parameters, gradients and optimizer state sharded across "
                 "the processes)"})
+    nproc: int = _field(1, "processes to train on (DDP, or trainer.strategy): this command starts them itself, one "
+                           "per GPU or on the CPU (gloo); under torchrun, torchrun's count applies", _AT_LEAST_1)
 
 
 class Policy(str, Enum):
@@ -220,7 +222,9 @@ class SparsityConfig:
         "help": "static: layouts fixed | set: prune the smallest blocks, grow at random | rigl: grow by dense "
                 "gradient norm"})
     every: int = _field(100, "optimizer steps between layout updates, >= 1", (lambda v: v >= 1, "an int >= 1"))
-    fraction: float = _field(0.3, "share of live blocks replaced at the first update, decayed by a cosine; in (0, 1)",
+    fraction: float = _field(0.3, "share of live blocks replaced at step 0 of a cosine decay: the update at step t "
+                                  "replaces fraction * (1 + cos(pi * t / stop)) / 2, stop = until * trainer.max_steps "
+                                  "(so the first, at step every, already less); in (0, 1)",
                              (lambda v: 0 < v < 1, "a share in (0, 1)"))
     until: float = _field(0.75, "share of trainer.max_steps after which layouts are frozen; in (0, 1]",
                           (lambda v: 0 < v <= 1, "a share of trainer.max_steps in (0, 1]"))

@@ -93,6 +93,11 @@ def _load(path: str) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     if not p.exists():
         raise DataError(f"data path '{path}' does not exist")
     if p.is_file():
+        import zipfile
+        if not zipfile.is_zipfile(p):           # (np.load would read it as a pickle and speak of allow_pickle)
+            raise DataError(f"data path '{path}': not an .npz file; the image task expects an .npz with x_train, "
+                            f"y_train, x_test, y_test, a CIFAR python directory, or a directory of class "
+                            f"subfolders of images")
         try:
             with np.load(p) as f:
                 arrays = [f[k] for k in ("x_train", "y_train", "x_test", "y_test")]

@@ -11,8 +11,10 @@ import glob
 import hashlib
 import math
 import os
+import shutil
 import sysconfig
 import zipfile
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -137,20 +139,26 @@ def _file_split(rel: str) -> int:
     return 0 if u < 0.90 else 1 if u < 0.95 else 2
 
 
-def _read_files(files: list[Path], root: Path, max_bytes: int, path) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Whole files held out: each file goes to train, valid or test by :func:`_file_split`; files are
-    read in sorted path order until ``max_bytes`` (0: all); each split is its files concatenated."""
-    parts: tuple[list, list, list] = ([], [], [])
+def _chunks(files: list[Path], root: Path, max_bytes: int) -> Iterator[tuple[int, bytes]]:
+    """(split, bytes) of each file in sorted path order, until ``max_bytes`` (0: all); whole files
+    held out: each file goes to train, valid or test by :func:`_file_split`."""
     total = 0
     for f in files:
         if max_bytes and total >= max_bytes:
-            break
+            return
         chunk = f.read_bytes()
         if max_bytes:
             chunk = chunk[: max_bytes - total]
         total += len(chunk)
-        parts[_file_split(f.relative_to(root).as_posix() if f.is_relative_to(root) else str(f))].append(chunk)
-    if total == 0:
+        yield _file_split(f.relative_to(root).as_posix() if f.is_relative_to(root) else str(f)), chunk
+
+
+def _read_files(files: list[Path], root: Path, max_bytes: int, path) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Each split is its files concatenated (:func:`_chunks`), in memory."""
+    parts: tuple[list, list, list] = ([], [], [])
+    for split, chunk in _chunks(files, root, max_bytes):
+        parts[split].append(chunk)
+    if not any(c for p in parts for c in p):
         raise DataError(f"data path '{path}' is empty")
     if not all(parts):                      # too few files to hold out whole ones: split the bytes
         data = np.frombuffer(bytearray(b"".join(c for p in parts for c in p)), dtype=np.uint8)
@@ -158,8 +166,45 @@ def _read_files(files: list[Path], root: Path, max_bytes: int, path) -> tuple[np
     return tuple(np.frombuffer(bytearray(b"".join(p)), dtype=np.uint8) for p in parts)
 
 
+def _spill_files(files: list[Path], root: Path, max_bytes: int, path, spill: Path) -> tuple[np.ndarray, ...]:
+    """:func:`_read_files` through files on disk: each split written to ``spill`` file by file and
+    memory-mapped (a corpus larger than memory), kept under a key of the files' names, sizes and
+    modification times (a second run maps them again)."""
+    listing = "\n".join(f"{f}\t{f.stat().st_size}\t{f.stat().st_mtime_ns}" for f in files) + f"\n{max_bytes}"
+    folder = Path(spill) / f"corpus-{hashlib.sha256(listing.encode('utf-8', 'surrogateescape')).hexdigest()[:24]}"
+    names = [folder / f"{split}.bin" for split in ("train", "valid", "test")]
+    if not folder.is_dir():
+        tmp = folder.with_name(f"{folder.name}.tmp-{os.getpid()}")
+        tmp.mkdir(parents=True, exist_ok=True)
+        outs = [open(tmp / n.name, "wb") for n in names]
+        try:
+            for split, chunk in _chunks(files, root, max_bytes):
+                outs[split].write(chunk)
+        finally:
+            for out in outs:
+                out.close()
+        try:
+            os.replace(tmp, folder)
+        except OSError:                     # another process (a rank) wrote it first: the same bytes
+            shutil.rmtree(tmp, ignore_errors=True)
+    sizes = [n.stat().st_size for n in names]
+    if sum(sizes) == 0:
+        raise DataError(f"data path '{path}' is empty")
+    if not all(sizes):                      # too few files to hold out whole ones: split the bytes
+        whole = folder / "all.bin"
+        if not whole.exists():
+            with open(f"{whole}.tmp-{os.getpid()}", "wb") as out:
+                for n in names:
+                    with open(n, "rb") as f:
+                        shutil.copyfileobj(f, out)
+            os.replace(f"{whole}.tmp-{os.getpid()}", whole)
+        data = np.memmap(whole, dtype=np.uint8, mode="r")
+        return _split(data, _proportional_cuts(len(data)))
+    return tuple(np.memmap(n, dtype=np.uint8, mode="r") for n in names)
+
+
 def load_bytes(path: str | None, name: str = "auto", max_bytes: int = 0,
-               mmap: bool = False) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+               mmap: bool = False, spill: Path | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Load a corpus as bytes and split it into train / valid / test parts.
 
     Args:
@@ -180,8 +225,9 @@ def load_bytes(path: str | None, name: str = "auto", max_bytes: int = 0,
               proportional 90/5/5 split; bytes past the first 100M are ignored.
             - bytes: any text or binary file, read raw (a .zip is not unpacked), split 90/5/5.
         max_bytes: read at most this many bytes in all (0: no limit).
-        mmap: one plain file is memory-mapped (read-only) instead of read (a directory or a glob is
-            read whole).
+        mmap: one plain file is memory-mapped (read-only) instead of read.
+        spill: with ``mmap``, a directory or a glob is written split by split into this folder,
+            file by file, and memory-mapped (without it, it is read into memory).
     Returns: (train, valid, test), (n_train,), (n_valid,), (n_test,) uint8 arrays.
     Raises:
         DataError: path does not exist, matches nothing, or is empty.
@@ -196,6 +242,8 @@ def load_bytes(path: str | None, name: str = "auto", max_bytes: int = 0,
         return _split(corpus, _proportional_cuts(len(corpus)))
     files, root = _expand(path)
     if len(files) > 1 or files[0] != Path(os.path.expanduser(str(path))):
+        if mmap and spill is not None:
+            return _spill_files(files, root, max_bytes, path, spill)
         return _read_files(files, root, max_bytes, path)
     file = files[0]
     if name == "auto":
@@ -278,13 +326,14 @@ class ByteCorpus:
     def splits(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """(train, valid, test): uint8 bytes, or memory-mapped uint16/uint32 token ids; read once."""
         if self._splits is None:
-            splits = load_bytes(self.path, self.name, self.max_bytes, mmap=self.tokenizer_name is not None)
             if self.tokenizer_name is None:
-                self._splits = splits
-            else:
+                self._splits = load_bytes(self.path, self.name, self.max_bytes)
+            else:                           # a corpus larger than memory: mapped, then tokenized in chunks
                 from bstrain.data import tokens
+                folder = tokens.cache_dir(self.cache_dir)
+                splits = load_bytes(self.path, self.name, self.max_bytes, mmap=True, spill=folder)
                 self.tokenizer, _, self._splits, self.byte_lengths = tokens.tokenize_splits(
-                    splits, self.tokenizer_name, self.requested_vocab, tokens.cache_dir(self.cache_dir))
+                    splits, self.tokenizer_name, self.requested_vocab, folder)
         return self._splits
 
     def describe(self) -> str:

@@ -89,24 +89,35 @@ def small_world_layout(n: int, density: float, kind: str, seed: int) -> np.ndarr
     """
     kind = getattr(kind, "value", kind)
     layouts.check_density(density)
-    if n < 4:                                   # too few blocks for a graph: use them all
+    if kind == "random":                        # any n: the diagonal, then the rest at random
+        lay = _random_with_diagonal(n, density, seed)
+    elif kind not in ("barabasi_albert", "watts_strogatz"):
+        raise ValueError(f"model.layout: expected barabasi_albert, watts_strogatz or random, got {kind!r}")
+    elif n < 4:                                 # too few blocks for a graph: use them all
         lay = layouts.dense((n, n))
     elif kind == "barabasi_albert":
         m = int(np.clip(round((density * n - 1) / 2), 1, n - 1))       # ~2m links + self per row
         lay = layouts.barabasi_albert(n, m, seed=seed)
-    elif kind == "watts_strogatz":
+    else:
         k = int(np.clip(2 * round((density * n - 1) / 2), 2, n - 1 - (n - 1) % 2))
         lay = layouts.watts_strogatz(n, k, 0.1, seed=seed)
-    elif kind == "random":
-        lay = _random_with_diagonal(n, density, seed)
-    else:
-        raise ValueError(f"model.layout: expected barabasi_albert, watts_strogatz or random, got {kind!r}")
     real = float(lay.mean())
     if abs(real - density) > 0.25 * density:
-        warnings.warn(f"model.density: asked for {density:g}, but a {kind} layout of {n}x{n} blocks has "
-                      f"density {real:.3f}; model.layout=random gives the requested density exactly (down to "
-                      f"1/{n}), or change model.hidden / model.block_size", stacklevel=2)
+        warnings.warn(f"model.density: asked for {density:g}, but the {kind} layout of {n}x{n} blocks has density "
+                      f"{real:.3f} ({_why_not(kind, n)}); {_fix(kind, n)}", stacklevel=2)
     return lay
+
+
+def _why_not(kind: str, n: int) -> str:
+    if kind == "random":
+        return f"it keeps the diagonal: at least 1/{n}"
+    return "too few blocks for a graph: all live" if n < 4 else "a graph's density follows from its integer degree"
+
+
+def _fix(kind: str, n: int) -> str:
+    """What gives the requested density: more blocks, or (for a graph) the random layout."""
+    more = f"more blocks per side than {n} (a larger model.hidden or a smaller model.block_size)"
+    return f"ask for {more}" if kind == "random" else f"model.layout=random gives it down to 1/{n}, or ask for {more}"
 
 
 def _as(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

@@ -66,8 +66,7 @@ def _entry(cls: type) -> _Entry | None:
 
 def _check_linear(name: str, layer: nn.Module, block_size: int) -> None:
     """A ValueError naming ``name`` when ``layer`` (an nn.Linear or a Conv1D) has no
-    BlockSparseLinear equivalent: a block size its kernels do not take, or features it does not divide."""
-    check_block_size(block_size)
+    BlockSparseLinear equivalent."""
     C, K, _, _ = linear_parts(layer)
     if C % block_size or K % block_size:
         raise ValueError(f"{name}: expected in/out features that are multiples of block_size={block_size}, "
@@ -198,6 +197,8 @@ def sparsify(model: nn.Module, include: str | Callable[[str, nn.Module], bool], 
             raise ValueError(message)
         warnings.warn(f"sparsify replaced nothing (errors='skip'): {message}", stacklevel=2)
         return SparsifyResult()
+    if any(entries[type(m)].check is _check_linear for m in [m for _, m in chosen] + [m for m, _, _ in problems]):
+        check_block_size(block_size)         # the Linear kernels' sizes, whatever errors says; conv takes any
     if problems and errors == "raise":
         raise ValueError(problems[0][2])
     new: dict[int, nn.Module] = {}                       # one replacement per layer object

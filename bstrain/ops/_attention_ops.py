@@ -72,9 +72,14 @@ def _attention_tables(layout: np.ndarray, block_size: int, partial_idx: np.ndarr
 def _device_tensors(key: str, device: torch.device) -> tuple[Tensor, ...]:
     """(h, i, j, row, tiles, tile_of) of the tables named ``key`` on ``device``. torch.compile runs
     this rather than tracing it (a first device copy built in the trace would break the graph on
-    the builder's numpy) and takes the result as constants of the graph."""
+    the builder's numpy) and takes the result as constants of the graph: copies of their own (no
+    views, so no storage offsets) with every size static, else ``dynamic=True`` would give them
+    symbolic sizes, whose guards name a constant that no frame holds."""
     t = lookup(key).on(device)
-    return t.h, t.i, t.j, t.row, t.tiles, t.tile_of
+    tensors = tuple(x.clone() for x in (t.h, t.i, t.j, t.row, t.tiles, t.tile_of))
+    for x in tensors:       # what torch._dynamo.mark_static(x) records, a no-op while compiling
+        x._dynamo_static_indices = set(range(x.dim()))
+    return tensors
 
 
 def _tables_on(tables, device: torch.device) -> AttentionTables:

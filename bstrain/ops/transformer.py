@@ -165,6 +165,10 @@ class BlocksparseTransformer:
         Valid arguments cost a few integer comparisons (an eager call's host time is the point);
         anything else goes through :meth:`_explain_qkv`, which names the argument at fault."""
         try:
+            if torch.compiler.is_compiling():       # dynamic shapes: the widths (head dims) are constants of
+                for x in (q, k, v):                 # the graph, as for the kernels; the batch is what varies
+                    if isinstance(x, Tensor) and x.dim() == 3:
+                        torch._dynamo.mark_static(x, 2)
             B, T, HD = q.shape
             Bk, Tk, HDk = k.shape
             Bv, Tv, HDv = v.shape
@@ -363,7 +367,9 @@ def _check_alibi(alibi, heads: int, device: torch.device, dtype: torch.dtype) ->
             or not all(isinstance(a, numbers.Real) and not isinstance(a, bool) for a in alibi):
         raise TypeError(f"alibi: expected None, True, or {heads} slopes (a sequence of numbers or a tensor), "
                         f"got {alibi!r}")
-    if len(alibi) != heads or not all(math.isfinite(a) for a in alibi):
+    if len(alibi) != heads or not all(-math.inf < a < math.inf for a in alibi):     # (SymFloats too: no isfinite)
+        if torch.compiler.is_compiling():           # the values may be symbolic (a SymFloat formats in no f-string)
+            raise ValueError("alibi: expected finite slopes, one per head")
         raise ValueError(f"alibi: expected {heads} finite slopes (one per head), got {list(alibi)}")
     values = tuple(float(a) for a in alibi)
     if torch.compiler.is_compiling():
@@ -385,8 +391,8 @@ def _check_softcap(softcap) -> float:
         return 0.0
     if isinstance(softcap, bool) or not isinstance(softcap, numbers.Real):
         raise TypeError(f"softcap: expected a positive number or None, got {type(softcap).__name__}")
-    if not (math.isfinite(softcap) and softcap > 0):
-        raise ValueError(f"softcap: expected a positive finite number or None, got {softcap!r}")
+    if not 0 < softcap < math.inf:      # (not math.isfinite: torch.compile passes a changed softcap as a SymFloat)
+        raise ValueError(f"softcap: expected a positive finite number or None, got {float(softcap)!r}")
     return float(softcap)
 
 

@@ -17,6 +17,23 @@ def _growth_limits(old: np.ndarray) -> tuple[int, int]:
             max(growth_limit(cols, nnz, rows), int(old.sum(0).max(initial=0))))
 
 
+def _why_fixed_when_balanced(old: np.ndarray, pruned: int) -> str | None:
+    """Why a balanced update can never move a block of layout ``old`` when it prunes at most
+    ``pruned`` blocks (None: it can). Every block row and column keeps its count, so a lone
+    pruned block leaves one row and one column short, and only its own place lies in both; and
+    a layout whose rows' live columns nest (each row's within every longer row's: one block row
+    or column, one live block per column all in one row, a full layout) is the only one with its
+    counts, since a move needs two rows each live where the other is dead (Ryser's interchange)."""
+    if pruned < 2:
+        return (f"an update prunes {pruned} of its {int(old.sum())} live blocks, and a lone pruned block can "
+                f"regrow only where it was, its block row and column keeping their counts")
+    rows = old[np.argsort(-old.sum(1), kind="stable")]                 # longest block row first
+    if not (rows[1:] & ~rows[:-1]).any():
+        return ("its layout is the only one with its block rows' and columns' live counts: each block row's "
+                "live columns lie within every longer row's")
+    return None
+
+
 def _fill(order: np.ndarray, room_r: np.ndarray, room_c: np.ndarray, n: int, cols: int) -> list[int]:
     """Up to ``n`` cells of ``order`` (flat indices, best first), taken in that order wherever the
     cell's row and column still have room (``room_r``, ``room_c``: counts, decremented in place).

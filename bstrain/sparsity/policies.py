@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from bstrain.sparsity.groups import _OpLayer, _check_ops_apart, _twin_layers, _weight_groups, sparse_layers
-from bstrain.sparsity.growth import _grow_balanced, _grow_within, _growth_limits, _top
+from bstrain.sparsity.growth import _grow_balanced, _grow_within, _growth_limits, _top, _why_fixed_when_balanced
 from bstrain.sparsity.remap import _check_optimizer, _move_blocks, _state_moves, _whole
 from bstrain.sparsity.scores import _all_reduce_mean, _block_norms, _GradRecord
 from bstrain.sparsity.tables import _share_tables, _switch
@@ -30,6 +30,13 @@ def _int(v) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
 
 
+def _prune_counts(share: float, old: np.ndarray) -> tuple[int, int]:
+    """(planned, pruned) blocks of an update at ``share`` of layout ``old``: round(share · live),
+    and as many as there are dead blocks to grow into."""
+    planned = int(round(share * int(old.sum())))
+    return planned, min(planned, int((~old).sum()))
+
+
 class DynamicSparsity:
     """Prune the smallest-norm live blocks of each block-sparse layer every ``every`` steps and
     grow as many dead ones, chosen by :meth:`grow_scores`: the best-scored that keep every block
@@ -40,9 +47,11 @@ class DynamicSparsity:
         model: holds the block-sparse layers (a ValueError if none).
         optimizer: its state of each layer's weight follows the moves (None: no optimizer state).
         every: optimizer steps between updates (>= 1).
-        fraction: share of a layer's live blocks replaced at the first update, in (0, 1).
-        stop: the last step that may update (None: never stop); the share decays by a cosine to
-            0 at ``stop``.
+        fraction: share of a layer's live blocks replaced at step 0 of the decay, in (0, 1): the
+            update at step t replaces ``fraction * (1 + cos(pi * t / stop)) / 2`` of them (RigL's
+            schedule), so the first update, at step ``every``, already replaces less.
+        stop: the last step that may update (None: never stop, and every update replaces
+            ``fraction``); the share decays by a cosine to 0 at ``stop``.
         balanced: keep each row's and each column's live-block counts, as
             :func:`bstrain.layout.balanced` draws them: each column's smallest-norm share of blocks
             is pruned, and blocks grow where the pruning left a row and a column short.
@@ -102,7 +111,26 @@ class DynamicSparsity:
         self._hooks: list = []
         self._grads: dict[str, _GradRecord] = {}
         self._captured_grads: dict[str, _GradRecord] = {}
+        if balanced:
+            self._warn_fixed_layers()
         self._arm()
+
+    def _warn_fixed_layers(self) -> None:
+        """One warning naming the layers that a balanced update can never move, and why: they
+        would stay on their first layout all run long, with nothing else to say so."""
+        if not self.updates_at(self.every):
+            return                      # no update at all (stop <= every)
+        share = self.fraction_at(self.every)        # the largest share an update prunes
+        fixed = []
+        for group in self.groups:
+            old = np.asarray(group[0][1].block_layout(), dtype=bool)
+            why = _why_fixed_when_balanced(old, _prune_counts(share, old)[1])
+            if why is not None:
+                fixed += [f"{name!r} ({why})" for name, _ in group]
+        if fixed:
+            warnings.warn(f"{type(self).__name__}(balanced=True): a balanced update can never move a block of layers "
+                          f"{'; '.join(fixed)}: they keep their first layout; use balanced=False, or a higher "
+                          f"fraction or density for these layers", UserWarning, stacklevel=3)
 
     # --- schedule ---------------------------------------------------------------------------------
     def fraction_at(self, step: int) -> float:
@@ -174,8 +202,7 @@ class DynamicSparsity:
             name, layer = group[0]
             old = np.asarray(layer.block_layout(), dtype=bool)
             live = int(old.sum())
-            planned = int(round(share * live))
-            n = min(planned, int((~old).sum()))
+            planned, n = _prune_counts(share, old)
             new = self._new_layout(name, layer, old, n, gen)
             replaced = int((new & ~old).sum())
             for key, count in (("live", live), ("planned", planned), ("pruned", n), ("replaced", replaced)):

@@ -39,8 +39,14 @@ def save_checkpoint(path: str | Path, state: dict) -> Path:
             torch.save(state, f)
             f.flush()
             os.fsync(f.fileno())
-    except BaseException:               # a full disk, or a second Ctrl-C mid-write: no half file left behind
+    except BaseException as exc:        # a full disk, or a second Ctrl-C mid-write: no half file left behind
         tmp.unlink(missing_ok=True)
+        if _disk_full(exc):
+            from bstrain.errors import UserError
+            last = latest_checkpoint(path.parent)
+            raise UserError(f"checkpoint {path} not written: no space left on device"
+                            + (f"; the last one, {last}, is intact" if last is not None else "")
+                            + "; free space, or keep fewer checkpoints with a lower trainer.keep_ckpts") from None
         raise
     os.replace(tmp, path)
     try:  # make the rename itself durable
@@ -52,6 +58,18 @@ def save_checkpoint(path: str | Path, state: dict) -> Path:
     except OSError:
         pass
     return path
+
+
+def _disk_full(exc: BaseException | None) -> bool:
+    """Whether a full disk (or quota) is behind ``exc``: torch's zip writer reports the OSError, then
+    its own "unexpected pos" error on top of it."""
+    import errno
+    seen = 0
+    while exc is not None and seen < 8:
+        if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT):
+            return True
+        exc, seen = exc.__cause__ or exc.__context__, seen + 1
+    return False
 
 
 def load_checkpoint(path: str | Path, map_location="cpu", check_config=None) -> dict:

@@ -16,6 +16,11 @@ import torch
 import torch.distributed as dist
 
 
+class RankFailed(RuntimeError):
+    """Raised on the other ranks when rank 0 failed in :func:`on_main`: rank 0 reports the error
+    (``python -m bstrain`` prints nothing more for this one)."""
+
+
 @dataclass
 class World:
     rank: int = 0
@@ -123,7 +128,7 @@ def on_main(world: World, fn):
     if world.active:
         failed = broadcast(None if error is None else f"{type(error).__name__}: {error}", world)
         if failed and error is None:
-            raise RuntimeError(f"rank 0 failed: {failed}")
+            raise RankFailed(f"rank 0 failed: {failed}")
     if error is not None:
         raise error
     return result

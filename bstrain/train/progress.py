@@ -11,6 +11,7 @@ import logging
 import math
 import sys
 import time
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -38,7 +39,7 @@ class _Console(logging.Handler):
 def setup_logging(run_dir: Path | None, rank: int = 0, console: bool = True) -> list[logging.Handler]:
     """train.log in run_dir (with the rank in each line) and a console handler; returns them.
 
-    Ranks other than 0 log warnings only.
+    Ranks other than 0 log errors only; Python warnings go to the log while the handlers are set.
     """
     handlers: list[logging.Handler] = []
     if run_dir is not None:
@@ -51,15 +52,30 @@ def setup_logging(run_dir: Path | None, rank: int = 0, console: bool = True) -> 
         handlers.append(out)
     for h in handlers:
         log.addHandler(h)
-    log.setLevel(logging.INFO if rank == 0 else logging.WARNING)
+    # rank 0 says what every rank would (warnings too), once; the others only their own errors
+    log.setLevel(logging.INFO if rank == 0 else logging.ERROR)
     log.propagate = False
+    _shown_before.append(warnings.showwarning)
+    warnings.showwarning = _log_warning
     return handlers
+
+
+_shown_before: list = []
+
+
+def _log_warning(message, category, filename, lineno, file=None, line=None) -> None:
+    """A Python warning raised during a run (the model's density warning ...): one line in train.log
+    and on the console, as the run's own warnings."""
+    kind = "" if category is UserWarning else f" ({category.__name__})"
+    log.warning("warning%s: %s", kind, message)
 
 
 def remove_logging(handlers: list[logging.Handler]) -> None:
     for h in handlers:
         log.removeHandler(h)
         h.close()
+    if handlers and _shown_before:
+        warnings.showwarning = _shown_before.pop()
 
 
 class Throughput:

@@ -53,3 +53,18 @@ def remove_failed_start(run_dir: str | Path, created: list[Path]) -> bool:
         if parent != run_dir and parent.is_dir() and not any(parent.iterdir()):
             parent.rmdir()
     return not run_dir.exists()
+
+
+def append_to_log(run_dir: str | Path, message: str | None, rank: int = 0) -> None:
+    """``message`` at the end of run_dir/train.log, as the run's own lines read, when the run
+    has a log: how the run ended (an error, the interruption and how to resume), printed
+    after the run's logging closed."""
+    log = Path(run_dir) / "train.log"
+    if message is None or not log.is_file():        # (a start that never logged writes no log for it)
+        return
+    import logging
+    level = logging.WARNING if message.startswith("interrupted") else logging.ERROR
+    record = logging.LogRecord("bstrain", level, __file__, 0, message, None, None)
+    line = logging.Formatter(f"%(asctime)s [rank{rank}] %(levelname)s %(message)s").format(record)
+    with open(log, "a", encoding="utf-8") as f:
+        f.write(line + "\n")

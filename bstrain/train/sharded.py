@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import warnings
 from pathlib import Path
 
 import torch
@@ -30,6 +31,7 @@ import torch
 from bstrain.train.trust import CheckedReader, refusals_unwrapped
 
 EXTRA = "extra.pt"
+_SINGLE_PROCESS = "torch.distributed is .*assuming the intent is to (save|load) in a single process"
 SUFFIX = ".dcp"
 
 
@@ -167,8 +169,10 @@ def write_whole(path: Path, model_state: dict, optim_state: dict, extra: dict) -
     extra = dict(extra)
     ema = extra.pop("ema", None)
     extra["ema"] = None
-    dcp.save({"model": model_state, "optimizer": optim_state, **({"ema": ema} if ema is not None else {})},
-             checkpoint_id=str(tmp), no_dist=True)
+    with warnings.catch_warnings():     # one process on purpose: DCP's warning that it assumes so says nothing
+        warnings.filterwarnings("ignore", message=_SINGLE_PROCESS)
+        dcp.save({"model": model_state, "optimizer": optim_state, **({"ema": ema} if ema is not None else {})},
+                 checkpoint_id=str(tmp), no_dist=True)
     with open(tmp / EXTRA, "wb") as f:
         torch.save(extra, f)
     os.replace(tmp, path)

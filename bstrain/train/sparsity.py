@@ -11,6 +11,7 @@ layouts travel in the model's state dict; the policy's step count is the run's.
 from __future__ import annotations
 
 import logging
+import warnings
 
 from bstrain.configs.schema import GrownMoments, Policy
 from bstrain.errors import UserError
@@ -45,14 +46,19 @@ def make_policy(cfg, model, optimizer, ema, max_steps: int, policy: Policy | Non
         log.warning("sparsity=%s: no layout update will run: sparsity.until x trainer.max_steps = %d steps is not "
                     "more than sparsity.every = %d", policy, int(s.until * max_steps), s.every)
     try:
-        return cls(model, optimizer, every=s.every, fraction=s.fraction, stop=int(s.until * max_steps),
-                   balanced=bool(s.balanced), seed=s.seed, also=() if ema is None else (ema.module,),
-                   grown_moments=GrownMoments(s.get("grown_moments", "zero")).value)
+        with warnings.catch_warnings(record=True) as caught:      # into train.log (layers a balanced update
+            warnings.simplefilter("always")                       # can never move), not only to stderr
+            made = cls(model, optimizer, every=s.every, fraction=s.fraction, stop=int(s.until * max_steps),
+                       balanced=bool(s.balanced), seed=s.seed, also=() if ema is None else (ema.module,),
+                       grown_moments=GrownMoments(s.get("grown_moments", "zero")).value)
     except ValueError as exc:
         msg = str(exc)
         if msg.startswith("model:"):
             raise UserError(f"sparsity={policy}: {msg[len('model: '):]}") from None
         raise UserError(f"sparsity.{msg}") from None
+    for w in caught:
+        log.warning("sparsity=%s: %s", policy, w.message)
+    return made
 
 
 def allow_recompiles(policy) -> None:

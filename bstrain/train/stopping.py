@@ -49,16 +49,26 @@ def stop_on_signals(state: TrainState, run_dir: Path, world: World, config=None)
 
 def resume_hint(run_dir: Path, config=None) -> str:
     """How to continue a run: the run dir is all it takes (resuming reads the checkpoint's config),
-    and ``trust=[...]`` for the ``_target_``s of ``config`` (the run's, plain or OmegaConf) outside bstrain."""
+    started as this run was, on as many processes (``trainer.nproc=N``, or torchrun's options), and
+    ``trust=[...]`` for the ``_target_``s of ``config`` (the run's, plain or
+    OmegaConf) outside bstrain."""
+    import os
     import shlex
 
     from omegaconf import OmegaConf
 
     from bstrain.train import trust
+    command = "python -m bstrain train"
+    if os.environ.get("BSTRAIN_NPROC"):                 # bstrain.train.launch's workers
+        command += f" trainer.nproc={os.environ['BSTRAIN_NPROC']}"
+    elif "TORCHELASTIC_RUN_ID" in os.environ:           # torchrun's
+        local, world = os.environ.get("LOCAL_WORLD_SIZE", "1"), os.environ.get("WORLD_SIZE", "1")
+        nodes = "--standalone" if local == world else f"--nnodes={int(world) // max(1, int(local))}"
+        command = f"torchrun {nodes} --nproc_per_node={local} -m bstrain train"
     if OmegaConf.is_config(config):
         config = OmegaConf.to_container(config, resolve=True)
     refused = trust.untrusted(config) if config is not None else []
-    return (f"continue with python -m bstrain train trainer.resume=true {shlex.quote(f'hydra.run.dir={run_dir}')}"
+    return (f"continue with {command} trainer.resume=true {shlex.quote(f'hydra.run.dir={run_dir}')}"
             + (f" {trust.trust_argument(refused)}" if refused else ""))
 
 

@@ -12,6 +12,7 @@
 #   or ncu: Nsight Compute's view of the conv and bsmm kernels (scripts/profile/profile_conv.py, issue 22),
 #   the full report in $OUT/ncu.txt and its summary printed.
 #   or an issue's figures, one call each (each fits a call's 10 minutes; benchmarks/README.md lists them):
+#     bash scripts/gpu/gpu_check.sh 40 FAMILY WHICH [SECONDS]                        (nvidia-h200)
 #     bash scripts/gpu/gpu_check.sh 41 suite|attention S|glue|anchor D64|D128        (nvidia-h200)
 #     bash scripts/gpu/gpu_check.sh 44 suite|scaling CONFIG|fsdp|resume|rigl         (nvidia-h200-x2 or -x4)
 #   each writing its table and JSON (machine and date inside) and its log to $OUT, for benchmarks/;
@@ -20,7 +21,7 @@
 # (bash ../shared/tools/device-wheels.sh) and carry .whl with the call. Logs under $OUT.
 set -o pipefail
 . "$(dirname "$0")/gpu_env.sh"
-if [ "${1:-}" = 41 ] || [ "${1:-}" = 44 ]; then
+if [ "${1:-}" = 40 ] || [ "${1:-}" = 41 ] || [ "${1:-}" = 44 ]; then
   . "$(dirname "$0")/gpu_issues.sh"
   issue_$1 "${2:-suite}" "${@:3}"
   exit

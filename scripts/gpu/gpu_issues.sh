@@ -1,4 +1,4 @@
-# Sourced by scripts/gpu/gpu_check.sh for its issue modes (41, 44): one figure a call.
+# Sourced by scripts/gpu/gpu_check.sh for its issue modes (40, 41, 44): one figure a call.
 # step NAME SECONDS CMD...: runs CMD under a timeout, its output to $OUT/NAME.log, the tail printed;
 # with DRY_RUN=1 it prints "+ CMD" only.
 step() {
@@ -17,6 +17,16 @@ machine() {
   nvidia-smi --query-gpu=index,name,clocks.sm,clocks.mem,memory.used --format=csv,noheader
   python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
   python3 -c "from scripts.bench._flex import flash_status; print(flash_status()[1])"
+}
+
+# Issue 40 (one H200): one model of a family's pair (scripts/bench/bench_sparse_weights.py list), trained
+# for SECONDS of wall time (default 540: a call has 10 minutes, its start and the evaluation included).
+issue_40() {
+  machine
+  local family=${1:?40 needs FAMILY WHICH: transformer, lstm or convnet, then a model (bench_sparse_weights.py list)}
+  local which=${2:?40 needs WHICH: dense, wide, ... (bench_sparse_weights.py list)} seconds=${3:-540}
+  step "sparse_weights_${family}_$which" 595 python3 scripts/bench/bench_sparse_weights.py curve --family "$family" \
+    --which "$which" --seconds "$seconds" --out "$OUT"
 }
 
 # Issue 41 (one H200): the GPU suite, the attention grid with the strongest Flex (one S a call:

@@ -87,6 +87,27 @@ def test_token_splits_are_memmaps_of_the_tokenized_text(bpe_file, tmp_path):
     assert again.splits()[0].filename == train.filename     # read from the cache, not tokenized again
 
 
+def test_a_directory_corpus_is_spilled_file_by_file_and_mapped(bpe_file, tmp_path, monkeypatch):
+    """A directory (or glob) of files is written split by split to the cache, file by file, and
+    memory-mapped: the bytes never sit whole in memory, and the splits equal the in-memory read
+    (whole files held out) before and after tokenizing."""
+    from bstrain.data import text
+    folder = tmp_path / "src"
+    folder.mkdir()
+    for i in range(40):
+        (folder / f"m{i}.py").write_text(TEXT * (i % 5 + 1), encoding="utf-8")
+    in_memory = text.load_bytes(str(folder))
+    monkeypatch.setattr(text, "_read_files", None)        # the tokenized path must not read them whole
+    spilled = text.load_bytes(str(folder), mmap=True, spill=tmp_path / "cache")
+    assert all(isinstance(s, np.memmap) for s in spilled)
+    assert all(np.array_equal(a, b) for a, b in zip(in_memory, spilled))
+    corpus = ByteCorpus(str(folder), tokenizer=str(bpe_file), cache_dir=str(tmp_path / "cache"), seq_len=8,
+                        batch_size=2)
+    for split, ids in zip(in_memory, corpus.splits()):
+        assert isinstance(ids, np.memmap)
+        assert ids.tolist() == corpus.tokenizer.encode(bytes(split).decode("utf-8")).ids
+
+
 def test_text_chunks_cut_at_newlines_and_whole_characters():
     data = np.frombuffer(bytearray(("ééé✓✓" * 50 + "\n" + "x" * 30).encode("utf-8")), dtype=np.uint8)
     chunks = list(tokens.text_chunks(data, chunk_bytes=64))

@@ -161,6 +161,7 @@ def test_fused_glue_keeps_the_stream_in_the_autocast_dtype(monkeypatch, dropout)
     m.eval()
     with torch.autocast("cpu", dtype=torch.bfloat16):
         y = m(x)
+    # bf16 keeps 8 mantissa bits (rel 4e-3 a rounding) through every layer: an autocast check, not a precision one
     torch.testing.assert_close(y.float(), m(x), rtol=0.1, atol=0.1)
 
 
@@ -187,7 +188,12 @@ def test_inference_mode_first_then_training_and_export():
     with torch.inference_mode():
         m(x)
     m(x).logsumexp(-1).mean().backward()
-    assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in m.parameters())
+    torch.manual_seed(0)
+    twin = SparseTransformer(**SMALL, attention="fixed,strided")         # the same weights, no inference call
+    twin(x).logsumexp(-1).mean().backward()
+    for (name, p), q in zip(m.named_parameters(), twin.parameters()):
+        assert p.grad is not None, name
+        torch.testing.assert_close(p.grad, q.grad, msg=name)
     fresh = SparseTransformer(**SMALL, attention="strided+causal")
     ep = torch.export.export(fresh, (x,), strict=False)
     y = fresh(x)

@@ -210,15 +210,20 @@ def test_inference_mode_first_then_training(backend):
     dev = kernel_device()
     conv = BlockSparseConv2d(32, 32, 3, padding=1, block_size=16, density=0.5, backend=backend).to(dev)
     x = torch.randn(2, 32, 4, 5, device=dev)
+    twin = copy.deepcopy(conv)                          # never called under inference mode
     with torch.inference_mode():
         first = conv(x)
     xg = x.clone().requires_grad_()
     y = conv(xg)
     torch.testing.assert_close(y, first)
     y.square().sum().backward()
-    ref = F.conv2d(x.double().cpu(), masked_dense(conv), conv.bias.detach().double().cpu(), padding=1)
+    x64 = x.double().cpu().requires_grad_()
+    ref = F.conv2d(x64, masked_dense(conv), conv.bias.detach().double().cpu(), padding=1)
     assert_close(y, ref, None, torch.float32, "out")
-    assert torch.isfinite(xg.grad).all() and torch.isfinite(conv.weight.grad).all()
+    ref.square().sum().backward()
+    assert_close(xg.grad, x64.grad, None, torch.float32, "dx")
+    twin(x).square().sum().backward()
+    torch.testing.assert_close(conv.weight.grad, twin.weight.grad)
 
 
 @pytest.mark.parametrize("backend", ["dense", "triton"])

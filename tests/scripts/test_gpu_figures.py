@@ -131,7 +131,7 @@ def test_flash_attn_wheels_travel_in_two_halves_and_join(tmp_path):
     assert {p.name: p.read_bytes() for p in (parts / "wheels").glob("*.whl")} == blobs
 
 
-MODES = ["41 suite", "41 attention 4096", "41 glue", "41 anchor D128", "44 suite", "44 scaling convnet_cifar10",
+MODES = ["40 transformer wide", "40 lstm dense 300", "41 suite", "41 attention 4096", "41 glue", "41 anchor D128", "44 suite", "44 scaling convnet_cifar10",
          "44 fsdp", "44 resume", "44 rigl"]
 
 

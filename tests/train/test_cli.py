@@ -105,9 +105,9 @@ def test_misspelled_keys_and_bad_values_are_one_line(tmp_path):
 
 def test_value_and_data_errors_are_one_line(tmp_path):
     one_line_error(run("eval", cwd=tmp_path), "ckpt: expected the checkpoint")
-    one_line_error(run("sample", "ckpt=/no/run", cwd=tmp_path), "/no/run")
+    one_line_error(run("sample", "ckpt=no/run", cwd=tmp_path), "no/run")
     assert not list(tmp_path.iterdir()), "eval and sample write nothing into the working directory"
-    one_line_error(run("train", "data.path=/no/such/corpus.txt", cwd=tmp_path), "/no/such/corpus.txt")
+    one_line_error(run("train", "data.path=no/such/corpus.txt", cwd=tmp_path), "no/such/corpus.txt")
     one_line_error(run("train", "optim.lr=-1", cwd=tmp_path), "optim.lr", "-1")
     assert not list(tmp_path.iterdir()), "a start that stops on an error leaves no run dir (runs/DATE/TIME) behind"
     kept = tmp_path / "mine"
@@ -155,6 +155,10 @@ def test_run_directories_and_resume(tmp_path):
     done = run("train", *SMALL, f"hydra.run.dir={a}", "trainer.max_steps=4", "trainer.resume=true", cwd=tmp_path)
     assert done.returncode == 0 and "nan" not in done.stderr, done.stderr[-2000:]
     assert "run already finished: step 4 of trainer.max_steps=4" in done.stderr
+    again = run("train", *SMALL, f"trainer.resume={a / 'ckpt' / 'step_00000004.pt'}", "trainer.max_steps=4",
+                cwd=tmp_path)
+    assert again.returncode == 0 and "run already finished" in again.stderr, again.stderr[-2000:]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a"], "a run that finished at once leaves no run dir"
 
 
 TINY_TRANSFORMER = ["config=transformer_tiny", "model.d_model=32", "model.n_layer=1", "model.context=32",

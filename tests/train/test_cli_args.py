@@ -4,7 +4,7 @@ command for the output a user sees."""
 from __future__ import annotations
 
 import dataclasses
-import math
+import re
 from pathlib import Path
 
 import pytest
@@ -98,7 +98,8 @@ def test_the_readme_glob_example_trains(make_cfg, monkeypatch, tmp_path):
     argv = rewrite("train", ["data.path=~/src/**/*.py", "data.max_bytes=100000"])
     out = train(make_cfg(*argv, trainer__max_steps=2, trainer__eval_every=0))
     assert out["data"].startswith(f"byte LM on {tmp_path}/src/**/*.py: "), out["data"]
-    assert math.isfinite(out["train_loss"])
+    sizes = [int(n.replace(",", "")) for n in re.findall(r"[\d,]+", out["data"].split(": ")[-1])[:3]]
+    assert sum(sizes) == sum(f.stat().st_size for f in tmp_path.glob("src/**/*.py")), "every file, sub/ too"
 
 
 def _transformer(run_dir, steps):
@@ -149,3 +150,116 @@ def test_every_option_has_help():
     missing = [f"{node.__name__}.{f.name}" for node in nodes for f in dataclasses.fields(node)
                if not f.metadata.get("help", "").strip()]
     assert not missing, missing
+
+
+# --- issue 43: commas, commands, messages that say what is true --------------------------------------
+def test_a_comma_value_of_a_string_key_is_the_string():
+    cfg = composed(*rewrite("train", ["config=transformer_tiny", "model.attention=strided,fixed"]))
+    assert cfg.model.attention == "strided,fixed"
+    line = error_line("model.nope=a,b")            # a key no schema types: the quoting, in one line
+    assert line == ("model.nope=a,b: Hydra reads a comma value as a list or a sweep; for the string, quote it: "
+                    "\"model.nope='a,b'\"; for a list: model.nope=[a,b]")
+
+
+def _main(*argv):
+    import subprocess
+    import sys
+    return subprocess.run([sys.executable, "-m", "bstrain", *argv], capture_output=True, text=True, cwd=REPO,
+                          timeout=120)
+
+
+def test_a_misspelt_or_missing_command():
+    out = _main("trian")
+    assert (out.returncode, out.stdout, out.stderr) == (2, "", "error: unknown command 'trian'; did you mean train?\n")
+    out = _main()
+    assert out.returncode == 2 and out.stderr.startswith("usage: python -m bstrain COMMAND")
+
+
+@pytest.mark.parametrize("env, want", [
+    ({}, "continue with python -m bstrain train trainer.resume=true hydra.run.dir=r"),
+    ({"BSTRAIN_NPROC": "2", "WORLD_SIZE": "2"},
+     "continue with python -m bstrain train trainer.nproc=2 trainer.resume=true hydra.run.dir=r"),
+    ({"TORCHELASTIC_RUN_ID": "1", "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2"},
+     "continue with torchrun --standalone --nproc_per_node=2 -m bstrain train trainer.resume=true hydra.run.dir=r")],
+    ids=["one-process", "nproc", "torchrun"])
+def test_the_resume_hint_keeps_the_process_count(env, want, monkeypatch):
+    from bstrain.train.stopping import resume_hint
+    for key in ("BSTRAIN_NPROC", "TORCHELASTIC_RUN_ID", "WORLD_SIZE", "LOCAL_WORLD_SIZE"):
+        monkeypatch.delenv(key, raising=False)
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    assert resume_hint(Path("r")) == want
+
+
+def test_the_density_warning_reports_the_layout_asked_for(recwarn):
+    import warnings
+
+    from bstrain.models.lstm import small_world_layout
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert small_world_layout(2, 0.5, "random", 0).mean() == 0.5      # 2x2 blocks: the diagonal, exactly
+    with pytest.warns(UserWarning) as got:
+        lay = small_world_layout(2, 0.3, "random", 0)
+    text = str(got[0].message)
+    assert lay.mean() == 0.5 and "random layout of 2x2 blocks has density 0.500" in text
+    assert "model.layout=random" not in text and "model.block_size" in text
+    with pytest.warns(UserWarning, match="barabasi_albert layout of 2x2 blocks has density 1.000.*model.layout=random"):
+        small_world_layout(2, 0.5, "barabasi_albert", 0)
+
+
+def test_warnings_and_the_closing_line_reach_train_log(make_cfg, tmp_path):
+    """The model's density warning (raised while the run builds) is in train.log, once; the line a
+    run ends with is appended after its logging closed."""
+    from bstrain.train import rundir
+    out = train(make_cfg(trainer__max_steps=1, model__density=0.05, trainer__eval_every=0, trainer__ckpt_every=0))
+    log = (Path(out["run_dir"]) / "train.log").read_text()
+    assert "[rank0] WARNING warning: model.density: asked for 0.05, but the random layout of 4x4 blocks" in log
+    rundir.append_to_log(out["run_dir"], "interrupted: stopped by SIGINT at step 1; continue with ...")
+    assert (Path(out["run_dir"]) / "train.log").read_text().splitlines()[-1].endswith(
+        "[rank0] WARNING interrupted: stopped by SIGINT at step 1; continue with ...")
+
+
+def test_a_text_file_given_to_the_image_task_says_what_it_expects(tmp_path):
+    from bstrain.data.images import _load
+    (tmp_path / "notes.txt").write_text("hello\n")
+    with pytest.raises(UserError) as info:
+        _load(str(tmp_path / "notes.txt"))
+    assert "not an .npz file; the image task expects an .npz with x_train" in str(info.value)
+    assert "pickle" not in str(info.value)
+
+
+def test_convert_to_dcp_prints_no_torch_warning(tmp_path):
+    import warnings
+
+    import torch
+
+    from bstrain.train import sharded
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        sharded.write_whole(tmp_path / "x.dcp", {"w": torch.ones(2)}, {}, {"step": 1})
+    assert (tmp_path / "x.dcp").is_dir()
+
+
+def test_a_full_disk_while_checkpointing_is_one_line(tmp_path, monkeypatch):
+    """torch.save failing with ENOSPC: one UserError line naming the checkpoint not written, the last
+    one intact (and loadable), trainer.keep_ckpts; no partial file."""
+    import errno
+
+    import torch
+
+    from bstrain.train import checkpoint
+    first = checkpoint.save_checkpoint(tmp_path / "ckpt" / "step_00000001.pt", {"step": 1, "w": torch.ones(3)})
+
+    def full(obj, f, *args, **kwargs):
+        f.write(b"PK\x03\x04 partial")
+        raise RuntimeError("unexpected pos 64") from OSError(errno.ENOSPC, "No space left on device")
+    monkeypatch.setattr(checkpoint.torch, "save", full)
+    with pytest.raises(UserError) as info:
+        checkpoint.save_checkpoint(tmp_path / "ckpt" / "step_00000002.pt", {"step": 2})
+    assert str(info.value) == (f"checkpoint {tmp_path / 'ckpt' / 'step_00000002.pt'} not written: no space left on "
+                               f"device; the last one, {first}, is intact; free space, or keep fewer checkpoints with "
+                               f"a lower trainer.keep_ckpts")
+    assert info.value.__cause__ is None and info.value.__suppress_context__
+    assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == ["step_00000001.pt"]
+    monkeypatch.undo()
+    assert torch.equal(torch.load(first, weights_only=True)["w"], torch.ones(3))

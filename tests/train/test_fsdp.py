@@ -257,6 +257,6 @@ def test_fsdp_on_two_gpus_matches_ddp(tmp_path):
     assert out.returncode == 0, out.stderr[-3000:]
     want, got = losses(ddp), losses(two)
     assert sorted(got) == list(range(1, 7))
-    for step in want:
+    for step in want:       # bf16: FSDP mixed precision rounds elsewhere than DDP autocast
         assert got[step] == pytest.approx(want[step], abs=2e-2), (step, got, want)
     assert "FSDP's all-gathers and reduce-scatters run outside a whole-step CUDA graph" in (two / "train.log").read_text()

@@ -83,6 +83,7 @@ def test_tensorboard_logs_the_changes(tmp_path):
                          r"blocks per layer(; .*)?, (tables rewritten in place|new tables), \d+ ms", line)
         assert m, line
         replaced, live, planned_n = int(m[2]), int(m[3]), int(m[5])
+        # the log prints the percentage to one decimal: rounding moves it by at most 0.05
         assert float(m[4]) == pytest.approx(100 * replaced / live, abs=0.05)
         assert changed.value == pytest.approx(replaced / live)
         assert planned.value == pytest.approx(planned_n / live) and 0 < replaced <= planned_n
@@ -302,3 +303,11 @@ def test_the_update_line_says_why_fewer_were_replaced_than_planned():
     info = _info(BlockSparseLinear(64, 64, block_size=16, layout=full), 0.3)
     assert info["blocks"] == {"live": 15, "planned": 4, "pruned": 1, "replaced": 1}
     assert describe_update(info).endswith("; 3 of them not pruned: too few dead blocks to grow")
+
+
+def test_layers_a_balanced_update_cannot_move_are_named_in_the_log(tmp_path, caplog):
+    from bstrain.train.sparsity import make_policy
+    from tests.test_sparsity_balanced import model
+    make_policy(_cfg(tmp_path, "fixed", balanced=True), model(), None, None, 8)
+    assert re.search(r"sparsity=rigl: RigL\(balanced=True\): a balanced update can never move a block of layers "
+                     r"'0' \(its layout is the only one .*\); '1' \(an update prunes 1 of its 2 live blocks", caplog.text)
