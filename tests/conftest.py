@@ -194,16 +194,16 @@ class KilledRun(Exception):
 def killed_then_resumed(monkeypatch, make_cfg, kill_at: int) -> dict:
     """Trains ``make_cfg(False)``, killed right after its step-``kill_at`` checkpoint is written,
     then ``make_cfg(True)`` (the same run directory, resuming); returns the resumed run's result."""
-    from bstrain.train import trainer as trainer_mod
+    from bstrain.train import strategy as strategy_mod      # (the strategy writes the checkpoint files)
     from bstrain.train.trainer import train
-    real_save = trainer_mod.save_checkpoint
+    real_save = strategy_mod.save_checkpoint
 
     def save_then_die(path, state):
         real_save(path, state)
         if state["step"] == kill_at:
             raise KilledRun
-    monkeypatch.setattr(trainer_mod, "save_checkpoint", save_then_die)
+    monkeypatch.setattr(strategy_mod, "save_checkpoint", save_then_die)
     with pytest.raises(KilledRun):
         train(make_cfg(False))
-    monkeypatch.setattr(trainer_mod, "save_checkpoint", real_save)
+    monkeypatch.setattr(strategy_mod, "save_checkpoint", real_save)
     return train(make_cfg(True))

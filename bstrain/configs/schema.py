@@ -30,6 +30,12 @@ class Precision(str, Enum):
     fp16 = "fp16"
     bf16 = "bf16"
 
+    @property
+    def dtype(self):
+        """The autocast dtype; None for fp32 (no autocast)."""
+        import torch
+        return {"fp32": None, "fp16": torch.float16, "bf16": torch.bfloat16}[self.value]
+
 
 class Device(str, Enum):
     auto = "auto"

@@ -2,8 +2,8 @@
 
 A checkpoint is one ``torch.save`` file of plain data (tensors, numbers, strings, dicts, lists):
 model, optimizer, loss scaler, EMA, RNG states, data position, the carried recurrent state, the
-last metrics and the resolved config (:data:`KEYS`; :func:`capture` and :func:`restore` are the
-only code that writes or reads them). It is written to ``NAME.tmp``, flushed to disk, then renamed, so a
+last metrics and the resolved config (:data:`KEYS`; :func:`capture` and :func:`restore`, in
+bstrain/train/state.py, are the only code that writes or reads them). It is written to ``NAME.tmp``, flushed to disk, then renamed, so a
 run killed at any moment leaves either the previous checkpoint or the new one, never half of
 one; leftover ``.tmp`` files are ignored. Reading uses ``torch.load(weights_only=True)``.
 """
@@ -161,48 +161,6 @@ def prune_checkpoints(directory: str | Path, keep: int) -> None:
         shutil.rmtree(p, ignore_errors=True)
 
 
-# --- what a checkpoint holds: written and read here only ---------------------------------------------
-KEYS = ("step", "model", "optimizer", "scaler", "ema", "task", "rng", "state", "metrics", "config", "schedule")
-"""Every entry of a training checkpoint. ``state``: each rank's carried model state (stateful
-models), in rank order; ``task``: the data position; ``metrics``: the last train loss (the mean of
-the last logged window, and its number of steps) and validation results, so resuming a finished
-run can report them; ``schedule``: the learning-rate schedule's horizon and restart
-(:class:`bstrain.train.schedule.LRSchedule`)."""
-_LATER_KEYS = ("schedule",)
-"""Entries that checkpoints of earlier versions lack and a resume does without."""
-
-
-def capture(run, weights: bool = True) -> dict | None:
-    """The checkpoint of a :class:`bstrain.train.run.Run`. Collective under DDP (the carried
-    states are gathered); returns the dict on rank 0 and None elsewhere. ``weights=False`` leaves
-    the model and optimizer out (None): a sharded checkpoint writes them through DCP."""
-    from omegaconf import OmegaConf
-
-    from bstrain.train.distributed import gather
-    from bstrain.train.step import state_tensors
-    states = gather([t.detach().cpu() for t in state_tensors(run.state)] or None, run.world)
-    if not run.world.main:
-        return None
-    device = run.device
-    out = {
-        "step": run.step,
-        "model": run.model.state_dict() if weights else None,
-        "optimizer": run.optimizer.state_dict() if weights else None,
-        "scaler": run.scaler.state_dict(),
-        "ema": run.ema.state_dict() if run.ema is not None and weights else None,
-        "task": run.task.state_dict(),
-        "rng": {"cpu": torch.get_rng_state(),
-                "cuda": torch.cuda.get_rng_state(device) if device.type == "cuda" else None},
-        "state": states if any(s is not None for s in states) else None,
-        "metrics": {"train_loss": run.train_loss, "train_loss_steps": run.train_loss_steps,
-                    "valid": dict(run.valid)},
-        "config": OmegaConf.to_container(run.cfg, resolve=True, enum_to_str=True),
-        "schedule": run.schedule.state_dict(),
-    }
-    assert tuple(out) == KEYS
-    return out
-
-
 def check_model_entries(model: torch.nn.Module, saved: dict, path, adopt_layouts: bool = False) -> None:
     """CheckpointError naming the first parameter or buffer whose name or shape differs.
 
@@ -226,58 +184,5 @@ def check_model_entries(model: torch.nn.Module, saved: dict, path, adopt_layouts
                               f"resume with the config that wrote it")
 
 
-def _load_weights(run, ckpt: dict) -> None:
-    """The checkpoint's model and optimizer into the run's: as they are, or sharded under fsdp."""
-    from bstrain.train import sharded
-    check_model_entries(run.model, ckpt["model"], ckpt["path"])
-    before = [id(p) for p in run.model.parameters()]
-    by_name = ckpt.get("optimizer_fqn")                 # a sharded checkpoint read whole: keyed by name
-    if getattr(run, "strategy", "single") == "fsdp":
-        optim = by_name if by_name is not None else sharded.fqn_optimizer_state(run.model, run.optimizer,
-                                                                                ckpt["optimizer"])
-        sharded.load_full_into(run.model, run.optimizer, ckpt["model"], optim)
-    else:
-        run.model.load_state_dict(ckpt["model"])
-        if by_name is not None:
-            sharded.load_full_into(run.model, run.optimizer, ckpt["model"], by_name)
-        else:
-            run.optimizer.load_state_dict(ckpt["optimizer"])
-    if [id(p) for p in run.model.parameters()] != before:
-        raise RuntimeError("loading the checkpoint replaced a parameter the optimizer holds")
-
-
-def restore(run, ckpt: dict) -> None:
-    """Loads a checkpoint into a freshly built run, checking the model's entries first. The
-    carried state waits in ``run.pending_state`` until the first batch shows this rank's batch size."""
-    if missing := [k for k in KEYS if k not in ckpt and k not in _LATER_KEYS]:
-        raise CheckpointError(f"checkpoint {ckpt['path']}: no {', '.join(missing)} entries (written by an older "
-                              f"bstrain?); it can be evaluated and sampled, not resumed")
-    if ckpt["model"] is not None:                    # (None: a sharded checkpoint, loaded in place already)
-        _load_weights(run, ckpt)
-    if ckpt["scaler"] and run.scaler.is_enabled():
-        run.scaler.load_state_dict(ckpt["scaler"])
-        run.scaler.set_growth_interval(run.cfg.trainer.loss_scale_window)     # this run's setting wins
-    elif run.scaler.is_enabled():
-        from bstrain.train.progress import log
-        log.info("checkpoint %s: no fp16 loss scale in it; scaling starts at %g", ckpt["path"], run.scaler.get_scale())
-    if run.ema is not None and ckpt.get("ema") is not None:
-        if getattr(run, "strategy", "single") == "fsdp":
-            from bstrain.train.sharded import load_full_ema
-            load_full_ema(run.ema, ckpt["ema"])
-        else:
-            run.ema.load_state_dict(ckpt["ema"])
-    run.task.load_state_dict(ckpt["task"], run.world)
-    torch.set_rng_state(ckpt["rng"]["cpu"])
-    if run.device.type == "cuda" and ckpt["rng"].get("cuda") is not None:
-        torch.cuda.set_rng_state(ckpt["rng"]["cuda"], run.device)
-    run.pending_state = ckpt.get("state") if run.task.state_continues else None
-    run.step = int(ckpt["step"])
-    saved = ckpt.get("schedule") or {"max_steps": ckpt["config"].get("trainer", {}).get("max_steps", run.step)}
-    change = run.schedule.resume(saved, run.step)
-    if change:
-        from bstrain.train.progress import log
-        log.info("%s", change)
-    metrics = ckpt.get("metrics") or {}
-    run.train_loss = metrics.get("train_loss", float("nan"))
-    run.train_loss_steps = int(metrics.get("train_loss_steps", 0))
-    run.valid = dict(metrics.get("valid") or {})
+# what a checkpoint holds: its entries' capture and restore side by side (bstrain/train/state.py)
+from bstrain.train.state import KEYS, capture, restore  # noqa: E402

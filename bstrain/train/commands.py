@@ -15,7 +15,8 @@ from bstrain.train.distributed import World
 from bstrain.train.progress import log
 from bstrain.train.step import Forward, is_stateful
 from bstrain.train.model import build_model, instantiate
-from bstrain.train.run import PRECISIONS, resolve_device, set_threads
+from bstrain.configs.schema import Precision
+from bstrain.train.run import resolve_device, set_threads
 
 
 def _required_ckpt(cfg) -> str:
@@ -70,7 +71,7 @@ def _load(cfg, data_path=None):
     check_model_entries(model, weights, ckpt["path"], adopt_layouts=True)
     model.load_state_dict(weights, assign=True)                # the checkpoint's layouts, whatever the config draws
     model.to(device).eval()
-    forward = Forward(model, PRECISIONS[str(train_cfg.trainer.precision)], device)
+    forward = Forward(model, Precision(train_cfg.trainer.precision).dtype, device)
     return train_cfg, model, task, ckpt, forward
 
 

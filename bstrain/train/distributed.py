@@ -118,6 +118,15 @@ def all_mean(t: torch.Tensor, world: World) -> torch.Tensor:
     return t / world.size
 
 
+def all_sum(t: torch.Tensor, world: World) -> torch.Tensor:
+    """The sum of ``t`` over the ranks (a new tensor; ``t`` itself in a world of one)."""
+    if not world.active:
+        return t
+    t = t.clone()
+    dist.all_reduce(t)
+    return t
+
+
 def on_main(world: World, fn):
     """fn() on rank 0. Under DDP its exception is raised on every rank, which would otherwise wait
     in the next collective until the process group times out."""

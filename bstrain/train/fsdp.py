@@ -1,4 +1,4 @@
-"""The run's parallel strategy, and FSDP2 for models that outgrow DDP.
+"""FSDP2 for models that outgrow DDP (the strategy objects: bstrain/train/strategy.py).
 
 ``trainer.strategy``: ``single`` (one process), ``ddp`` (torchrun; every process holds the whole
 model and DDP averages gradients) or ``fsdp`` (torchrun; PyTorch's FSDP2, ``fully_shard``: each
@@ -28,29 +28,32 @@ import importlib
 import torch
 from torch import nn
 
+from bstrain.configs.schema import Strategy as Choice
 from bstrain.errors import UserError
 from bstrain.train.distributed import World, check_same_layouts
 
-STRATEGIES = ("auto", "single", "ddp", "fsdp")
 SHARD_KEY = "shard"
 """The model-section key naming a user model's FSDP units (left out of the model's constructor)."""
 
 
+def __getattr__(name: str):
+    if name == "STRATEGIES":                        # (moved: the schema's Enum is the one list)
+        import warnings
+        warnings.warn("bstrain.train.fsdp.STRATEGIES is deprecated: use bstrain.configs.schema.Strategy",
+                      DeprecationWarning, stacklevel=2)
+        return tuple(c.value for c in Choice)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
 def resolve_strategy(value, world: World) -> str:
-    """single, ddp or fsdp for ``trainer.strategy`` in this world; UserError where they disagree."""
-    value = str(getattr(value, "value", value))
-    if value not in STRATEGIES:
-        raise UserError(f"trainer.strategy: expected one of {', '.join(STRATEGIES)}, got {value!r}")
-    if value == "auto":
-        return "ddp" if world.active else "single"
-    if value in ("ddp", "fsdp") and not world.active:
-        raise UserError(f"trainer.strategy={value}: needs more than one process (torchrun --nproc_per_node=N -m "
-                        f"bstrain train ...), got one; one process trains with trainer.strategy=single or auto (a "
-                        f"resumed run keeps its checkpoint's strategy unless the command line sets it)")
-    if value == "single" and world.active:
-        raise UserError(f"trainer.strategy=single: torchrun started {world.size} processes, each of which would "
-                        f"train alone; use trainer.strategy=ddp or fsdp (or auto)")
-    return value
+    """Deprecated: :func:`bstrain.train.strategy.resolve` on the typed ``trainer.strategy``."""
+    import warnings
+
+    from bstrain.train.run import choice
+    from bstrain.train.strategy import resolve
+    warnings.warn("bstrain.train.fsdp.resolve_strategy is deprecated: use bstrain.train.strategy.resolve",
+                  DeprecationWarning, stacklevel=2)
+    return resolve(choice(Choice, value, "trainer.strategy"), world).value
 
 
 def _named_class(name: str):
@@ -93,6 +96,11 @@ def shard_units(model: nn.Module, spec=None) -> list[nn.Module]:
             some = ", ".join(n for n in list(names)[1:6])
             raise UserError(f"model.shard: {entry!r} matches no module of {type(model).__name__} (module names such "
                             f"as {some}, or a class name)")
+        if containers := [n for n, m in names.items() if n and any(m is h for h in hits)
+                          and isinstance(m, (nn.ModuleList, nn.ModuleDict))]:
+            # a container has no forward of its own: FSDP would never gather it (a traceback on every rank)
+            raise UserError(f"model.shard: {entry!r} names {containers[0]} ({type(names[containers[0]]).__name__}), "
+                            f"a container without a forward; name its children: {containers[0]}.*")
         units += [m for m in hits if all(m is not u for u in units)]
     return _inner_first(units)
 

@@ -24,10 +24,6 @@ from bstrain.train.progress import log
 _SPARSIFY_KEYS = ("include", "density", "block_size", "keep_weights", "balanced", "errors")
 
 
-def _value(x):
-    return getattr(x, "value", x)
-
-
 def _constructor_failed(key: str, target: str, exc: BaseException) -> UserCodeError | None:
     """One line for an exception a user's constructor raised, its traceback written to train.log
     only; None (the caller keeps the traceback) where there is no train.log to write it to."""
@@ -99,7 +95,9 @@ def sparsify_model(model: torch.nn.Module, section, target: str, rebuild: bool =
     replaced and logs how many. Its ValueErrors (a glob that matches nothing among them) are
     UserErrors naming the ``sparsify.*`` key; its warnings go to train.log too."""
     from bstrain.nn import sparsify
-    opts = {k: _value(section.get(k)) for k in _SPARSIFY_KEYS}
+    plain = OmegaConf.to_container(section, resolve=True, enum_to_str=True) if OmegaConf.is_config(section) \
+        else dict(section)
+    opts = {k: plain.get(k) for k in _SPARSIFY_KEYS}
     include = str(opts.pop("include"))
     if rebuild:
         opts["keep_weights"] = False                 # the checkpoint's weights and layouts replace what is drawn

@@ -1,51 +1,63 @@
-"""A training run: its config checked once (:func:`check_config`), its parts built from the
-config (:func:`build`: data and task, model (sparsified by the ``sparsify`` section), optimizer,
-scaler, EMA, the sparsity policy and the :class:`bstrain.train.stepper.Stepper`, then the
-checkpoint it resumes from), and what it holds (:class:`Run`). The loop that trains it is
-:func:`bstrain.train.trainer.fit`.
+"""A training run: its config checked and typed once (:func:`check_config`: :class:`Settings`),
+its parts built from it once (:func:`build`: data and task, model (sparsified by the
+``sparsify`` section), the distributed strategy,
+optimizer, scaler, EMA, the sparsity policy and the :class:`bstrain.train.stepper.Stepper`, then
+the checkpoint it resumes from), and what it holds (:class:`Run`, frozen; what changes as it
+trains is its :class:`bstrain.train.state.TrainState`). The loop is :func:`bstrain.train.trainer.fit`.
 """
 from __future__ import annotations
 
-import contextlib
 import os
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from enum import Enum
 from pathlib import Path
 from typing import Any
 
 import torch
 from omegaconf import DictConfig, OmegaConf
 
+from bstrain.configs.schema import Policy, Precision, Schedule, Strategy
 from bstrain.errors import UserError
 from bstrain.nn import set_grad_group
-from bstrain.train import checkpoint as ckpt_io
 from bstrain.train import checks, fsdp, sharded, sparsity
-from bstrain.train.checkpoint import latest_checkpoint, load_checkpoint
-from bstrain.train.distributed import World, check_same_layouts
+from bstrain.train.checkpoint import latest_checkpoint
+from bstrain.train.distributed import World
 from bstrain.train.model import build_model, instantiate
 from bstrain.train.optim import _match_graph_mode, make_optimizer
 from bstrain.train.progress import log
-from bstrain.train.schedule import LRSchedule
+from bstrain.train.schedule import Curve, LRSchedule
+from bstrain.train.state import TrainState, restore
 from bstrain.train.step import Forward
 from bstrain.train.stepper import GraphMode, StepParts, Stepper, eager_reason
+from bstrain.train.strategy import Single, make_strategy
 
-PRECISIONS = {"fp32": None, "fp16": torch.float16, "bf16": torch.bfloat16}
+
+def __getattr__(name: str):
+    if name == "PRECISIONS":                        # (moved: the schema's Enum is the one list)
+        import warnings
+        warnings.warn("bstrain.train.run.PRECISIONS is deprecated: use bstrain.configs.schema.Precision(name).dtype",
+                      DeprecationWarning, stacklevel=2)
+        return {p.value: p.dtype for p in Precision}
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-def _value(x):
-    """An Enum config value as its string."""
-    return getattr(x, "value", x)
+def choice(enum: type[Enum], value, key: str):
+    """``value`` (a name, or the Enum's member) as a member of ``enum``; UserError naming ``key``."""
+    try:
+        return enum(value)
+    except ValueError:
+        raise UserError(f"{key}: expected one of {', '.join(m.value for m in enum)}, got {value!r}") from None
 
 
 # --- the config -------------------------------------------------------------------------------
 def resolve_device(name, key: str = "trainer.device") -> torch.device:
-    name = _value(name)
+    from bstrain.configs.schema import Device
+    name = choice(Device, name, key).value
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if name == "cuda" and not torch.cuda.is_available():
         raise UserError(f"{key}: 'cuda' was asked for, but no CUDA device is available")
-    if name not in ("cpu", "cuda"):
-        raise UserError(f"{key}: expected auto, cpu or cuda, got {name!r}")
     return torch.device(name)
 
 
@@ -68,24 +80,42 @@ def set_threads(n: int) -> int:
 
 @dataclass(frozen=True)
 class Settings:
-    """What :func:`check_config` parsed from the config, once, for :func:`build`."""
-    amp_dtype: torch.dtype | None         # trainer.precision: the autocast dtype, None for fp32
+    """The trainer's config, checked and typed once by :func:`check_config`: every choice as the
+    schema's Enum, and the loop's numbers."""
+    precision: Precision                  # trainer.precision
+    strategy: Strategy                    # trainer.strategy as asked for (auto resolved in the world)
     graph_mode: GraphMode                 # trainer.cuda_graph
+    schedule: Schedule                    # optim.schedule
+    policy: Policy                        # sparsity.policy (static without a sparsity section)
+    max_steps: int = 0
+    log_every: int = 0
+    eval_every: int = 0
+    eval_batches: int = 0
+    ckpt_every: int = 0
+    keep_ckpts: int = 0
+    time_limit_s: float = 0.0
+    loss_scale_window: int = 2000
+    progress: bool = False
+
+    @property
+    def amp_dtype(self) -> torch.dtype | None:
+        """The autocast dtype; None for fp32."""
+        return self.precision.dtype
 
 
 def check_config(cfg) -> Settings:
     """UserError naming the key for an undeclared key, a missing value or a value out of range;
-    returns the settings parsed on the way."""
+    returns the config's settings, typed."""
     from bstrain.configs.schema import check_config as check_schema, check_ranges
     check_schema(cfg)
     check_ranges(cfg)                                   # the ranges declared beside the schema's fields
-    if _value(cfg.trainer.precision) not in PRECISIONS:
-        raise UserError(f"trainer.precision: expected fp32, fp16 or bf16, got {cfg.trainer.precision!r}")
-    graph_mode = GraphMode.parse(cfg.trainer.cuda_graph)
-    if _value(cfg.optim.schedule) not in ("cosine", "linear", "constant"):
-        raise UserError(f"optim.schedule: expected cosine, linear or constant, got {cfg.optim.schedule!r}")
-    return Settings(PRECISIONS[_value(cfg.trainer.precision)], graph_mode)
-
+    t = cfg.trainer
+    return Settings(choice(Precision, t.precision, "trainer.precision"),
+                    choice(Strategy, t.get("strategy", "auto"), "trainer.strategy"),
+                    GraphMode.parse(t.cuda_graph), choice(Schedule, cfg.optim.schedule, "optim.schedule"),
+                    sparsity.policy_choice(cfg), int(t.max_steps), int(t.log_every), int(t.eval_every),
+                    int(t.eval_batches), int(t.ckpt_every), int(t.keep_ckpts), float(t.time_limit_s or 0),
+                    int(t.loss_scale_window), bool(t.progress))
 
 
 def _run_dir(cfg) -> Path:
@@ -134,60 +164,37 @@ def _fill_vocab_size(cfg: DictConfig, data) -> None:
         node.vocab_size = data.vocab_size
 
 
-def _scaler(strategy: str) -> type:
-    """fp16's loss scaler: under fsdp each rank checks only its shards of the gradients for inf, so
-    the sharded scaler all-reduces the finding (every rank skips the step together)."""
-    if strategy == "fsdp":
-        from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
-        return ShardedGradScaler
-    return torch.amp.GradScaler
-
-
-def _read_checkpoint(run, path: Path) -> dict:
-    """The checkpoint to restore: a sharded one into an fsdp run is loaded in place here, each rank
-    reading its own shards (its model and optimizer entries then None); anything else whole."""
-    if run.strategy == "fsdp" and sharded.is_sharded_checkpoint(path):
-        ckpt_io.check_model_entries(run.model, sharded.model_entries(path), path)    # one line, before DCP's own
-        sharded.load_sharded_into(path, run.model, run.optimizer, run.ema)
-        ckpt = sharded.read_extra(path)
-        ckpt["path"] = str(path)
-        return ckpt
-    return load_checkpoint(path)
 
 
 # --- the run -------------------------------------------------------------------------------------------
-@dataclass
+@dataclass(frozen=True)
 class Run:
-    """Everything one training run holds; built by :func:`build`."""
-    cfg: DictConfig
+    """A training run's parts, built once by :func:`build`; what changes as it trains is ``state``."""
+    config: dict                          # the resolved config, as plain values (checkpoints keep it)
+    settings: Settings
     world: World
     device: torch.device
     run_dir: Path
     task: Any
     model: torch.nn.Module
-    net: torch.nn.Module                  # the model, or DDP around it (fsdp: the sharded model itself)
+    net: torch.nn.Module                  # what the steps call: the model, DDP around it, compiled
     forward: Forward
     optimizer: torch.optim.Optimizer
     scaler: torch.amp.GradScaler
     schedule: LRSchedule
+    strategy: Single                      # Single, DDP or FSDP (bstrain/train/strategy.py)
+    stepper: Stepper                      # how a step runs: graphed, armed for a sparsity update, eager
     ema: Any = None
-    params: list = field(default_factory=list)    # the model's parameters, listed once for clipping
-    stepper: Stepper | None = None        # how a step runs: graphed, armed for a sparsity update, eager
-    eval_forwards: dict = field(default_factory=dict)   # graphed evaluation forwards, per model
-    throughput: list = field(default_factory=list)      # units/s of each logged window
-    step: int = 0
-    state: Any = None                     # carried model state (stateful models)
-    pending_state: Any = None             # a checkpoint's states, placed at the first batch
-    train_loss: float = float("nan")      # the mean loss of the last logged window ...
-    train_loss_steps: int = 0             # ... of this many steps
-    valid: dict = field(default_factory=dict)
-    history: list = field(default_factory=list)
-    valid_history: list = field(default_factory=list)
-    stop: str | None = None               # the signal that asked the run to stop
-    skipped: Any = 0                      # fp16 steps skipped since the last log (a device tensor)
     sparsity: Any = None                  # the dynamic-sparsity policy (bstrain.sparsity), None if static
-    first_batch: tuple | None = None      # the batch the start's check ran on: the first step trains on it
-    strategy: str = "single"              # single, ddp or fsdp (bstrain/train/fsdp.py)
+    state: TrainState = None              # type: ignore[assignment]   (a fresh one: __post_init__)
+
+    def __post_init__(self):
+        if self.state is None:
+            object.__setattr__(self, "state", TrainState())
+
+    @property
+    def step(self) -> int:
+        return self.state.step
 
     @property
     def step_mode(self) -> str:
@@ -195,31 +202,14 @@ class Run:
         return str(self.stepper.mode)
 
 
-
-def _distributed(model: torch.nn.Module, world: World, device: torch.device, graphed: bool, strategy: str = "ddp",
-                 amp_dtype: torch.dtype | None = None, shard_spec=None) -> torch.nn.Module:
-    """The model, DDP around it, or the model sharded in place (fsdp), by strategy."""
-    if strategy == "fsdp":
-        return fsdp.shard(model, world, device, amp_dtype, shard_spec)
-    if not world.active:
-        return model
-    from torch.nn.parallel import DistributedDataParallel
-
-    from bstrain.nn._sparse import layout_buffers
-    check_same_layouts(model, world)
-    # the layouts agree across ranks and change together: DDP's broadcast of rank 0's buffers at every
-    # forward would bump their version counters and have each layer read its layout back every step
-    layouts = layout_buffers(model)
-    ignored = set(getattr(model, "_ddp_params_and_buffers_to_ignore", ()))
-    DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(
-        model, sorted(ignored | {name for name, b in model.named_buffers() if id(b) in layouts}))
-    side = torch.cuda.Stream(device) if graphed else None
-    with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
-        # a graph that captures DDP's all-reduce needs DDP built on a side stream (torch.cuda.graphs docs)
-        net = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
-    if side is not None:
-        torch.cuda.current_stream(device).wait_stream(side)
-    return net
+def _ema(model: torch.nn.Module, decay: float, device: torch.device, strategy: Single):
+    """The EMA of the weights (None for decay 0), its copy made like the model."""
+    if decay <= 0:
+        return None
+    from torch.optim.swa_utils import AveragedModel
+    ema = AveragedModel(model, device=device)       # n_averaged on the device, where graphs count it
+    strategy.wrap_copy(ema.module)
+    return ema
 
 
 def build(cfg: DictConfig, run_dir: Path, device: torch.device, world: World, settings: Settings | None = None) -> Run:
@@ -230,7 +220,6 @@ def build(cfg: DictConfig, run_dir: Path, device: torch.device, world: World, se
     """
     settings = settings or check_config(cfg)
     t_cfg, amp_dtype = cfg.trainer, settings.amp_dtype
-    strategy = fsdp.resolve_strategy(t_cfg.get("strategy", "auto"), world)
     resume = _resume_path(cfg, run_dir)
     task = instantiate(cfg.task, "task")
     data = instantiate(cfg.data, "data")
@@ -241,45 +230,38 @@ def build(cfg: DictConfig, run_dir: Path, device: torch.device, world: World, se
     model, shard_spec = build_model(cfg)            # sparsified (cfg.sparsify) before anything wraps or copies it
     model = model.to(device)
     set_grad_group(model, t_cfg.group_size)
+    strategy = make_strategy(settings.strategy, world, device, amp_dtype, shard_spec)
     why_eager = eager_reason(settings.graph_mode, device, strategy)
-    if strategy == "fsdp" and device.type == "cuda" and why_eager is not None:
+    if device.type == "cuda" and why_eager is not None and strategy.why_not_graphed():
         log.info("step: eager (%s)", why_eager)
     graphed = why_eager is None
-    ema = None
-    if cfg.optim.ema > 0:
-        from torch.optim.swa_utils import AveragedModel
-        ema = AveragedModel(model, device=device)       # n_averaged on the device, where graphs count it
-        if strategy == "fsdp":                          # (FSDP's modules cannot be copied: copy, then shard both)
-            fsdp.shard(ema.module, world, device, amp_dtype, shard_spec)
-    net = uncompiled = _distributed(model, world, device, graphed, strategy, amp_dtype, shard_spec)
+    ema = _ema(model, cfg.optim.ema, device, strategy)
+    net = uncompiled = strategy.wrap(model, graphed)
     if compiled := bool(t_cfg.get("compile", False)):
         net = torch.compile(net)        # the model (and DDP around it); checkpoints keep using `model`
     optimizer = make_optimizer(model, cfg.optim, device, capturable=graphed)
-    scaler = _scaler(strategy)(device.type, init_scale=2.0**16, growth_interval=t_cfg.loss_scale_window,
-                               enabled=amp_dtype == torch.float16)
-    if scaler.is_enabled():
-        scaler._lazy_init_scale_growth_tracker(device)     # now: so that a skip at the first step is counted too
+    scaler = strategy.scaler(amp_dtype == torch.float16, settings.loss_scale_window)
     forward = Forward(net, amp_dtype, device)
-    run = Run(cfg, world, device, run_dir, task, model, net, forward, optimizer, scaler,
-              LRSchedule(cfg.optim, t_cfg.max_steps), ema, params=list(model.parameters()), strategy=strategy)
-    run.sparsity = sparsity.make_policy(cfg, model, optimizer, ema, t_cfg.max_steps)
+    policy = sparsity.make_policy(cfg, model, optimizer, ema, settings.max_steps, settings.policy)
     forward_hooked = None
-    if run.sparsity is not None and compiled:
-        sparsity.allow_recompiles(run.sparsity)
+    if policy is not None and compiled:
+        sparsity.allow_recompiles(policy)
         # a compiled model ignores hooks added after it was compiled: RigL's step runs uncompiled
         forward_hooked = Forward(uncompiled, amp_dtype, device)
-    parts = StepParts(forward, task, optimizer, run.params, model, scaler, grad_clip=cfg.optim.grad_clip, ema=ema,
-                      ema_decay=cfg.optim.ema, world=world, policy=run.sparsity, forward_hooked=forward_hooked)
-    run.stepper = Stepper(parts, settings.graph_mode, why_eager, compiled=compiled)
+    parts = StepParts(forward, task, optimizer, list(model.parameters()), model, scaler, grad_clip=cfg.optim.grad_clip,
+                      ema=ema, ema_decay=cfg.optim.ema, world=world,
+                      hooks=None if policy is None else sparsity.GradientHooks(policy), forward_hooked=forward_hooked)
+    run = Run(OmegaConf.to_container(cfg, resolve=True, enum_to_str=True), settings, world, device, run_dir, task,
+              model, net, forward, optimizer, scaler, LRSchedule(Curve.of(cfg.optim), settings.max_steps), strategy,
+              Stepper(parts, settings.graph_mode, why_eager, compiled=compiled), ema, policy)
     if resume is not None:
-        ckpt_io.restore(run, _read_checkpoint(run, resume))
+        restore(run, strategy.read(resume, model, optimizer, ema))
         _match_graph_mode(optimizer, graphed, device)
-        log.info("resumed from %s at step %d", resume, run.step)
-        if run.sparsity is not None:
-            run.sparsity.load_state_dict({"steps": run.step})
-    if run.step < t_cfg.max_steps:                  # the model against the data, before the run dir fills
-        run.first_batch = task.next_batch(device)
-        checks.check_first_batch(model, task, run.first_batch, amp_dtype, device, cfg)
-        if strategy == "fsdp":
-            fsdp.reshard(model)                     # (a forward without backward keeps the root's gathers)
+        log.info("resumed from %s at step %d", resume, run.state.step)
+        if policy is not None:
+            policy.load_state_dict({"steps": run.state.step})
+    if run.state.step < settings.max_steps:         # the model against the data, before the run dir fills
+        run.state.first_batch = task.next_batch(device)
+        checks.check_first_batch(model, task, run.state.first_batch, amp_dtype, device, cfg)
+        strategy.settle(model)                      # (a forward without backward keeps the root's gathers)
     return run

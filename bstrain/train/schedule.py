@@ -15,22 +15,34 @@ from typing import Any
 
 import torch
 
-
-def _value(x):
-    return getattr(x, "value", x)
+from bstrain.configs.schema import Schedule
 
 
-def _shape(schedule: str, frac: float) -> float:
+@dataclass(frozen=True)
+class Curve:
+    """The ``optim`` keys the schedule reads, typed once (:meth:`of`)."""
+    lr: float
+    warmup_steps: int
+    min_lr_ratio: float
+    schedule: Schedule
+
+    @classmethod
+    def of(cls, optim) -> Curve:
+        """The curve of an ``optim`` config section (its schedule a name or the Enum)."""
+        return cls(float(optim.lr), int(optim.warmup_steps), float(optim.min_lr_ratio), Schedule(optim.schedule))
+
+
+def _shape(schedule: Schedule, frac: float) -> float:
     """1 at the start of the decay, 0 at its end."""
-    return 0.5 * (1 + math.cos(math.pi * frac)) if schedule == "cosine" else 1.0 - frac
+    return 0.5 * (1 + math.cos(math.pi * frac)) if schedule is Schedule.cosine else 1.0 - frac
 
 
 def lr_factor(step: int, cfg, max_steps: int) -> float:
     """Linear warmup, then cosine or linear decay to min_lr_ratio (or constant)."""
     if step < cfg.warmup_steps:
         return (step + 1) / cfg.warmup_steps
-    schedule = _value(cfg.schedule)
-    if schedule == "constant":
+    schedule = Schedule(cfg.schedule)
+    if schedule is Schedule.constant:
         return 1.0
     frac = min(1.0, (step - cfg.warmup_steps) / max(1, max_steps - cfg.warmup_steps))
     return cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * _shape(schedule, frac)
@@ -47,7 +59,7 @@ def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
 
 @dataclass
 class LRSchedule:
-    """The learning rate of each step for the ``optim`` config section and ``max_steps``.
+    """The learning rate of each step for a :class:`Curve` (or the ``optim`` config section) and ``max_steps``.
 
     restart: (step, factor) after a resume that changed max_steps: from that step on, the decay
     runs from that factor to min_lr_ratio at max_steps.
@@ -60,8 +72,8 @@ class LRSchedule:
         if self.restart is None or step < self.restart[0]:
             return lr_factor(step, self.optim, self.max_steps)
         start, start_factor = self.restart
-        schedule = _value(self.optim.schedule)
-        if schedule == "constant":
+        schedule = Schedule(self.optim.schedule)
+        if schedule is Schedule.constant:
             return 1.0
         frac = min(1.0, (step - start) / max(1, self.max_steps - start))
         end = self.optim.min_lr_ratio
@@ -81,7 +93,7 @@ class LRSchedule:
         if old.max_steps == self.max_steps:
             self.restart = old.restart
             return None
-        if step < self.optim.warmup_steps or _value(self.optim.schedule) == "constant":
+        if step < self.optim.warmup_steps or Schedule(self.optim.schedule) is Schedule.constant:
             self.restart = old.restart
             return (f"trainer.max_steps: {old.max_steps} -> {self.max_steps}: the decay after warmup now ends at "
                     f"step {self.max_steps}")

@@ -13,25 +13,30 @@ from __future__ import annotations
 import logging
 import warnings
 
+from bstrain.configs.schema import GrownMoments, Policy
 from bstrain.errors import UserError
 
 log = logging.getLogger("bstrain")
 
 
-def _value(v):
-    return getattr(v, "value", v)
-
-
-def make_policy(cfg, model, optimizer, ema, max_steps: int):
-    """The :class:`bstrain.sparsity.DynamicSparsity` of ``cfg.sparsity``, or None for "static"."""
-    from bstrain.sparsity import POLICIES, SET, RigL
+def policy_choice(cfg) -> Policy:
+    """``sparsity.policy`` typed (static where the config has no sparsity section); UserError else."""
     s = cfg.get("sparsity")
-    policy = "static" if s is None else _value(s.policy)
-    if policy not in POLICIES:
-        raise UserError(f"sparsity.policy: expected one of {', '.join(POLICIES)}, got {policy!r}")
-    if policy == "static":
+    try:
+        return Policy.static if s is None else Policy(s.policy)
+    except ValueError:
+        raise UserError(f"sparsity.policy: expected one of {', '.join(p.value for p in Policy)}, "
+                        f"got {s.policy!r}") from None
+
+
+def make_policy(cfg, model, optimizer, ema, max_steps: int, policy: Policy | None = None):
+    """The :class:`bstrain.sparsity.DynamicSparsity` of ``cfg.sparsity``, or None for "static".
+    policy: :func:`policy_choice` of ``cfg`` (None: read here)."""
+    from bstrain.sparsity import SET, RigL
+    policy = policy_choice(cfg) if policy is None else policy
+    if policy is Policy.static:
         return None
-    cls = {"set": SET, "rigl": RigL}[policy]
+    s, cls, policy = cfg.sparsity, {Policy.set: SET, Policy.rigl: RigL}[policy], policy.value
     limit = cfg.trainer.get("time_limit_s") or 0
     if limit:
         log.warning("sparsity=%s: the share decays and the layouts freeze by steps of trainer.max_steps (%d; frozen "
@@ -45,7 +50,7 @@ def make_policy(cfg, model, optimizer, ema, max_steps: int):
             warnings.simplefilter("always")                       # can never move), not only to stderr
             made = cls(model, optimizer, every=s.every, fraction=s.fraction, stop=int(s.until * max_steps),
                        balanced=bool(s.balanced), seed=s.seed, also=() if ema is None else (ema.module,),
-                       grown_moments=_value(s.get("grown_moments", "zero")))
+                       grown_moments=GrownMoments(s.get("grown_moments", "zero")).value)
     except ValueError as exc:
         msg = str(exc)
         if msg.startswith("model:"):
@@ -74,30 +79,54 @@ def allow_recompiles(policy) -> None:
             break
 
 
+class GradientHooks:
+    """RigL's protocol as the stepper sees it (:class:`bstrain.train.stepper.Stepper`): a step
+    is ``armed`` when the policy reads its gradients through hooks (the step before an update);
+    ``before_step`` starts the hooks' sums, ``after_capture`` says a captured graph writes them,
+    ``after_replay`` that a replay of that graph just did."""
+
+    def __init__(self, policy):
+        self.policy = policy
+
+    @property
+    def armed(self) -> bool:
+        return self.policy.armed
+
+    def before_step(self) -> None:
+        self.policy.begin_step()
+
+    def after_capture(self) -> None:
+        self.policy.keep_captured()
+
+    def after_replay(self) -> None:
+        self.policy.use_captured()
+
+
 def wants_eager(run) -> bool:
-    """The coming step reads its gradients through hooks (RigL's, before an update): it runs
-    eagerly, or from the capture made with the hooks armed."""
+    """Deprecated: ``GradientHooks(policy).armed``."""
+    import warnings
+    warnings.warn("bstrain.train.sparsity.wants_eager is deprecated: ask GradientHooks(policy).armed",
+                  DeprecationWarning, stacklevel=2)
     return run.sparsity is not None and run.sparsity.armed
 
 
-def after_step(run, board) -> dict | None:
-    """Lets the policy update the layouts after the optimizer step ``run.step``; on an update,
-    drops the graphs made on the old tables and logs the change."""
-    info = run.sparsity.step(run.step)
+def after_step(policy, step: int, stepper, board) -> dict | None:
+    """Lets the policy update the layouts after the optimizer step ``step``; on an update that
+    gave layers new tables, the stepper drops the graphs made on the old ones; logs the change."""
+    info = policy.step(step)
     if info is None:
         return None
     if not info["in_place"]:                       # new tables: the graphs made on the old ones go
-        run.stepper.drop_graphs()                  # captured again when next needed, on the new tables
-        run.eval_forwards.clear()
-    log.info("sparsity: step %d, %s, %s, %.0f ms", run.step, describe_update(info),
+        stepper.drop_graphs()                      # captured again when next needed, on the new tables
+    log.info("sparsity: step %d, %s, %s, %.0f ms", step, describe_update(info),
              "tables rewritten in place" if info["in_place"] else "new tables", 1e3 * info["seconds"])
     blocks = info["blocks"]
-    board.scalars(run.step, {"sparsity/changed": blocks["replaced"] / max(1, blocks["live"]),
+    board.scalars(step, {"sparsity/changed": blocks["replaced"] / max(1, blocks["live"]),
                              "sparsity/planned": blocks["planned"] / max(1, blocks["live"]),
                              "sparsity/fraction": info["fraction"],
                              **{f"sparsity/changed/{k}": v for k, v in info["changed"].items()},
                              **{f"sparsity/density/{k}": v for k, v in info["density"].items()}})
-    board.layouts(run.step, {name: layer.block_layout() for name, layer in run.sparsity.layers})
+    board.layouts(step, {name: layer.block_layout() for name, layer in policy.layers})
     return info
 
 

@@ -16,7 +16,7 @@ import torch
 
 from bstrain.errors import UserError
 from bstrain.train.distributed import World, gather
-from bstrain.train.graphs import CapturedStep, CaptureError, check_graph_config, ema_update
+from bstrain.train.graphs import CapturedStep, CaptureError, GraphedForward, check_graph_config, ema_update
 from bstrain.train.step import Forward, train_step
 
 log = logging.getLogger("bstrain")
@@ -41,15 +41,15 @@ class GraphMode(Enum):
         return cls(mode)
 
 
-def eager_reason(mode: GraphMode, device: torch.device, strategy: str = "single") -> str | None:
+def eager_reason(mode: GraphMode, device: torch.device, strategy=None) -> str | None:
     """Why this run will not capture its step, or None where it will try: ``false``, ``auto``
-    off a CUDA device or under fsdp (``true`` there is a UserError). Whether the model can be
-    captured is found at the first step."""
+    off a CUDA device or where the strategy (:mod:`bstrain.train.strategy`) cannot be captured
+    (``true`` there is a UserError). Whether the model can be captured is found at the first step."""
     if mode is GraphMode.false:
         return "trainer.cuda_graph=false"
     reason = check_graph_config(device)
-    if reason is None and strategy == "fsdp":
-        reason = "trainer.strategy=fsdp: FSDP's all-gathers and reduce-scatters run outside a whole-step CUDA graph"
+    if reason is None and strategy is not None:
+        reason = strategy.why_not_graphed()
     if reason is not None and mode is GraphMode.true:
         raise UserError(f"trainer.cuda_graph=true: {reason} (auto graphs where it can, false never)")
     return reason
@@ -73,7 +73,7 @@ class StepParts:
     forward: the model's forward (compiled, DDP) the steps run; task: gives ``loss(output, y)``
     and ``batch_metrics(output, y)``; params: the parameters clipped in an eager step, in the
     model's order; world: under DDP, every rank falls back alike (the first rank's reason);
-    policy: the dynamic-sparsity policy, or None; forward_hooked: the uncompiled forward, for
+    hooks: the sparsity policy's :class:`bstrain.train.sparsity.GradientHooks`, or None; forward_hooked: the uncompiled forward, for
     armed steps of a compiled model (whose hooks added after compilation would not run); None:
     ``forward``.
     """
@@ -87,7 +87,7 @@ class StepParts:
     ema: Any = None
     ema_decay: float = 0.0
     world: World = field(default_factory=World)
-    policy: Any = None
+    hooks: Any = None
     forward_hooked: Forward | None = None
 
 
@@ -113,8 +113,8 @@ class Stepper:
         self.parts, self.graph_mode = parts, graph_mode
         self.forward, self.forward_hooked, self.model, self.params = (parts.forward, parts.forward_hooked, parts.model,
                                                                      parts.params)
-        self.optimizer, self.scaler, self.ema, self.world, self.policy = (parts.optimizer, parts.scaler, parts.ema,
-                                                                          parts.world, parts.policy)
+        self.optimizer, self.scaler, self.ema, self.world, self.hooks = (parts.optimizer, parts.scaler, parts.ema,
+                                                                         parts.world, parts.hooks)
         self.mode = StepMode(graph=False, compiled=compiled)
         self.reason: str | None = why_eager                 # why the step (or the armed one) runs eagerly
         self.captured: CapturedStep | None = None
@@ -128,6 +128,19 @@ class Stepper:
         self.warming_up = False                             # this step captured a graph: not throughput
         self._kinds: set = set()        # graphs captured once: a recapture (new layout tables after a
                                         # sparsity update) is training time, not warm-up
+        self._eval_forwards: dict = {}  # graphed evaluation forwards, per model
+
+    @property
+    def armed(self) -> bool:
+        """Whether the coming step is armed for a sparsity update (its gradients read through hooks)."""
+        return self.hooks is not None and self.hooks.armed
+
+    def eval_forward(self, forward: Forward, model: torch.nn.Module):
+        """The evaluation forward of ``model``: graphed (one per model, kept until the graphs are
+        dropped) where the step is, for the same static shapes; else ``forward`` itself."""
+        if self.captured is None:
+            return forward
+        return self._eval_forwards.setdefault(id(model), GraphedForward(forward))
 
     @property
     def graphed(self) -> bool:
@@ -152,7 +165,7 @@ class Stepper:
         loss, grad_norm, metrics = loss.clone(), grad_norm.clone(), {k: v.clone() for k, v in metrics.items()}
         state = cap.state
         if armed:
-            self.policy.use_captured()                      # the gradient sums this replay wrote
+            self.hooks.after_replay()                       # the gradient sums this replay wrote
             if state is not None:
                 self.captured.load_state(state, x)
         return loss, grad_norm, metrics, state, skipped if self.scaler.is_enabled() else None
@@ -162,7 +175,7 @@ class Stepper:
             self.optimizer.zero_grad(set_to_none=True)
         forward = self.forward
         if armed:                                           # RigL's hooked step: its sums start over
-            self.policy.begin_step()
+            self.hooks.before_step()
             forward = self.forward_hooked or forward
         scaler = self.scaler
         scale = scaler._scale.clone() if scaler.is_enabled() and scaler._scale is not None else None
@@ -182,11 +195,12 @@ class Stepper:
             self.captured.load_state(state, x)
 
     def drop_graphs(self) -> None:
-        """The layers have new tables: the graphs made on the old ones are captured again when
-        next needed."""
+        """The layers have new tables: the graphs made on the old ones (the step's and the
+        evaluation forwards) are captured again when next needed."""
         for captured in (self.captured, self.captured_armed):
             if captured is not None:
                 captured.drop()
+        self._eval_forwards.clear()
 
     def _graph_for(self, x: torch.Tensor, y: torch.Tensor, armed: bool) -> CapturedStep | None:
         """The captured step this batch replays (captured now if this is its first), or None: eager.
@@ -197,7 +211,7 @@ class Stepper:
             if self.armed_eager:
                 return None
             if self.captured_armed is None:
-                self.captured_armed = self.captured.twin(before_step=self.policy.begin_step,
+                self.captured_armed = self.captured.twin(before_step=self.hooks.before_step,
                                                          forward=self.forward_hooked)
             if self.captured_armed.graph is None and not self._start_armed_graph(x, y):
                 return None
@@ -230,7 +244,7 @@ class Stepper:
         runs eagerly from now on, with one log line saying why (every rank alike under DDP)."""
         reason = self._capture(self.captured_armed, "armed", x, y)
         if reason is None:
-            self.policy.keep_captured()                     # the gradient sums the captured run writes
+            self.hooks.after_capture()                      # the gradient sums the captured run writes
             self.mode = replace(self.mode, graph=True)      # (every step may be armed: sparsity.every=1)
             return True
         self.captured_armed, self.armed_eager, self.reason = None, True, reason

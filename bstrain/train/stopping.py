@@ -10,14 +10,14 @@ from typing import TYPE_CHECKING
 
 from bstrain.errors import RunAborted
 from bstrain.train.checkpoint import latest_checkpoint
-from bstrain.train.distributed import gather
+from bstrain.train.distributed import World, gather
 
 if TYPE_CHECKING:
-    from bstrain.train.run import Run
+    from bstrain.train.state import TrainState
 
 
 @contextlib.contextmanager
-def stop_on_signals(run: Run):
+def stop_on_signals(state: TrainState, run_dir: Path, world: World, config=None):
     """SIGINT/SIGTERM ask the loop to stop after the current step (it then checkpoints); a second
     one stops the run where it is (:class:`RunAborted`: one line, no new checkpoint, the last
     complete one intact), and a third acts as usual. Only in the main thread, where Python
@@ -29,14 +29,14 @@ def stop_on_signals(run: Run):
 
     def ask(signum, _frame):
         name = signal.Signals(signum).name
-        if run.stop is None:
-            run.stop = name
+        if state.stop is None:
+            state.stop = name
             return
         for s, h in old.items():
             signal.signal(s, h)
-        last = latest_checkpoint(run.run_dir / "ckpt") if run.world.main else None
-        raise RunAborted(f"stopped by a second {name} at step {run.step}, without a new checkpoint; "
-                         + (f"the last one is {last}; {resume_hint(run.run_dir, run.cfg)}" if last
+        last = latest_checkpoint(run_dir / "ckpt") if world.main else None
+        raise RunAborted(f"stopped by a second {name} at step {state.step}, without a new checkpoint; "
+                         + (f"the last one is {last}; {resume_hint(run_dir, config)}" if last
                             else "none was written"))
     for s in old:
         signal.signal(s, ask)
@@ -50,7 +50,8 @@ def stop_on_signals(run: Run):
 def resume_hint(run_dir: Path, config=None) -> str:
     """How to continue a run: the run dir is all it takes (resuming reads the checkpoint's config),
     started as this run was, on as many processes (``trainer.nproc=N``, or torchrun's options), and
-    ``trust=[...]`` for the ``_target_``s of ``config`` (the run's) outside bstrain."""
+    ``trust=[...]`` for the ``_target_``s of ``config`` (the run's, plain or
+    OmegaConf) outside bstrain."""
     import os
     import shlex
 
@@ -64,18 +65,20 @@ def resume_hint(run_dir: Path, config=None) -> str:
         local, world = os.environ.get("LOCAL_WORLD_SIZE", "1"), os.environ.get("WORLD_SIZE", "1")
         nodes = "--standalone" if local == world else f"--nnodes={int(world) // max(1, int(local))}"
         command = f"torchrun {nodes} --nproc_per_node={local} -m bstrain train"
-    refused = trust.untrusted(OmegaConf.to_container(config, resolve=True)) if config is not None else []
+    if OmegaConf.is_config(config):
+        config = OmegaConf.to_container(config, resolve=True)
+    refused = trust.untrusted(config) if config is not None else []
     return (f"continue with {command} trainer.resume=true {shlex.quote(f'hydra.run.dir={run_dir}')}"
             + (f" {trust.trust_argument(refused)}" if refused else ""))
 
 
-def _agree_to_stop(run: Run, log_step: bool, out_of_time: bool) -> str | None:
+def _agree_to_stop(stop: str | None, world: World, log_step: bool, out_of_time: bool) -> str | None:
     """Why to stop after this step: a signal's name, "time", or None. One process decides at every
     step; under DDP the ranks agree at log steps (a collective), so all stop at the same step."""
-    reason = run.stop or ("time" if out_of_time else None)
-    if run.world.active:
+    reason = stop or ("time" if out_of_time else None)
+    if world.active:
         if not log_step:
             return None
-        reasons = [r for r in gather(reason, run.world) if r]
+        reasons = [r for r in gather(reason, world) if r]
         reason = next((r for r in reasons if r != "time"), reasons[0] if reasons else None)
     return reason

@@ -34,19 +34,16 @@ from omegaconf import DictConfig, OmegaConf
 
 from bstrain.errors import RunInterrupted, UserCodeError
 from bstrain.nn import block_sparse_layouts
-from bstrain.train import checkpoint as ckpt_io
 from bstrain.train import sparsity
-from bstrain.train.checkpoint import checkpoint_path, prune_checkpoints, save_checkpoint
-from bstrain.train.distributed import barrier, broadcast, device_for, finish, init_world, on_main
+from bstrain.train.distributed import barrier, broadcast, device_for, finish, init_world
 from bstrain.train.evaluate import valid_label, validate
 from bstrain.train.fsdp import class_name
 from bstrain.train.optim import _match_graph_mode, make_optimizer  # noqa: F401 (read from here by tests)
 from bstrain.train.progress import Board, Progress, log, remove_logging, setup_logging
-from bstrain.train.run import (PRECISIONS, Run, Settings, _run_dir, _value, build, check_config, instantiate,
-                               resolve_device, set_threads)
+from bstrain.train.run import Run, Settings, _run_dir, build, check_config, instantiate, resolve_device, set_threads
 from bstrain.train.rundir import missing_dirs, remove_failed_start
 from bstrain.train.schedule import set_lr
-from bstrain.train.sharded import save_sharded
+from bstrain.train.state import capture
 from bstrain.train.step import is_stateful, unwrap
 from bstrain.train.stopping import _agree_to_stop, resume_hint, stop_on_signals
 from bstrain.train.window import Window, log_window
@@ -57,16 +54,23 @@ __all__ = [  # the names scripts and tests import from here; most live in the mo
     "stop_on_signals", "train", "valid_label", "validate"]
 
 
+def __getattr__(name: str):
+    if name == "PRECISIONS":                            # (deprecated: bstrain.configs.schema.Precision)
+        from bstrain.train import run
+        return run.PRECISIONS
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
 # --- one step ------------------------------------------------------------------------------------
 def next_batch(run: Run) -> tuple:
     """(inputs, targets, fresh): the batch the start checked, then the task's next ones."""
-    batch, run.first_batch = run.first_batch, None
+    batch, run.state.first_batch = run.state.first_batch, None
     return batch if batch is not None else run.task.next_batch(run.device)
 
 
 def _place_state(run: Run, x: torch.Tensor) -> None:
     """A checkpoint's carried states, split for this world; a different global batch starts fresh."""
-    states, run.pending_state = run.pending_state, None
+    states, run.state.pending = run.state.pending, None
     if not states or not is_stateful(run.model):
         return
     rows = [torch.cat(ts, 0) for ts in zip(*states)]               # every rank's rows, in rank order
@@ -77,8 +81,8 @@ def _place_state(run: Run, x: torch.Tensor) -> None:
         return
     mine = [r[run.world.rank * per_rank:(run.world.rank + 1) * per_rank].to(run.device) for r in rows]
     template = unwrap(run.model).init_state(per_rank, run.device)
-    run.state = _like(template, iter(mine))
-    run.stepper.load_state(run.state, x)
+    run.state.carried = _like(template, iter(mine))
+    run.stepper.load_state(run.state.carried, x)
 
 
 def _like(template, tensors):
@@ -91,35 +95,25 @@ def _like(template, tensors):
 def one_step(run: Run, x: torch.Tensor, y: torch.Tensor, fresh: bool):
     """One optimizer step at this step's learning rate (:class:`bstrain.train.stepper.Stepper`);
     returns (loss, grad norm, the task's batch metrics), all on the device."""
-    set_lr(run.optimizer, run.schedule.lr(run.step))
-    if run.pending_state is not None:
+    state = run.state
+    set_lr(run.optimizer, run.schedule.lr(state.step))
+    if state.pending is not None:
         _place_state(run, x)
     if fresh:
-        run.state = None                                # the data stream restarts: so does the state
-    loss, grad_norm, metrics, run.state, skipped = run.stepper.step(x, y, run.state, sparsity.wants_eager(run))
+        state.carried = None                            # the data stream restarts: so does the state
+    loss, grad_norm, metrics, state.carried, skipped = run.stepper.step(x, y, state.carried, run.stepper.armed)
     if skipped is not None:                             # fp16: the steps skipped since the last log
-        run.skipped = run.skipped + skipped
+        state.skipped = state.skipped + skipped
     return loss, grad_norm, metrics
 
 
 
 # --- checkpoints ---------------------------------------------------------------------------------
-def save(run: Run) -> Path | None:
-    """A checkpoint of this step (collective under DDP; rank 0 writes; under fsdp every rank writes
-    its shards, bstrain/train/sharded.py); returns its path."""
-    if run.strategy == "fsdp":
-        path = checkpoint_path(run.run_dir / "ckpt", run.step, sharded=True)
-        save_sharded(path, run.model, run.optimizer, ckpt_io.capture(run, weights=False), run.world, run.ema)
-        on_main(run.world, lambda: prune_checkpoints(run.run_dir / "ckpt", run.cfg.trainer.keep_ckpts))
-        return path
-    state = ckpt_io.capture(run)
-    path = checkpoint_path(run.run_dir / "ckpt", run.step)
-
-    def write():
-        save_checkpoint(path, state)
-        prune_checkpoints(run.run_dir / "ckpt", run.cfg.trainer.keep_ckpts)
-    on_main(run.world, write)
-    return path
+def save(run: Run) -> Path:
+    """A checkpoint of this step, as the strategy writes it (collective; a file rank 0 writes, or
+    under fsdp every rank's shards: bstrain/train/sharded.py); returns its path."""
+    return run.strategy.save(run.run_dir / "ckpt", run.state.step, lambda weights: capture(run, weights), run.model,
+                             run.optimizer, run.ema, run.settings.keep_ckpts)
 
 
 # --- the loop --------------------------------------------------------------------------------------------
@@ -131,25 +125,25 @@ def _header(run: Run) -> dict:
     sparse = ", ".join(f"{name} {lay.shape[0]}x{lay.shape[1]} blocks at density {lay.mean():.3f}"
                        for name, lay in layouts.items()) or "no block-sparse layers"
     log.info("run dir %s | device %s x %d%s | precision %s | %s | %s parameters (%s) | %s", run.run_dir, run.device,
-             run.world.size, f" | {run.strategy}" if run.world.active else "", _value(run.cfg.trainer.precision),
+             run.world.size, f" | {run.strategy}" if run.world.active else "", run.settings.precision.value,
              class_name(unwrap(run.model)), f"{params:,}", sparse, run.task.describe())
     return layouts
 
 
 def _flat_hparams(run: Run) -> dict:
     """Scalar settings of the model section and a few run settings, for TensorBoard's hparams view."""
-    model = OmegaConf.to_container(run.cfg.model, resolve=True, enum_to_str=True)
+    model = run.config["model"]
     out = {f"model.{k}": v for k, v in model.items() if isinstance(v, (int, float, str, bool)) and k != "_target_"}
-    out.update({"model": model["_target_"].rsplit(".", 1)[-1], "lr": run.cfg.optim.lr,
-                "precision": _value(run.cfg.trainer.precision), **run.task.hparams()})
+    out.update({"model": model["_target_"].rsplit(".", 1)[-1], "lr": run.config["optim"]["lr"],
+                "precision": run.settings.precision.value, **run.task.hparams()})
     return out
 
 
-def _finished(run: Run) -> bool:
-    if run.step < run.cfg.trainer.max_steps:
+def _finished(step: int, max_steps: int) -> bool:
+    if step < max_steps:
         return False
     log.info("run already finished: step %d of trainer.max_steps=%d; raise trainer.max_steps to train on",
-             run.step, run.cfg.trainer.max_steps)
+             step, max_steps)
     return True
 
 
@@ -191,8 +185,8 @@ def _end_step(run: Run, window: Window, began: tuple) -> None:
 def _open_outputs(run: Run) -> tuple[Board, Progress]:
     """TensorBoard (the config, the command line and the layouts, once at start) and the progress bar."""
     board = Board(run.run_dir, run.world.rank)
-    board.start(OmegaConf.to_yaml(run.cfg), " ".join(sys.argv), _header(run))
-    return board, Progress(run.cfg.trainer.max_steps, run.step, run.cfg.trainer.progress, run.world.rank)
+    board.start(OmegaConf.to_yaml(run.config), " ".join(sys.argv), _header(run))
+    return board, Progress(run.settings.max_steps, run.state.step, run.settings.progress, run.world.rank)
 
 
 def _due(every: int, step: int, stop_at: int) -> bool:
@@ -204,37 +198,38 @@ def fit(run: Run) -> dict:
     """Trains from run.step to trainer.max_steps (or the time limit, or a signal). Each step, as in
     nanoGPT's loop: a batch, the step at the schedule's learning rate, the sparsity policy's
     layout update, then logging, evaluation and a checkpoint when due."""
-    t_cfg = run.cfg.trainer
-    if _finished(run):
+    settings, state = run.settings, run.state
+    if _finished(state.step, settings.max_steps):
         return _result(run)
     board, progress = _open_outputs(run)
-    window, t_start, stop_at, start_step = Window(), time.perf_counter(), t_cfg.max_steps, run.step
+    window, t_start, stop_at, start_step = Window(), time.perf_counter(), settings.max_steps, state.step
     try:
-        with stop_on_signals(run):
-            while run.step < stop_at:
-                began = _begin_step(run, window, first=run.step == start_step)
+        with stop_on_signals(state, run.run_dir, run.world, run.config):
+            while state.step < stop_at:
+                began = _begin_step(run, window, first=state.step == start_step)
                 x, y, fresh = next_batch(run)
                 window.add(*one_step(run, x, y, fresh))
-                run.step += 1
+                state.step += 1
                 if run.sparsity is not None:
-                    sparsity.after_step(run, board)
+                    sparsity.after_step(run.sparsity, state.step, run.stepper, board)
                 _end_step(run, window, began)
                 progress.tick()
-                log_step = _due(t_cfg.log_every, run.step, stop_at)
-                out_of_time = bool(t_cfg.time_limit_s) and time.perf_counter() - t_start > t_cfg.time_limit_s
-                reason = _agree_to_stop(run, log_step, out_of_time)
+                log_step = _due(settings.log_every, state.step, stop_at)
+                limit = settings.time_limit_s
+                reason = _agree_to_stop(state.stop, run.world, log_step,
+                                        bool(limit) and time.perf_counter() - t_start > limit)
                 if reason is not None:
-                    stop_at = run.step                          # finish as a last step: log, eval, checkpoint
+                    stop_at = state.step                        # finish as a last step: log, eval, checkpoint
                 if log_step or reason:
                     log_window(run, window, progress, board)
                 with window.pause():                            # not counted in the throughput
-                    if _due(t_cfg.eval_every, run.step, stop_at):
+                    if _due(settings.eval_every, state.step, stop_at):
                         validate(run, progress, board, time.perf_counter() - t_start)
-                    if _due(t_cfg.ckpt_every, run.step, stop_at):
+                    if _due(settings.ckpt_every, state.step, stop_at):
                         path = save(run)
                 if reason not in (None, "time"):
-                    raise RunInterrupted(f"stopped by {reason} at step {run.step}; checkpoint {path}; "
-                                         f"{resume_hint(run.run_dir, run.cfg)}")
+                    raise RunInterrupted(f"stopped by {reason} at step {state.step}; checkpoint {path}; "
+                                         f"{resume_hint(run.run_dir, run.config)}")
     except BaseException:
         board.close()                                   # no writer thread left behind
         raise
@@ -245,22 +240,25 @@ def fit(run: Run) -> dict:
 
 def _finish(run: Run, board: Board) -> dict:
     """The run's hparams and final metric to TensorBoard, the last log line; returns the result."""
-    board.finish(_flat_hparams(run), {f"hparam/valid_{run.task.metric}": run.valid.get(run.task.metric, math.nan)},
-                 run.step)
+    state = run.state
+    board.finish(_flat_hparams(run), {f"hparam/valid_{run.task.metric}": state.valid.get(run.task.metric, math.nan)},
+                 state.step)
     result = _result(run)
-    log.info("done: %d steps, train loss %.4f (avg%d), %s %s", run.step, result["train_loss"], run.train_loss_steps,
-             valid_label(run), ", ".join(f"{k} {v:.4f}" for k, v in run.valid.items() if isinstance(v, float)))
+    log.info("done: %d steps, train loss %.4f (avg%d), %s %s", state.step, result["train_loss"],
+             state.train_loss_steps, valid_label(run.ema),
+             ", ".join(f"{k} {v:.4f}" for k, v in state.valid.items() if isinstance(v, float)))
     return result
 
 
 def _result(run: Run) -> dict:
     """The run's numbers; ``train_loss`` is the mean of the last logged window (``train_loss_steps`` steps)."""
-    out = {"steps": run.step, "train_loss": run.train_loss, "train_loss_steps": run.train_loss_steps,
-           "run_dir": str(run.run_dir), "history": run.history, "valid_history": run.valid_history,
-           "valid": dict(run.valid),
+    state = run.state
+    out = {"steps": state.step, "train_loss": state.train_loss, "train_loss_steps": state.train_loss_steps,
+           "run_dir": str(run.run_dir), "history": state.history, "valid_history": state.valid_history,
+           "valid": dict(state.valid),
            "params": sum(p.numel() for p in run.model.parameters()), "data": run.task.describe(),
-           "step_mode": run.step_mode, "throughput": list(run.throughput), "unit": run.task.unit}
-    out.update({f"valid_{k}": v for k, v in run.valid.items()})
+           "step_mode": run.step_mode, "throughput": list(state.throughput), "unit": run.task.unit}
+    out.update({f"valid_{k}": v for k, v in state.valid.items()})
     out.setdefault("valid_loss", math.nan)
     out.setdefault(f"valid_{run.task.metric}", math.nan)
     return out

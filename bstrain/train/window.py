@@ -56,36 +56,37 @@ def log_window(run: Run, window: Window, progress: Progress, board: Board) -> No
     losses, *rest = all_mean(rows, run.world).tolist()                   # one read: losses and task metrics
     task_metrics = {k: sum(v) / n for k, v in zip(names, rest)}
     norms = torch.stack(window.norms).float().tolist()
-    skipped = int(run.skipped) if isinstance(run.skipped, torch.Tensor) else run.skipped
-    run.skipped = 0
-    first = run.step - n + 1
-    run.history.extend(zip(range(first, run.step + 1), losses))
+    state = run.state
+    skipped = int(state.skipped) if isinstance(state.skipped, torch.Tensor) else state.skipped
+    state.skipped = 0
+    first = state.step - n + 1
+    state.history.extend(zip(range(first, state.step + 1), losses))
     finite = [g for g in norms if math.isfinite(g)]
     mean_loss = sum(losses) / n
-    run.train_loss, run.train_loss_steps = mean_loss, n
+    state.train_loss, state.train_loss_steps = mean_loss, n
     unit = run.task.unit
     metrics = {"loss": mean_loss, **run.task.train_metrics(mean_loss), **task_metrics,
-               "lr": run.schedule.lr(run.step - 1),
+               "lr": run.schedule.lr(state.step - 1),
                "grad_norm": sum(finite) / len(finite) if finite else float("nan")}
     rate = window.meter.rate()                      # after the read above: the device's work is done
     if math.isfinite(rate):                         # (NaN: only warm-up steps in this window)
         metrics[f"{unit}_per_s"] = rate
-        run.throughput.append(rate)
+        state.throughput.append(rate)
     if run.scaler.is_enabled():
         metrics["loss_scale"] = run.scaler.get_scale()
-        _check_same_scale(run, metrics["loss_scale"])
+        _check_same_scale(metrics["loss_scale"], run.world, state.step)
         if skipped:
             log.info("step %d: %d of the last %d steps skipped (fp16 overflow: inf/NaN gradients); loss scale now "
-                     "%g", run.step, skipped, n, metrics["loss_scale"])
+                     "%g", state.step, skipped, n, metrics["loss_scale"])
     if run.device.type == "cuda":
         metrics["gpu_mem_gb"] = torch.cuda.max_memory_allocated(run.device) / 2**30
-    progress.show(run.step, metrics, run.task.metric, unit, steps=n)
-    board.scalars(run.step, {f"train/{k}": v for k, v in metrics.items()})
+    progress.show(state.step, metrics, run.task.metric, unit, steps=n)
+    board.scalars(state.step, {f"train/{k}": v for k, v in metrics.items()})
     window.reset()
 
 
-def _check_same_scale(run: Run, scale: float) -> None:
+def _check_same_scale(scale: float, world, step: int) -> None:
     """Under DDP every rank sees the all-reduced gradients, so all skip together and keep one scale."""
-    scales = gather(scale, run.world)
+    scales = gather(scale, world)
     if len(set(scales)) > 1:
-        raise RuntimeError(f"fp16 loss scales differ across ranks at step {run.step}: {scales}")
+        raise RuntimeError(f"fp16 loss scales differ across ranks at step {step}: {scales}")

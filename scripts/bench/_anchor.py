@@ -158,9 +158,9 @@ def make_anchor(cfg, mode: str, flex_block: int, backend: str, device, x, y, arg
     """(step(), info) of the anchor at cfg's model shape, precision and optimizer settings, run as
     :func:`anchor_choices` says. On the CPU its attention is SDPA with the dense mask (Flex has no
     backward there)."""
-    from bstrain.train.trainer import PRECISIONS
+    from bstrain.configs.schema import Precision
     m, o = cfg.model, cfg.optim
-    amp = PRECISIONS[getattr(cfg.trainer.precision, "value", cfg.trainer.precision)]
+    amp = Precision(cfg.trainer.precision).dtype
     if amp == torch.float16:
         raise ValueError("the anchor runs bf16 or fp32 (fp16 would need a GradScaler)")
     if m.get("dropout", 0) or m.get("checkpoint", False) or m.get("ffn_density", 1.0) < 1 or m.positions != "rotary":

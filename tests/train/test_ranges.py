@@ -32,6 +32,7 @@ BAD = [  # key, a value out of range, what the error says is expected
     ("trainer.loss_scale_window", 0, ">= 1"),
     ("trainer.time_limit_s", -1.0, ">= 0"),
     ("trainer.threads", -2, ">= 0"),
+    ("trainer.nproc", 0, ">= 1"),
     ("sparsity.every", 0, "an int >= 1"),
     ("sparsity.every", -3, "an int >= 1"),
     ("sparsity.fraction", 0.0, "a share in (0, 1)"),

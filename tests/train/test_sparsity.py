@@ -158,8 +158,9 @@ def test_graphed_steps_follow_the_updates(tmp_path, monkeypatch):
 
 @pytest.mark.parametrize("mode", ["balanced", "unbalanced", "new-tables"])
 def test_graphs_are_dropped_only_for_new_tables(mode, monkeypatch):
-    """after_step: an update that rewrote every table in place (balanced or not) keeps the captured
-    step and the graphed evaluation forwards; one that made new tables (forced here) drops them."""
+    """after_step: an update that rewrote every table in place (balanced or not) keeps the stepper's
+    graphs (the captured step and the graphed evaluation forwards); one that made new tables
+    (forced here) drops them."""
     from types import SimpleNamespace
 
     from bstrain.ops.matmul import MatmulTables
@@ -172,14 +173,13 @@ def test_graphs_are_dropped_only_for_new_tables(mode, monkeypatch):
         monkeypatch.setattr(MatmulTables, "check_rewrite", refuse)
     model = mlp()
     dropped = []
-    stepper = SimpleNamespace(drop_graphs=lambda: dropped.append("the step's graphs"))
-    run = SimpleNamespace(sparsity=SET(model, None, every=1, fraction=0.5, balanced=mode == "balanced", seed=3),
-                          step=1, stepper=stepper, eval_forwards={"shape": "graph"})
+    stepper = SimpleNamespace(drop_graphs=lambda: dropped.append("the step's and the evaluation's graphs"))
+    policy = SET(model, None, every=1, fraction=0.5, balanced=mode == "balanced", seed=3)
     board = SimpleNamespace(scalars=lambda *a: None, layouts=lambda *a: None)
-    info = after_step(run, board)
+    info = after_step(policy, 1, stepper, board)
     kept = mode != "new-tables"
     assert info["in_place"] is kept
-    assert (not dropped) is kept and bool(run.eval_forwards) is kept
+    assert (not dropped) is kept
 
 
 @pytest.mark.gpu

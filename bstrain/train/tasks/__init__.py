@@ -21,6 +21,10 @@ from the ``data`` config the same way). The trainer calls, in this order:
 - ``evaluate(forward, split, max_batches) -> dict``: ``loss`` and the task's metrics on a split,
   and ``batches``, the number of batches evaluated (the same name for every task), where
   ``forward(x, state) -> (output, state)`` runs the model (state None: a fresh one);
+- ``evaluation_sums(forward, split, max_batches, rank, size)`` and ``evaluation_metrics(sums)``
+  (optional): ``evaluate`` in two halves, so that under fsdp each of ``size`` ranks evaluates its
+  rows of every batch (the forward is collective: every rank runs each batch) and the sums
+  (float64 tensors) are all-reduced before the metrics; ``evaluate`` is then the two in one process;
 - ``state_dict()`` / ``load_state_dict(state, world)``: the data position, for exact resumes
   (``state_continues = False`` after loading tells the trainer to drop a carried model state);
 - ``sample(forward, stateful, prompt, ...)`` (language tasks only).
@@ -71,6 +75,17 @@ class Task:
         return {}
 
     def evaluate(self, forward: Forward, split: str, max_batches: int, show_progress: bool = False) -> dict:
+        if not splits_evaluation(self):
+            raise NotImplementedError
+        return self.evaluation_metrics(self.evaluation_sums(forward, split, max_batches, 0, 1, show_progress))
+
+    def evaluation_sums(self, forward: Forward, split: str, max_batches: int, rank: int = 0, size: int = 1,
+                        show_progress: bool = False) -> dict[str, torch.Tensor]:
+        """Sums (float64 tensors) over rows ``rank`` of ``size`` of every evaluation batch."""
+        raise NotImplementedError
+
+    def evaluation_metrics(self, sums: dict[str, torch.Tensor]) -> dict:
+        """The metrics of the sums of every rank's :meth:`evaluation_sums`."""
         raise NotImplementedError
 
     def units_per_batch(self) -> int:
@@ -104,6 +119,16 @@ def model_key(model: dict, names: tuple[str, ...]) -> tuple[str, int] | None:
         if isinstance(value, int) and not isinstance(value, bool):
             return name, value
     return None
+
+
+def splits_evaluation(task) -> bool:
+    """Whether ``task`` evaluates in two halves (:meth:`Task.evaluation_sums`), which ranks can share."""
+    return getattr(type(task), "evaluation_sums", Task.evaluation_sums) is not Task.evaluation_sums
+
+
+def rows(t: torch.Tensor, rank: int, size: int) -> torch.Tensor:
+    """Rows ``rank`` of ``size`` near-equal parts of ``t`` (batch on dim 0)."""
+    return t if size == 1 else torch.tensor_split(t, size)[rank]
 
 
 def eval_progress(total: int, enabled: bool, desc: str):

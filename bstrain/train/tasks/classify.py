@@ -6,7 +6,7 @@ import torch.nn.functional as F
 
 from bstrain.data.images import ImageData
 from bstrain.errors import UserError
-from bstrain.train.tasks import Forward, Task, eval_progress, model_key
+from bstrain.train.tasks import Forward, Task, eval_progress, model_key, rows
 
 
 class Classification(Task):
@@ -96,29 +96,32 @@ class Classification(Task):
         return F.cross_entropy(output.float(), targets, label_smoothing=self.label_smoothing)
 
     @torch.no_grad()
-    def evaluate(self, forward: Forward, split: str, max_batches: int, show_progress: bool = False) -> dict:
+    def evaluation_sums(self, forward: Forward, split: str, max_batches: int, rank: int = 0, size: int = 1,
+                        show_progress: bool = False) -> dict[str, torch.Tensor]:
+        """The summed loss, top-1 and top-5 hits and the images of rows ``rank`` of ``size`` of
+        the first ``max_batches`` (0: all) batches of a split."""
         x_all, y_all = self.data.splits()[split]
         bs = self.global_batch
         n = -(-len(x_all) // bs)
         n = n if max_batches <= 0 else min(n, max_batches)
         device = forward.device
-        loss = torch.zeros((), dtype=torch.float64, device=device)
-        hits = torch.zeros(2, dtype=torch.float64, device=device)
-        seen = batches = 0
+        sums = torch.zeros(4, dtype=torch.float64, device=device)          # loss, top-1, top-5, images
         for i in eval_progress(n, show_progress, f"eval {split}"):
-            x = self.data.normalise(torch.from_numpy(x_all[i * bs:(i + 1) * bs]).to(device))
-            y = torch.from_numpy(y_all[i * bs:(i + 1) * bs]).to(device)
+            x = self.data.normalise(rows(torch.from_numpy(x_all[i * bs:(i + 1) * bs]), rank, size).to(device))
+            y = rows(torch.from_numpy(y_all[i * bs:(i + 1) * bs]), rank, size).to(device)
             logits, _ = forward(x, None)
-            loss += F.cross_entropy(logits.float(), y, reduction="sum").double()
             top = logits.float().topk(min(5, logits.shape[1]), dim=1).indices
-            hits[0] += (top[:, 0] == y).sum()
-            hits[1] += (top == y[:, None]).any(1).sum()
-            seen += len(y)
-            batches += 1
+            sums += torch.stack([F.cross_entropy(logits.float(), y, reduction="sum").double(),
+                                 (top[:, 0] == y).sum().double(), (top == y[:, None]).any(1).sum().double(),
+                                 torch.tensor(float(len(y)), dtype=torch.float64, device=device)])
+        return {"sums": sums, "batches": torch.tensor(float(n), dtype=torch.float64, device=device) / size}
+
+    def evaluation_metrics(self, sums: dict[str, torch.Tensor]) -> dict:
+        """Mean loss, top-1 and top-5 accuracy."""
+        loss, top1, top5, seen = sums["sums"].tolist()
         if seen == 0:
-            raise UserError(f"data: the {split} split has no images")
-        return {"loss": float(loss) / seen, "acc": float(hits[0]) / seen, "top5": float(hits[1]) / seen,
-                "batches": batches}
+            raise UserError("data: the evaluated split has no images")
+        return {"loss": loss / seen, "acc": top1 / seen, "top5": top5 / seen, "batches": round(float(sums["batches"]))}
 
     def state_dict(self) -> dict:
         return {"epoch": self.epoch, "position": self.position, "global_batch": self.global_batch}

@@ -9,7 +9,7 @@ import torch
 from bstrain.data.text import BpttBatches, ByteCorpus, bits_per_byte, check_size
 from bstrain.errors import UserError
 from bstrain.ops.cross_entropy import cross_entropy
-from bstrain.train.tasks import Forward, Task, eval_progress, model_key
+from bstrain.train.tasks import Forward, Task, eval_progress, model_key, rows
 
 log = logging.getLogger("bstrain")
 
@@ -123,43 +123,39 @@ class ByteLM(Task):
         return {"bpb": bits_per_byte(loss) / self.bytes_per_token, "loss_per_token": loss}
 
     @torch.no_grad()
-    def evaluate(self, forward: Forward, split: str, max_batches: int, show_progress: bool = False) -> dict:
-        """Mean loss and bits per byte over the first ``max_batches`` (0: all) batches of a split,
-        in batches of the world's global shape (the same numbers on any number of ranks)."""
+    def evaluation_sums(self, forward: Forward, split: str, max_batches: int, rank: int = 0, size: int = 1,
+                        show_progress: bool = False) -> dict[str, torch.Tensor]:
+        """The nats summed over the targets, the targets and the UTF-8 bytes they stand for (token
+        data: the tokenizer's per-token byte lengths; bytes: one each), in float64, over rows
+        ``rank`` of ``size`` of the first ``max_batches`` (0: all) batches of a split, in batches of
+        the world's global shape. Each row is a stream the carried state follows through the
+        batches, so a share of rows is exact."""
         _, valid, test = self.data.splits()
         data = {"valid": valid, "test": test}[split]
         ranks = self.world.size if self.world else 1
         check_size(data, self.data.batch_size, self.data.seq_len, self.data.path, split, ranks, self.data.unit)
         batches = BpttBatches(data, self.data.batch_size * ranks, self.data.seq_len)
         n = len(batches) if max_batches <= 0 else min(max_batches, len(batches))
-        if self.data.byte_lengths is not None:
-            return self._evaluate_tokens(forward, batches, n, eval_progress(n, show_progress, f"eval {split}"))
-        state, total = None, torch.zeros((), dtype=torch.float64)
         device = forward.device
+        lengths = None if self.data.byte_lengths is None else torch.from_numpy(self.data.byte_lengths).to(device)
+        state, sums = None, torch.zeros(3, dtype=torch.float64, device=device)     # nats, targets, bytes
         for i in eval_progress(n, show_progress, f"eval {split}"):
-            x, y = batches.batch(i)
-            output, state = forward(x.to(device), state)
-            total = total.to(device) + self.loss(output, y.to(device)).double()
-        loss = float(total) / max(1, n)
-        return {"loss": loss, "bpb": bits_per_byte(loss), "batches": n}
-
-    def _evaluate_tokens(self, forward: Forward, batches: BpttBatches, n: int, steps) -> dict:
-        """Token data: nats summed over the targets (float64), and bits per byte over the UTF-8 bytes
-        the targets stand for (the tokenizer's per-token byte lengths, summed)."""
-        device = forward.device
-        lengths = torch.from_numpy(self.data.byte_lengths).to(device)          # (V,) int64
-        state = None
-        nats = torch.zeros((), dtype=torch.float64, device=device)
-        n_bytes = torch.zeros((), dtype=torch.int64, device=device)
-        for i in steps:
-            x, y = batches.batch(i)
+            x, y = (rows(t, rank, size) for t in batches.batch(i))
             y = y.to(device)
             output, state = forward(x.to(device), state)
-            nats += self._losses(output, y).double().sum()
-            n_bytes += lengths[y].sum()
-        tokens = max(1, n * batches.batch_size * batches.seq_len)
-        return {"loss": float(nats) / tokens, "loss_per_token": float(nats) / tokens,
-                "bpb": float(nats) / (math.log(2) * max(1, int(n_bytes))), "batches": n}
+            count = torch.tensor(float(y.numel()), dtype=torch.float64, device=device)
+            n_bytes = count if lengths is None else lengths[y].sum().double()
+            sums += torch.stack([self._losses(output, y).double().sum(), count, n_bytes])
+        return {"sums": sums, "batches": torch.tensor(float(n), dtype=torch.float64, device=device) / size}
+
+    def evaluation_metrics(self, sums: dict[str, torch.Tensor]) -> dict:
+        """Mean loss (per token) and bits per byte."""
+        nats, targets, n_bytes = sums["sums"].tolist()
+        loss, batches = nats / max(1.0, targets), round(float(sums["batches"]))
+        if self.data.byte_lengths is None:
+            return {"loss": loss, "bpb": bits_per_byte(loss), "batches": batches}
+        return {"loss": loss, "loss_per_token": loss, "bpb": nats / (math.log(2) * max(1.0, n_bytes)),
+                "batches": batches}
 
     def state_dict(self) -> dict:
         return {"batches": self.batches.state_dict(), "streams": self.data.batch_size * self.world.size,
