@@ -74,9 +74,13 @@ def check_first_batch(model: torch.nn.Module, task, batch, amp_dtype, device: to
             except ValueError as exc:           # the model's own check of its input
                 raise UserError(f"model ({model_name}) rejects a batch of the data (inputs {describe(x)}): "
                                 f"{' '.join(str(exc).split())}") from exc
+            except RuntimeError as exc:
+                if "mixed torch.Tensor and DTensor" in str(exc):     # FSDP: a unit's parameter used outside it
+                    raise UserError(_cross_unit(model, model_name, exc)) from exc
+                _note(exc, model_name, x, task)
+                raise
             except Exception as exc:
-                exc.add_note(f"bstrain: the model ({model_name}) failed before training started, on {ROWS} rows of "
-                             f"the first training batch: inputs {describe(x)}, from the {task.describe()}")
+                _note(exc, model_name, x, task)
                 raise
             try:
                 task.loss(output, y)
@@ -85,3 +89,25 @@ def check_first_batch(model: torch.nn.Module, task, batch, amp_dtype, device: to
                                 f"{' '.join(str(exc).split())}") from exc
     finally:
         model.train(was_training)
+
+
+def _note(exc: BaseException, model_name: str, x, task) -> None:
+    exc.add_note(f"bstrain: the model ({model_name}) failed before training started, on {ROWS} rows of "
+                 f"the first training batch: inputs {describe(x)}, from the {task.describe()}")
+
+
+def _cross_unit(model: torch.nn.Module, model_name: str, exc: BaseException) -> str:
+    """The line for FSDP's 'mixed torch.Tensor and DTensor': a parameter of one sharded unit read
+    outside that unit's forward (in another unit's, or the root's), named by the model's code line
+    that read it, with the units and the fix."""
+    import linecache
+    import traceback
+    from torch.distributed.fsdp import FSDPModule
+    frames = [f for f in traceback.extract_tb(exc.__traceback__)
+              if "/torch/" not in f.filename and "/bstrain/" not in f.filename]
+    where = f" at {frames[-1].filename.rsplit('/', 1)[-1]}:{frames[-1].lineno} " \
+            f"`{linecache.getline(frames[-1].filename, frames[-1].lineno).strip()}`" if frames else ""
+    units = [n for n, m in model.named_modules() if n and isinstance(m, FSDPModule)]
+    return (f"model ({model_name}): a parameter of an FSDP unit is used outside that unit's forward{where}; "
+            f"the units are {', '.join(units[:6])}{' ...' if len(units) > 6 else ''} (model.shard); shard a "
+            f"module that holds every use of the parameter, or pass it through its unit's forward")

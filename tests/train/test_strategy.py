@@ -150,3 +150,31 @@ def test_a_container_in_model_shard_is_one_line():
     with pytest.raises(UserError, match=r"model.shard: 'blocks' names blocks \(ModuleList\).*blocks\.\*"):
         shard_units(Net(), ["blocks"])
     assert len(shard_units(Net(), ["blocks.*"])) == 2
+
+
+def test_a_parameter_used_outside_its_fsdp_unit_is_one_line(tmp_path):
+    """FSDP's 'aten.mm got mixed torch.Tensor and DTensor' at start becomes one line naming the model's
+    code line that read the parameter, the units and the fix (one gloo process: its units shard alike)."""
+    import torch.distributed as dist
+    from omegaconf import OmegaConf
+
+    from bstrain.data.text import ByteCorpus
+    from bstrain.errors import UserError
+    from bstrain.train.checks import check_first_batch
+    from bstrain.train.fsdp import shard
+    from bstrain.train.tasks.lm import ByteLM
+    from tests.train.user_models import CrossUnitLM
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        model = shard(CrossUnitLM(), World(rank=0, size=1, local_rank=0), torch.device("cpu"), None, ["blocks.*"])
+        task = ByteLM()
+        task.setup(ByteCorpus(seq_len=16, batch_size=2, max_bytes=20000), World(), 0)
+        batch = (torch.randint(0, 256, (2, 16)), torch.randint(0, 256, (2, 16)), True)
+        cfg = OmegaConf.create({"model": {"_target_": "tests.train.user_models.CrossUnitLM"}, "task": {}})
+        with pytest.raises(UserError, match=r"^model \(tests.train.user_models.CrossUnitLM\): a parameter of an FSDP "
+                                            r"unit is used outside that unit's forward at user_models.py:\d+ "
+                                            r"`return self.head\(h @ self.blocks\[0\].fc.weight\)`; the units are "
+                                            r"blocks.0, blocks.1 \(model.shard\)"):
+            check_first_batch(model, task, batch, None, torch.device("cpu"), cfg)
+    finally:
+        dist.destroy_process_group()

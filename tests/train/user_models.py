@@ -154,3 +154,29 @@ class FailsToBuild(nn.Module):
         super().__init__()
         self.head = nn.Linear(width, 256)
         self.scale = 1 / (width - 32)
+
+
+class _CrossBlock(nn.Module):
+    def __init__(self, width: int):
+        super().__init__()
+        self.fc = nn.Linear(width, width)
+
+    def forward(self, h):
+        return h + torch.relu(self.fc(h))
+
+
+class CrossUnitLM(nn.Module):
+    """Reads blocks.0's weight in the root's forward: under fsdp with model.shard=[blocks.*], a unit's
+    parameter used outside that unit."""
+
+    def __init__(self, width: int = 16):
+        super().__init__()
+        self.embed = nn.Embedding(256, width)
+        self.blocks = nn.ModuleList([_CrossBlock(width) for _ in range(2)])
+        self.head = nn.Linear(width, 256)
+
+    def forward(self, x):
+        h = self.embed(x)
+        for block in self.blocks:
+            h = block(h)
+        return self.head(h @ self.blocks[0].fc.weight)
