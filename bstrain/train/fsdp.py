@@ -130,10 +130,27 @@ def shard(model: nn.Module, world: World, device: torch.device, amp_dtype: torch
     if amp_dtype is not None:       # batch norms keep fp32 parameters, as their fp32 running statistics need
         for norm in (m for m in model.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)):
             fully_shard(norm, mesh=mesh, mp_policy=MixedPrecisionPolicy())
+    _check_ties(model, units)
     for unit in units:
         fully_shard(unit, mesh=mesh, mp_policy=mp)
     fully_shard(model, mesh=mesh, mp_policy=mp)
     return model
+
+
+def _check_ties(model: nn.Module, units: list[nn.Module]) -> None:
+    """A UserError naming a parameter registered both inside a unit and outside it (in another unit or
+    at the root): FSDP shards a parameter in one group, and would stop at the first forward."""
+    names = {id(m): n for n, m in model.named_modules()}
+    home: dict[int, str] = {}                       # id(parameter) -> its unit's name ("" for the root)
+    for unit in units:
+        for p in unit.parameters():
+            home.setdefault(id(p), names[id(unit)])
+    for name, p in model.named_parameters(remove_duplicate=False):
+        unit = next((names[id(u)] for u in units if name.startswith(names[id(u)] + ".")), "")
+        if id(p) in home and home[id(p)] != unit:
+            raise UserError(f"model.shard: {name} is tied to a parameter of unit {home[id(p)]} but lies "
+                            f"{f'in unit {unit}' if unit else 'outside the units'}; FSDP shards a tied parameter "
+                            f"once: name a module that holds every tie in model.shard, or untie them")
 
 
 def is_sharded(model: nn.Module) -> bool:

@@ -178,3 +178,21 @@ def test_a_parameter_used_outside_its_fsdp_unit_is_one_line(tmp_path):
             check_first_batch(model, task, batch, None, torch.device("cpu"), cfg)
     finally:
         dist.destroy_process_group()
+
+
+def test_a_parameter_tied_across_fsdp_units_is_one_line():
+    """Two units sharing a weight (or a unit's weight tied at the root): one line naming the parameter,
+    its units and the fix, before any unit is sharded (FSDP said it at the first forward, as if the
+    model rejected the data). Ties within the root stay legal."""
+    from bstrain.errors import UserError
+    from bstrain.train.fsdp import _check_ties, shard_units
+    from tests.train.user_models import CrossUnitLM
+    model = CrossUnitLM()
+    _check_ties(model, shard_units(model, ["blocks.*"]))                  # no tie
+    model.head.weight = torch.nn.Parameter(torch.zeros(256, 16))
+    model.embed.weight = model.head.weight                                 # a tie at the root
+    _check_ties(model, shard_units(model, ["blocks.*"]))
+    model.blocks[1].fc.weight = model.blocks[0].fc.weight
+    with pytest.raises(UserError, match=r"^model.shard: blocks.1.fc.weight is tied to a parameter of unit blocks.0 "
+                                        r"but lies in unit blocks.1; FSDP shards a tied parameter once"):
+        _check_ties(model, shard_units(model, ["blocks.*"]))
