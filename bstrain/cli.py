@@ -25,13 +25,14 @@ import tempfile
 import typing
 from pathlib import Path
 
+from bstrain.train.rundir import _quoted, quote_path  # (the launcher quotes the run dir alike)
+
 CONFIGS = Path(__file__).parent / "configs"
 
 PATH_KEYS = frozenset({"data.path", "trainer.run_dir", "trainer.resume", "hydra.run.dir", "ckpt", "data_path",
                        "prompt_file", "out"})
 """Keys whose values are file or directory names: ``~`` expanded, quoted when Hydra would not parse them."""
 
-_PLAIN = re.compile(r"[\w./:@+-]*", re.ASCII)       # values Hydra's grammar takes unquoted, as they are
 _FALSE = ("false", "none", "null", "", "0")
 
 
@@ -76,27 +77,6 @@ def _prompt_file(value: str) -> str:
     with os.fdopen(fd, "wb") as f:
         f.write(os.fsencode(value))                     # the bytes the shell passed, undecodable ones too
     return path
-
-
-def quote_path(value: str) -> str:
-    """A path as Hydra's override grammar reads it back unchanged: ``~`` expanded, and single-quoted
-    when it holds characters the grammar gives a meaning (``*``, ``,``, spaces, ``[``, quotes ...).
-    ``null`` and values already quoted stay as they are; ``${...}`` still interpolates."""
-    if value[:1] in ("'", '"') or _PLAIN.fullmatch(value):
-        return value
-    if value.startswith("~"):
-        value = os.path.expanduser(value)
-        if _PLAIN.fullmatch(value):
-            return value
-    return _quoted(value)
-
-
-def _quoted(value: str) -> str:
-    """``value`` single-quoted for Hydra's override grammar, which then reads it back unchanged."""
-    # in a quoted value, only backslashes before a quote (or before the closing one) are escapes
-    value = re.sub(r"(\\*)'", lambda m: m.group(1) * 2 + "\\'", value)
-    value = re.sub(r"(\\+)$", lambda m: m.group(1) * 2, value)
-    return f"'{value}'"
 
 
 # --- trainer.resume: the saved config ----------------------------------------------------------------

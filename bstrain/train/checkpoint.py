@@ -17,7 +17,7 @@ import torch
 
 from bstrain.errors import CheckpointError  # noqa: F401 (defined in bstrain.errors; imported from here too)
 
-__all__ = ["CheckpointError", "KEYS", "capture", "restore", "check_model_entries", "save_checkpoint",
+__all__ = ["CheckpointError", "check_model_entries", "save_checkpoint",
            "load_checkpoint", "find_checkpoint", "saved_config", "latest_checkpoint", "prune_checkpoints",
            "checkpoint_path"]
 
@@ -183,6 +183,3 @@ def check_model_entries(model: torch.nn.Module, saved: dict, path, adopt_layouts
         raise CheckpointError(f"checkpoint {path}: it lacks {missing[0]!r}, which the model this config builds has; "
                               f"resume with the config that wrote it")
 
-
-# what a checkpoint holds: its entries' capture and restore side by side (bstrain/train/state.py)
-from bstrain.train.state import KEYS, capture, restore  # noqa: E402

@@ -154,3 +154,19 @@ def barrier(world: World) -> None:
 def finish(world: World) -> None:
     if world.active and dist.is_initialized():
         dist.destroy_process_group()
+
+
+def resolve_strategy(choice, world: World):
+    """single, ddp or fsdp (the schema's ``Strategy``) for ``trainer.strategy`` in this world; UserError
+    where they disagree."""
+    from bstrain.configs.schema import Strategy as Choice
+    if choice is Choice.auto:
+        return Choice.ddp if world.active else Choice.single
+    if choice is not Choice.single and not world.active:
+        raise UserError(f"trainer.strategy={choice.value}: needs more than one process (torchrun --nproc_per_node=N "
+                        f"-m bstrain train ...), got one; one process trains with trainer.strategy=single or auto (a "
+                        f"resumed run keeps its checkpoint's strategy unless the command line sets it)")
+    if choice is Choice.single and world.active:
+        raise UserError(f"trainer.strategy=single: torchrun started {world.size} processes, each of which would "
+                        f"train alone; use trainer.strategy=ddp or fsdp (or auto)")
+    return choice

@@ -49,11 +49,15 @@ def resolve_strategy(value, world: World) -> str:
     """Deprecated: :func:`bstrain.train.strategy.resolve` on the typed ``trainer.strategy``."""
     import warnings
 
-    from bstrain.train.run import choice
-    from bstrain.train.strategy import resolve
+    from bstrain.train.distributed import resolve_strategy as resolve
     warnings.warn("bstrain.train.fsdp.resolve_strategy is deprecated: use bstrain.train.strategy.resolve",
                   DeprecationWarning, stacklevel=2)
-    return resolve(choice(Choice, value, "trainer.strategy"), world).value
+    try:
+        value = Choice(value)
+    except ValueError:
+        raise UserError(f"trainer.strategy: expected one of {', '.join(m.value for m in Choice)}, got {value!r}") \
+            from None
+    return resolve(value, world).value
 
 
 def _named_class(name: str):

@@ -16,7 +16,7 @@ import os
 import sys
 import uuid
 
-from bstrain.cli import quote_path
+from bstrain.train.rundir import quote_path
 
 LAUNCHED = "BSTRAIN_NPROC"
 """Set in the workers' environment: the process count the launcher started (read by the resume hint)."""

@@ -7,6 +7,8 @@ bstrain/configs/train.yaml) notes which directories that will make.
 """
 from __future__ import annotations
 
+import os
+import re
 import shutil
 from pathlib import Path
 
@@ -68,3 +70,27 @@ def append_to_log(run_dir: str | Path, message: str | None, rank: int = 0) -> No
     line = logging.Formatter(f"%(asctime)s [rank{rank}] %(levelname)s %(message)s").format(record)
     with open(log, "a", encoding="utf-8") as f:
         f.write(line + "\n")
+
+
+_PLAIN = re.compile(r"[\w./:@+-]*", re.ASCII)       # values Hydra's grammar takes unquoted, as they are
+
+
+def quote_path(value: str) -> str:
+    """A path as Hydra's override grammar reads it back unchanged: ``~`` expanded, and single-quoted
+    when it holds characters the grammar gives a meaning (``*``, ``,``, spaces, ``[``, quotes ...).
+    ``null`` and values already quoted stay as they are; ``${...}`` still interpolates."""
+    if value[:1] in ("'", '"') or _PLAIN.fullmatch(value):
+        return value
+    if value.startswith("~"):
+        value = os.path.expanduser(value)
+        if _PLAIN.fullmatch(value):
+            return value
+    return _quoted(value)
+
+
+def _quoted(value: str) -> str:
+    """``value`` single-quoted for Hydra's override grammar, which then reads it back unchanged."""
+    # in a quoted value, only backslashes before a quote (or before the closing one) are escapes
+    value = re.sub(r"(\\*)'", lambda m: m.group(1) * 2 + "\\'", value)
+    value = re.sub(r"(\\+)$", lambda m: m.group(1) * 2, value)
+    return f"'{value}'"

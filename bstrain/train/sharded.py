@@ -4,7 +4,7 @@ Under ``trainer.strategy=fsdp`` a checkpoint is a directory ``step_NNNNNNNN.dcp/
 
 - the model's and the optimizer's state as DCP writes them, each rank its own shards, keyed by
   parameter name (``get_state_dict``), so any number of processes can read them back;
-- ``extra.pt``: everything else the file checkpoints hold (:data:`bstrain.train.checkpoint.KEYS`:
+- ``extra.pt``: everything else the file checkpoints hold (:data:`bstrain.train.state.KEYS`:
   step, loss scale, data position, rank 0's RNG as under DDP, every rank's carried states,
   metrics, config, schedule), written by rank 0.
 

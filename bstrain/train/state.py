@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable, NamedTuple
+from typing import Any, Callable, NamedTuple
 
 import torch
 
@@ -17,8 +17,7 @@ from bstrain.errors import CheckpointError
 from bstrain.train.distributed import gather
 from bstrain.train.step import state_tensors
 
-if TYPE_CHECKING:
-    from bstrain.train.run import Run
+Run = Any      # bstrain.train.run.Run (not imported: run builds on this module)
 
 
 @dataclass

@@ -20,6 +20,7 @@ import torch
 from bstrain.configs.schema import Strategy as Choice
 from bstrain.errors import UserError
 from bstrain.train import fsdp, sharded
+from bstrain.train.distributed import resolve_strategy as resolve
 from bstrain.train.checkpoint import (check_model_entries, checkpoint_path, load_checkpoint, prune_checkpoints,
                                       save_checkpoint)
 from bstrain.train.distributed import World, all_sum, broadcast, check_same_layouts, on_main
@@ -184,20 +185,6 @@ class FSDP(Single):
 
 
 _CLASSES = {Choice.single: Single, Choice.ddp: DDP, Choice.fsdp: FSDP}
-
-
-def resolve(choice: Choice, world: World) -> Choice:
-    """single, ddp or fsdp for ``trainer.strategy`` in this world; UserError where they disagree."""
-    if choice is Choice.auto:
-        return Choice.ddp if world.active else Choice.single
-    if choice is not Choice.single and not world.active:
-        raise UserError(f"trainer.strategy={choice.value}: needs more than one process (torchrun --nproc_per_node=N "
-                        f"-m bstrain train ...), got one; one process trains with trainer.strategy=single or auto (a "
-                        f"resumed run keeps its checkpoint's strategy unless the command line sets it)")
-    if choice is Choice.single and world.active:
-        raise UserError(f"trainer.strategy=single: torchrun started {world.size} processes, each of which would "
-                        f"train alone; use trainer.strategy=ddp or fsdp (or auto)")
-    return choice
 
 
 def make_strategy(choice: Choice, world: World, device: torch.device, amp_dtype: torch.dtype | None = None,

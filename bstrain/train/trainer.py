@@ -7,7 +7,7 @@ evaluation; a model is stateless (``forward(x)``) or stateful (``init_state`` an
 (:func:`bstrain.train.step.train_step`) serves the eager loop, the CUDA-graph replay and the
 benchmarks, and one object built once (:class:`bstrain.train.stepper.Stepper`) decides how each
 step runs (a graph, a graph armed for a sparsity update, or eager); one pair of functions
-(:func:`bstrain.train.checkpoint.capture` / ``restore``) writes and reads checkpoints.
+(:func:`bstrain.train.state.capture` / ``restore``) writes and reads checkpoints.
 
 Here: the loop (:func:`fit`, flat as nanoGPT's) and :func:`train`. A run's config is checked and
 its parts built in bstrain/train/run.py (the optimizer in optim.py); the logged window is

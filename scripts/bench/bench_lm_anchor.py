@@ -88,7 +88,7 @@ def make_bstrain(cfg, x, y, dense: bool):
 
     def step():
         loss = trainer.one_step(run, x, y, False)[0]
-        run.step += 1
+        run.state.step += 1
         return loss
     attn = [float(v.mean()) for k, v in run.model.block_sparse_layouts().items() if k.endswith("attn")]
     m = cfg.model
