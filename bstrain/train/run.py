@@ -20,9 +20,9 @@ from omegaconf import DictConfig, OmegaConf
 from bstrain.configs.schema import Policy, Precision, Schedule, Strategy
 from bstrain.errors import UserError
 from bstrain.nn import set_grad_group
-from bstrain.train import checks, fsdp, sharded, sparsity
+from bstrain.train import checks, sharded, sparsity
 from bstrain.train.checkpoint import latest_checkpoint
-from bstrain.train.distributed import World
+from bstrain.train.distributed import World, on_main
 from bstrain.train.model import build_model, instantiate
 from bstrain.train.optim import _match_graph_mode, make_optimizer
 from bstrain.train.progress import log
@@ -223,6 +223,8 @@ def build(cfg: DictConfig, run_dir: Path, device: torch.device, world: World, se
     resume = _resume_path(cfg, run_dir)
     task = instantiate(cfg.task, "task")
     data = instantiate(cfg.data, "data")
+    if world.active and getattr(data, "tokenizer_name", None) is not None:
+        on_main(world, data.splits)    # rank 0 trains the BPE and tokenizes into the cache; the others read it
     task.setup(data, world, t_cfg.seed)
     _fill_vocab_size(cfg, data)
     checks.check_model_config(task, cfg.model)
