@@ -303,7 +303,39 @@ def main() -> None:
     if any(a in ("-h", "--help") for a in sys.argv[1:]):
         print(_help(command))
         return
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:      # a worker of trainer.nproc or torchrun
+        _leave_as_a_worker(command, sys.argv[1:])
     run(command, sys.argv[1:])
+
+
+def _leave_as_a_worker(command: str, argv: list[str]) -> None:
+    """Runs the command, then ends the process without freeing what the run left: a DDP reducer
+    freed after a stop destroys its gloo process group, joining a worker thread that may be waiting
+    for the GIL the freeing thread holds (a hang after the run has stopped and said so). The
+    exception, whose traceback holds the run, is kept until the end; logs, streams and atexit
+    functions are flushed and run first."""
+    import atexit
+    import logging
+    import traceback
+    code: int = 0
+    held = None                                           # kept alive: nothing of the run is freed
+    try:
+        run(command, argv)
+    except SystemExit as exc:
+        held = exc
+        if isinstance(exc.code, str):
+            print(exc.code, file=sys.stderr)
+        code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+    except BaseException as exc:                          # a bug: its traceback, as Python would print it
+        held = exc
+        traceback.print_exc()
+        code = 1
+    atexit._run_exitfuncs()
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    del held                                              # (os._exit frees nothing)
+    os._exit(code)
 
 
 if __name__ == "__main__":
