@@ -273,7 +273,7 @@ def _away_from_the_run_dir(args: list[str]) -> list[str]:
     import tempfile
     scratch = tempfile.mkdtemp(prefix="bstrain-rank-")
     atexit.register(shutil.rmtree, scratch, ignore_errors=True)
-    kept = [a for a in args if a.partition("=")[0] not in ("hydra.run.dir", "hydra.output_subdir")]
+    kept = [a for a in args if a.partition("=")[0].lstrip("+") not in ("hydra.run.dir", "hydra.output_subdir")]
     return [*kept, f"hydra.run.dir={scratch}", "hydra.output_subdir=null"]
 
 
